@@ -1,0 +1,32 @@
+# `make demo` and `make test` each set up .venv on first use, then run.
+# TORCH picks the PyTorch build installed first (a CPU wheel by default, so pip never pulls a
+# multi-GB CUDA build); `make TORCH=` keeps whatever torch the environment already has.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mpt-installed
+DEMO_DIR ?= runs/demo
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	if [ -n "$(TORCH)" ]; then $(PY) -m pip install -q "$(TORCH)"; fi
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# Train the gpt-small-cpu preset over a 2-stage 1F1B pipeline on this interpreter's own
+# standard-library sources (present on every machine); about two minutes on 2 CPU cores.
+demo: $(STAMP)
+	$(VENV)/bin/mpt train --model gpt-small-cpu --pp 2 --schedule 1f1b --microbatches 4 \
+		--micro-batch 8 --seq-len 128 --steps 120 --lr 2e-3 --data stdlib --threads 1 \
+		--metrics $(DEMO_DIR)/metrics.jsonl --plot $(DEMO_DIR)/loss.png
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

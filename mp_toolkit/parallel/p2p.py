@@ -1,0 +1,123 @@
+"""Point-to-point transport between pipeline stages: batched isend/irecv of tensor tuples.
+
+Messages are tuples of tensors. Shapes and dtypes are agreed once (see `send_specs` /
+`recv_specs`, used by the engine's one-time shape pass) and cached by the caller, so a steady-state
+step sends only payload. Integer and bool tensors travel as they are (bool as uint8 bytes) and
+never carry gradients.
+
+All the transfers of one run of consecutive communication actions go into a single
+`torch.distributed.batch_isend_irecv` call, so a send to a peer and a receive from the same peer
+cannot deadlock each other under NCCL (Megatron's ``send_forward_recv_backward``). Receives are
+waited for at once; sends are only waited for by `wait_sends` (end of step), so a send never
+blocks the compute that follows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+_META_LEN = 64  # int64 words: [count, (dtype code, ndim, *shape) per tensor]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor of a message."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSpec":
+        return cls(tuple(t.shape), t.dtype)
+
+
+def as_tuple(x) -> tuple[torch.Tensor, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def encode_specs(specs: list[TensorSpec]) -> torch.Tensor:
+    words = [len(specs)]
+    for s in specs:
+        words += [_DTYPES.index(s.dtype), len(s.shape), *s.shape]
+    if len(words) > _META_LEN:
+        raise ValueError(f"message of {len(specs)} tensors is too large to describe in {_META_LEN} words")
+    return torch.tensor(words + [0] * (_META_LEN - len(words)), dtype=torch.int64)
+
+
+def decode_specs(meta: torch.Tensor) -> list[TensorSpec]:
+    words, specs, i = meta.tolist(), [], 1
+    for _ in range(words[0]):
+        dtype, ndim = _DTYPES[words[i]], words[i + 1]
+        specs.append(TensorSpec(tuple(words[i + 2:i + 2 + ndim]), dtype))
+        i += 2 + ndim
+    return specs
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The buffer that travels: contiguous, bool viewed as bytes."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+class P2P:
+    """Batched point-to-point calls for one rank; size-1 worlds never get here."""
+
+    def __init__(self, device: torch.device, group=None):
+        self.device, self.group = device, group
+        self._pending: list = []  # (work, buffer) of posted sends
+        self.bytes_sent = 0
+
+    def exchange(self, sends: list[tuple[int, tuple[torch.Tensor, ...]]],
+                 recvs: list[tuple[int, list[TensorSpec]]]) -> list[tuple[torch.Tensor, ...]]:
+        """Post every send and receive in one batch; return the received tuples in order.
+
+        sends: (peer rank, tensors); recvs: (peer rank, specs of the tensors expected).
+        """
+        ops, buffers, out = [], [], []
+        for peer, tensors in sends:
+            for t in tensors:
+                buf = _wire(t.detach())
+                buffers.append(buf)
+                self.bytes_sent += buf.numel() * buf.element_size()
+                ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
+        for peer, specs in recvs:
+            message = []
+            for spec in specs:
+                wire_dtype = torch.uint8 if spec.dtype == torch.bool else spec.dtype
+                buf = torch.empty(spec.shape, dtype=wire_dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
+                message.append(buf)
+            out.append(message)
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        n_send = len(buffers)
+        for work, buf in zip(works[:n_send], buffers):
+            self._pending.append((work, buf))  # keep the buffer alive until the send completes
+        for work in works[n_send:]:
+            work.wait()
+        return [
+            tuple(b.view(torch.bool) if s.dtype == torch.bool else b for b, s in zip(msg, specs))
+            for msg, (_, specs) in zip(out, recvs)
+        ]
+
+    def wait_sends(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    def send_specs(self, peer: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Tell ``peer`` the shapes and dtypes of a message (blocking; used once per channel)."""
+        dist.send(encode_specs([TensorSpec.of(t) for t in tensors]).to(self.device), peer, self.group)
+
+    def recv_specs(self, peer: int) -> list[TensorSpec]:
+        meta = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
+        dist.recv(meta, peer, self.group)
+        return decode_specs(meta.cpu())

@@ -1,0 +1,180 @@
+"""The training loop every rank runs: build model, cut it, feed micro-batches, step, log.
+
+Entry point (each rank)::
+
+    torchrun --nproc_per_node 2 -m mp_toolkit.cli train --model gpt-small-cpu --pp 2 --schedule 1f1b
+    mpt train --model gpt-small-cpu --pp 2          # starts the 2 ranks itself
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from model_zoo.gpt import GPT, get_config, lm_loss
+from mp_toolkit.config import ConfigError, TrainConfig, parse_boundaries
+from mp_toolkit.engine.pipeline import PipelineEngine
+from mp_toolkit.launch import LaunchEnv, init_distributed
+from mp_toolkit.layers import LayerList
+from mp_toolkit.parallel.context import build_context
+from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
+
+
+def model_config(cfg: TrainConfig):
+    """The GPT config named by ``cfg.model``, with the sequence length checked against it."""
+    try:
+        gpt = get_config(cfg.model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    if cfg.seq_len > gpt.n_positions:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's n_positions {gpt.n_positions}: use at most {gpt.n_positions}")
+    return gpt
+
+
+def plan_boundaries(layer_list: LayerList, pp: int, partition: str) -> list[int]:
+    """Stage boundaries for ``pp`` stages by method name or explicit ``0,3,7`` text."""
+    n = len(layer_list)
+    if pp > n:
+        raise ConfigError(f"--pp {pp} exceeds the model's {n} layers ({', '.join(layer_list.names)}): use at most {n}")
+    given = parse_boundaries(partition)
+    try:
+        if given is not None:
+            return explicit(given, n, pp)
+        if partition == "uniform":
+            return uniform(n, pp)
+        return by_parameters(layer_list.layer_parameter_counts(), pp)
+    except PartitionError as e:
+        raise ConfigError(f"--partition {partition}: {e}") from None
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every check that needs no process group: fail before any rank starts."""
+    for name in ("pp", "microbatches", "micro_batch", "seq_len", "steps"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be at least 1")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise ConfigError(f"--lr {cfg.lr} must be a positive finite number")
+    if cfg.data not in ("stdlib", "synthetic"):
+        path = Path(cfg.data)
+        if not path.exists() or not os.access(path, os.R_OK):
+            raise ConfigError(f"--data {cfg.data!r} is not a readable file or folder (or use stdlib / synthetic)")
+    gpt = model_config(cfg)
+    with torch.device("meta"):
+        layers = LayerList.from_model(GPT(gpt))
+    plan_boundaries(layers, cfg.pp, cfg.partition)
+
+
+def _dataset(cfg: TrainConfig, vocab_size: int, rank: int):
+    """Rank 0 builds first (training and caching the tokenizer); the others then load the cache."""
+    from mp_toolkit.data import build_lm_dataset  # datasets is slow to import; validation needs none of it
+
+    build = lambda: build_lm_dataset(cfg.data, vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir)
+    distributed = dist.is_initialized()
+    ds = build() if rank == 0 else None
+    if distributed:
+        dist.barrier()
+    return ds if ds is not None else build()
+
+
+class MetricsLog:
+    """Rank 0's per-step record: JSON lines, progress bar, loss plot."""
+
+    def __init__(self, cfg: TrainConfig, enabled: bool):
+        self.cfg, self.enabled, self.rows = cfg, enabled, []
+        self.file = open(cfg.metrics, "w") if enabled and cfg.metrics else None
+        self.bar = None
+        if enabled and cfg.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.steps, desc="train", file=sys.stderr, dynamic_ncols=True)
+
+    def step(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        if self.bar:
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+        if self.cfg.plot and self.rows:
+            plot_losses(self.rows, self.cfg.plot)
+        first, last = self.rows[0], self.rows[-1]
+        timed = self.rows[1:] or self.rows  # the first step includes the one-time shape pass
+        tok_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
+        print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(self.rows)} steps, "
+              f"{tok_s:.0f} tokens/s")
+        if self.cfg.metrics:
+            print(f"metrics: {self.cfg.metrics}")
+        if self.cfg.plot:
+            print(f"loss plot: {self.cfg.plot}")
+
+
+def plot_losses(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
+    """Train on this rank; returns the per-step rows on rank 0 (empty elsewhere)."""
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
+    device = init_distributed(env, cfg.timeout_s)
+    try:
+        return _train(cfg, env, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device) -> list[dict]:
+    ctx = build_context(cfg.pp, device=device)
+    gpt = model_config(cfg)
+    torch.manual_seed(cfg.seed)  # every rank builds the same full model, then keeps its stage
+    layers = LayerList.from_model(GPT(gpt))
+    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition)
+    engine = PipelineEngine(
+        layers, ctx, boundaries, cfg.microbatches, cfg.schedule,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True),
+        loss_fn=lm_loss, clip_grad=cfg.clip_grad,
+    )
+    del layers  # only this rank's stage stays alive
+    from mp_toolkit.data import DataError, MicroBatches
+
+    try:
+        data = MicroBatches(_dataset(cfg, gpt.vocab_size, env.rank), cfg.micro_batch, seed=cfg.seed)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    log = MetricsLog(cfg, enabled=env.rank == 0)
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        stats = engine.train_batch(data)
+        dt = time.perf_counter() - t0
+        log.step({"step": step, "loss": stats.loss, "lr": cfg.lr, "grad_norm": stats.grad_norm,
+                  "tokens_per_s": cfg.tokens_per_step / dt, "step_time_s": dt})
+    log.close()
+    return log.rows

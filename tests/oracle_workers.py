@@ -1,0 +1,88 @@
+"""Rank functions of the oracle tests (importable, so spawned processes can run them)."""
+
+from __future__ import annotations
+
+import torch
+
+from model_zoo.gpt import GPT, GPTConfig, lm_loss
+from mp_toolkit.engine.pipeline import PipelineEngine
+from mp_toolkit.layers import LayerList
+from mp_toolkit.parallel.context import build_context
+from mp_toolkit.partition import uniform
+
+TINY = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=4, n_head=4)
+MICRO_BATCH, SEQ = 2, 16
+
+
+def make_batches(steps: int, m: int, vocab: int, seed: int = 0) -> list[list[tuple]]:
+    """steps x m micro-batches of (input_ids, labels) from a fixed generator."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(m):
+            seq = torch.randint(0, vocab, (MICRO_BATCH, SEQ + 1), generator=g)
+            step.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+        out.append(step)
+    return out
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+}
+
+
+def single_process(cfg: GPTConfig, batches, optimizer: str = "adamw", seed: int = 0):
+    """The reference: the unsplit model, plain gradient accumulation, same optimizer."""
+    torch.manual_seed(seed)
+    model = LayerList.from_model(GPT(cfg))
+    opt = OPTIMIZERS[optimizer](list(model.parameters()))
+    losses = []
+    for step in batches:
+        total = torch.zeros(())
+        for x, y in step:
+            loss = lm_loss(model(x), y) / len(step)  # invariant 5: the loss, not the gradient, is scaled
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total.item())
+    # every layer's view, tied weights under each of their names
+    named = {f"{n}.{path}": p for n, layer in zip(model.names, model.layers) for path, p in layer.named_parameters()}
+    return named, losses
+
+
+def pipeline_run(cfg: GPTConfig, pp: int, schedule: str, batches, optimizer: str = "adamw", seed: int = 0,
+                 boundaries=None):
+    ctx = build_context(pp)
+    torch.manual_seed(seed)
+    layers = LayerList.from_model(GPT(cfg))
+    engine = PipelineEngine(layers, ctx, boundaries or uniform(len(layers), pp), len(batches[0]), schedule,
+                            optimizer=OPTIMIZERS[optimizer], loss_fn=lm_loss)
+    losses = [engine.train_batch(iter(step)).loss for step in batches]
+    return engine, losses
+
+
+def oracle_cases(rank: int, world: int, cases, steps: int = 3):
+    """For every (schedule, m, tied[, optimizer]): this rank's stage after ``steps`` steps vs the reference.
+
+    Returns per case: (number of tensors compared, number not bitwise equal, max abs difference,
+    pipeline losses, reference losses, this rank's tied weight if any).
+    """
+    report = []
+    for schedule, m, tied, *opt in cases:
+        opt = opt[0] if opt else "adamw"
+        cfg = GPTConfig(**TINY, tie_word_embeddings=tied)
+        batches = make_batches(steps, m, cfg.vocab_size)
+        ref_params, ref_losses = single_process(cfg, batches, opt)
+        engine, losses = pipeline_run(cfg, world, schedule, batches, opt)
+        n, unequal, max_diff = 0, 0, 0.0
+        for name, p in engine.stage.named_layer_parameters():
+            ref = ref_params[name]
+            n += 1
+            unequal += int(not torch.equal(p.detach(), ref.detach()))
+            max_diff = max(max_diff, (p.detach() - ref.detach()).abs().max().item())
+        tied_copy = next(iter(engine.stage.tie_members.values())).detach().clone() if engine.stage.tie_members else None
+        report.append((n, unequal, max_diff, losses, ref_losses, tied_copy))
+    return report

@@ -1,0 +1,93 @@
+"""`mpt train` end to end: losses agree across layouts, bad input ends in one line with exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mp_toolkit.cli import main
+
+BASE = ["train", "--data", "synthetic", "--steps", "3", "--microbatches", "3", "--micro-batch", "2",
+        "--seq-len", "16", "--threads", "1", "--no-progress", "--lr", "1e-2"]
+
+
+def mpt(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def losses(tmp_path, name, *args):
+    out = tmp_path / f"{name}.jsonl"
+    r = mpt(*BASE, "--metrics", str(out), *args)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= row.keys()
+    return [row["loss"] for row in rows]
+
+
+def test_pp1_and_pp2_print_identical_losses_untied(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 128, "n_positions": 32, "n_embd": 32,
+                                  "n_layer": 2, "n_head": 4, "tie_word_embeddings": False}))
+    one = losses(tmp_path, "pp1", "--model", str(config), "--pp", "1")
+    two = losses(tmp_path, "pp2", "--model", str(config), "--pp", "2", "--schedule", "1f1b")
+    assert one == two  # bitwise: no weight is shared across the two stages
+
+
+def test_pp1_and_pp2_losses_agree_with_tied_head(tmp_path):
+    one = losses(tmp_path, "pp1", "--model", "gpt-tiny", "--pp", "1")
+    two = losses(tmp_path, "pp2", "--model", "gpt-tiny", "--pp", "2", "--schedule", "gpipe")
+    assert one[0] == two[0]  # before any step the models are identical
+    assert two == pytest.approx(one, rel=1e-6)
+
+
+def _bad(capsys, *args, mentions):
+    """In-process: every check runs before any rank is started."""
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert mentions in lines[0], lines[0]
+
+
+def test_bad_input_from_a_real_process_is_one_line_exit_2():
+    r = mpt("train", "--pp", "0", "--model", "gpt-tiny", timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--pp 0" in r.stderr, r.stderr
+
+
+def test_pp_larger_than_layers(capsys, tmp_path):
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--pp", "9", mentions="--pp 9")
+
+
+def test_unknown_model(capsys, tmp_path):
+    _bad(capsys, *BASE, "--model", "gpt-huge-nonexistent", mentions="gpt-huge-nonexistent")
+
+
+def test_unreadable_data_path(capsys, tmp_path):
+    _bad(capsys, "train", "--model", "gpt-tiny", "--data", str(tmp_path / "missing"), mentions="missing")
+
+
+def test_malformed_config_file(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    _bad(capsys, *BASE, "--model", str(bad), mentions="bad.json")
+
+
+def test_seq_len_beyond_positions(capsys, tmp_path):
+    _bad(capsys, "train", "--model", "gpt-tiny", "--seq-len", "1000", mentions="--seq-len 1000")
+
+
+def test_unknown_flag_and_schedule(capsys, tmp_path):
+    _bad(capsys, "train", "--bogus", mentions="--bogus")
+    _bad(capsys, "train", "--schedule", "zigzag", mentions="zigzag")
+
+
+def test_bad_partition(capsys, tmp_path):
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--pp", "2", "--partition", "0,9", mentions="0,9")
