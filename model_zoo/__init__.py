@@ -1,0 +1,4 @@
+"""Single-device reference models that expose an ordered layer list (no torch.distributed)."""
+from model_zoo.gpt import GPT, PRESETS, GPTConfig, get_config
+
+__all__ = ["GPT", "GPTConfig", "PRESETS", "get_config"]

@@ -1,0 +1,31 @@
+"""Pipeline schedules as data: action IR, generators, validator and text views.
+
+>>> from mp_toolkit.schedule import get_schedule, validate, format_schedule
+>>> s = get_schedule("1F1B", num_stages=2, num_microbatches=3)
+>>> validate(s)
+>>> print(format_schedule(s))
+time    0  1  2  3  4  5  6  7
+rank 0 F0 F1  . B0 F2 B1  . B2
+rank 1  . F0 B0 F1 B1 F2 B2  .
+"""
+from .actions import Action, Kind, Schedule
+from .generators import SCHEDULES, get_schedule, gpipe, one_f_one_b
+from .printer import format_actions, format_schedule, makespan, unit_time_steps
+from .validate import ScheduleError, simulate_order, validate
+
+__all__ = [
+    "Action",
+    "Kind",
+    "Schedule",
+    "SCHEDULES",
+    "get_schedule",
+    "gpipe",
+    "one_f_one_b",
+    "ScheduleError",
+    "validate",
+    "simulate_order",
+    "format_schedule",
+    "format_actions",
+    "makespan",
+    "unit_time_steps",
+]

@@ -1,0 +1,125 @@
+"""Schedule generators: GPipe and 1F1B (PipeDream-Flush), with comm actions inserted.
+
+Both put stage ``s`` on rank ``s``. With ``p`` stages, ``m`` micro-batches and equal forward
+and backward cost per stage, both have bubble fraction ``(p-1)/(m+p-1)``; 1F1B holds at most
+``min(p-s, m)`` micro-batches of activations on stage ``s`` instead of GPipe's ``m``.
+
+Comm insertion rules for stage ``s`` of ``p`` (``last = p-1``), see ``actions`` for semantics:
+``sRECV_F k`` before ``sF k`` (s > 0), ``sSEND_F k`` after it (s < last); ``sRECV_B k`` before
+``sB k`` (s < last), ``sSEND_B k`` after it (s > 0).
+
+Forwards and backwards run in ascending micro-batch order on every stage, so gradients
+accumulate in the same order as single-process gradient accumulation.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .actions import Action, Kind, Schedule
+
+__all__ = ["gpipe", "one_f_one_b", "get_schedule", "SCHEDULES"]
+
+
+def _forward(stage: int, mb: int, num_stages: int) -> list[Action]:
+    """``[RECV_F] F [SEND_F]`` for one micro-batch on one stage."""
+    acts = []
+    if stage > 0:
+        acts.append(Action(stage, Kind.RECV_F, mb))
+    acts.append(Action(stage, Kind.F, mb))
+    if stage < num_stages - 1:
+        acts.append(Action(stage, Kind.SEND_F, mb))
+    return acts
+
+
+def _backward(stage: int, mb: int, num_stages: int) -> list[Action]:
+    """``[RECV_B] B [SEND_B]`` for one micro-batch on one stage."""
+    acts = []
+    if stage < num_stages - 1:
+        acts.append(Action(stage, Kind.RECV_B, mb))
+    acts.append(Action(stage, Kind.B, mb))
+    if stage > 0:
+        acts.append(Action(stage, Kind.SEND_B, mb))
+    return acts
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: all forwards, then all backwards (Huang et al. 2019, "GPipe: Efficient
+    Training of Giant Neural Networks using Pipeline Parallelism").
+
+    Bubble fraction ``(p-1)/(m+p-1)``; every stage keeps the activations of all ``m``
+    micro-batches alive until its first backward. Backwards run in ascending micro-batch
+    order (as torch's ``ScheduleGPipe`` does) so accumulation order matches one process.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    per_rank = []
+    for s in range(num_stages):
+        acts: list[Action] = []
+        for k in range(num_microbatches):
+            acts += _forward(s, k, num_stages)
+        for k in range(num_microbatches):
+            acts += _backward(s, k, num_stages)
+        per_rank.append(tuple(acts))
+    stage_to_rank = tuple(range(num_stages))
+    return Schedule("GPipe", num_stages, num_microbatches, stage_to_rank, tuple(per_rank))
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B, the PipeDream-Flush schedule (Narayanan et al. 2021, "Memory-Efficient
+    Pipeline-Parallel DNN Training"), written in picotron's three phases.
+
+    Bubble fraction ``(p-1)/(m+p-1)``, the same as GPipe, but stage ``s`` holds at most
+    ``min(p-s, m)`` micro-batches of activations.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    per_rank = [
+        tuple(_one_f_one_b_stage(s, num_stages, num_microbatches)) for s in range(num_stages)
+    ]
+    stage_to_rank = tuple(range(num_stages))
+    return Schedule("1F1B", num_stages, num_microbatches, stage_to_rank, tuple(per_rank))
+
+
+def _one_f_one_b_stage(stage: int, p: int, m: int) -> list[Action]:
+    """Actions of one stage of 1F1B.
+
+    * warm-up: ``min(p-s-1, m)`` forwards fill the pipe below this stage;
+    * steady: the remaining forwards, each followed by the backward of the oldest in-flight
+      micro-batch. ``SEND_F k`` is immediately followed by ``RECV_B j`` (Megatron's
+      ``send_forward_recv_backward``) and ``SEND_B j`` by the next ``RECV_F`` (its
+      ``send_backward_recv_forward``), so the executor can batch each pair;
+    * cool-down: the backwards of the micro-batches still in flight.
+    """
+    num_warmup = min(p - stage - 1, m)
+    num_steady = m - num_warmup
+    acts: list[Action] = []
+    for k in range(num_warmup):
+        acts += _forward(stage, k, p)
+    for j in range(num_steady):
+        acts += _forward(stage, num_warmup + j, p)
+        acts += _backward(stage, j, p)
+    for j in range(num_steady, m):
+        acts += _backward(stage, j, p)
+    return acts
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+}
+_DISPLAY_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """Build a schedule by torch's name (case-insensitive): ``GPipe`` or ``1F1B``."""
+    try:
+        generator = SCHEDULES[name.lower()]
+    except KeyError:
+        choices = ", ".join(_DISPLAY_NAMES[k] for k in SCHEDULES)
+        raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {choices}") from None
+    return generator(num_stages, num_microbatches)
