@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 # standard-library sources (present on every machine); about two minutes on 2 CPU cores.
 demo: $(STAMP)
 	$(VENV)/bin/mpt train --model gpt-small-cpu --pp 2 --schedule 1f1b --microbatches 4 \
-		--micro-batch 8 --seq-len 128 --steps 120 --lr 2e-3 --data stdlib --threads 1 \
+		--micro-batch 8 --seq-len 128 --steps 80 --lr 2e-3 --data stdlib --threads 1 \
 		--metrics $(DEMO_DIR)/metrics.jsonl --plot $(DEMO_DIR)/loss.png
 
 test: $(STAMP)
