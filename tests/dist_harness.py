@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import traceback
 from datetime import timedelta
@@ -19,7 +20,9 @@ def _entry(fn, rank, world, port, args, results, timeout_s):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-        results.put((rank, True, fn(rank, world, *args)))
+        # Plain pickle bytes: tensors sent through the queue as they are would travel as shared-memory
+        # handles that die with this process before the parent reads them.
+        results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # report every failure to the parent, which raises it
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -40,7 +43,7 @@ def run_world(fn, world: int, *args, timeout_s: float = 120.0) -> list:
     try:
         for _ in range(world):
             rank, ok, value = results.get(timeout=timeout_s)
-            (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+            (out.__setitem__(rank, pickle.loads(value)) if ok else errors.append(f"rank {rank}:\n{value}"))
             if errors:
                 break
     except queue.Empty:
