@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: action IR, generators, validator and text views.
+"""Pipeline schedules as data: action IR, generators, validator, text views, simulator, Gantt.
 
 >>> from mp_toolkit.schedule import get_schedule, validate, format_schedule
 >>> s = get_schedule("1F1B", num_stages=2, num_microbatches=3)
@@ -9,9 +9,13 @@ rank 0 F0 F1  . B0 F2 B1  . B2
 rank 1  . F0 B0 F1 B1 F2 B2  .
 """
 from .actions import Action, Kind, Schedule
+from .gantt import draw_gantt
 from .generators import SCHEDULES, get_schedule, gpipe, one_f_one_b
+from .interleaved import insert_comms, interleaved_1f1b
 from .printer import format_actions, format_schedule, makespan, unit_time_steps
+from .simulator import DEFAULT_COSTS, Event, Timeline, cost_function, simulate, simulate_report
 from .validate import ScheduleError, simulate_order, validate
+from .zero_bubble import zbh1
 
 __all__ = [
     "Action",
@@ -21,6 +25,9 @@ __all__ = [
     "get_schedule",
     "gpipe",
     "one_f_one_b",
+    "interleaved_1f1b",
+    "zbh1",
+    "insert_comms",
     "ScheduleError",
     "validate",
     "simulate_order",
@@ -28,4 +35,11 @@ __all__ = [
     "format_actions",
     "makespan",
     "unit_time_steps",
+    "simulate",
+    "simulate_report",
+    "cost_function",
+    "DEFAULT_COSTS",
+    "Timeline",
+    "Event",
+    "draw_gantt",
 ]

@@ -1,4 +1,5 @@
-"""Schedule generators: GPipe and 1F1B (PipeDream-Flush), with comm actions inserted.
+"""Schedule generators: GPipe and 1F1B (PipeDream-Flush), with comm actions inserted, and
+the registry of every schedule by name (interleaved 1F1B and ZB-H1 live in their own files).
 
 Both put stage ``s`` on rank ``s``. With ``p`` stages, ``m`` micro-batches and equal forward
 and backward cost per stage, both have bubble fraction ``(p-1)/(m+p-1)``; 1F1B holds at most
@@ -16,6 +17,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .actions import Action, Kind, Schedule
+from .interleaved import interleaved_1f1b
+from .zero_bubble import zbh1
 
 __all__ = ["gpipe", "one_f_one_b", "get_schedule", "SCHEDULES"]
 
@@ -108,18 +111,48 @@ def _one_f_one_b_stage(stage: int, p: int, m: int) -> list[Action]:
     return acts
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved1f1b": interleaved_1f1b,
+    "zbh1": zbh1,
 }
-_DISPLAY_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+"""Generators by lower-case torch name; each takes ``(num_stages, num_microbatches)``."""
+_DISPLAY_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
+                  "zbh1": "ZBH1"}
+_ALIASES = {"interleaved": "interleaved1f1b", "zb-h1": "zbh1"}
 
 
-def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Build a schedule by torch's name (case-insensitive): ``GPipe`` or ``1F1B``."""
+def get_schedule(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    num_chunks: int | None = None,
+    chunks: int | None = None,
+) -> Schedule:
+    """Build a schedule by torch's name (case-insensitive): ``GPipe``, ``1F1B``,
+    ``Interleaved1F1B`` (alias ``interleaved``) or ``ZBH1``.
+
+    ``num_stages`` is the pipeline degree ``p`` (ranks). For ``Interleaved1F1B`` each rank
+    holds ``num_chunks`` (or ``chunks``; default 2) model chunks, so the Schedule has
+    ``p * num_chunks`` stages with stage ``s`` on rank ``s % p``; every other schedule has
+    ``p`` stages, one per rank, and accepts only ``num_chunks`` of None or 1.
+    """
+    key = _ALIASES.get(name.lower(), name.lower())
     try:
-        generator = SCHEDULES[name.lower()]
+        generator = SCHEDULES[key]
     except KeyError:
         choices = ", ".join(_DISPLAY_NAMES[k] for k in SCHEDULES)
         raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {choices}") from None
+    if num_chunks is not None and chunks is not None and num_chunks != chunks:
+        raise ValueError(f"num_chunks={num_chunks} and chunks={chunks} disagree; pass one")
+    v = num_chunks if num_chunks is not None else chunks
+    if key == "interleaved1f1b":
+        return generator(num_stages, num_microbatches, 2 if v is None else v)
+    if v not in (None, 1):
+        raise ValueError(
+            f"--chunks {v} applies only to Interleaved1F1B; {_DISPLAY_NAMES[key]} runs one "
+            f"stage per rank (drop --chunks or use --schedule interleaved)"
+        )
     return generator(num_stages, num_microbatches)
