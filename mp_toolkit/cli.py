@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mp_toolkit.config import SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.config import LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,13 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default=d.model, help="preset (gpt-tiny, gpt-small-cpu, gpt2, ...) or GPT-2 config.json")
     t.add_argument("--pp", type=int, default=d.pp, help="pipeline stages")
     t.add_argument("--schedule", default=d.schedule, type=str.lower, choices=SCHEDULES)
+    t.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     t.add_argument("--partition", default=d.partition, help="uniform, parameters, or boundaries like 0,3,7")
     t.add_argument("--microbatches", type=int, default=d.microbatches, help="micro-batches per step")
     t.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per micro-batch")
     t.add_argument("--seq-len", type=int, default=d.seq_len)
     t.add_argument("--steps", type=int, default=d.steps)
-    t.add_argument("--lr", type=float, default=d.lr)
+    t.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
+    t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     t.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    t.add_argument("--lr-decay", default=d.lr_decay, type=str.lower, choices=LR_DECAYS)
+    t.add_argument("--min-lr", type=float, default=d.min_lr)
+    t.add_argument("--precision", default=d.precision, type=str.lower, choices=PRECISIONS)
+    t.add_argument("--loss-scale", type=float, default=d.loss_scale, help="fp16 static scale; 0 = dynamic")
+    t.add_argument("--initial-scale-power", type=int, default=d.initial_scale_power)
+    t.add_argument("--loss-scale-window", type=int, default=d.loss_scale_window)
+    t.add_argument("--hysteresis", type=int, default=d.hysteresis)
+    t.add_argument("--min-loss-scale", type=float, default=d.min_loss_scale)
     t.add_argument("--clip-grad", type=_positive_float_or_none, default=d.clip_grad, help="max global grad norm, or none")
     t.add_argument("--seed", type=int, default=d.seed)
     t.add_argument("--data", default=d.data, help="stdlib, synthetic, or a local text/JSON-lines file or folder")
@@ -59,9 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        model=args.model, pp=args.pp, schedule=args.schedule, partition=args.partition,
+        model=args.model, pp=args.pp, schedule=args.schedule,
+        chunks=args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1), partition=args.partition,
         microbatches=args.microbatches, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+        steps=args.steps, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, min_lr=args.min_lr,
+        precision=args.precision, loss_scale=args.loss_scale, initial_scale_power=args.initial_scale_power,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        min_loss_scale=args.min_loss_scale, clip_grad=args.clip_grad,
         seed=args.seed, data=args.data, metrics=args.metrics, plot=args.plot,
         cache_dir=args.cache_dir, threads=args.threads, timeout_s=args.timeout,
         progress=not args.no_progress,

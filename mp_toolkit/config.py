@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
+PRECISIONS = ("fp32", "fp16", "bf16")
+OPTIMIZERS = ("adamw", "adam", "adagrad", "rmsprop", "sgd", "lamb", "lars")
+LR_DECAYS = ("none", "linear", "cosine")
 PARTITION_METHODS = ("uniform", "parameters")
 
 
@@ -22,7 +25,9 @@ class TrainConfig:
     pp: int = 2
     """Pipeline stages (ranks)."""
     schedule: str = "1f1b"
-    """Micro-batch schedule: gpipe or 1f1b."""
+    """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks) or zbh1 (zero bubble)."""
+    chunks: int = 1
+    """Model chunks per rank for the interleaved schedule (its stages = pp x chunks)."""
     partition: str = "parameters"
     """Stage cut: uniform, parameters, or explicit boundaries such as 0,3,7."""
     microbatches: int = 4
@@ -33,10 +38,30 @@ class TrainConfig:
     """Tokens per sequence; at most the model's n_positions."""
     steps: int = 100
     """Optimizer steps."""
+    optimizer: str = "adamw"
+    """adamw, adam, adagrad, rmsprop, sgd, lamb or lars."""
     lr: float = 1e-3
-    """AdamW learning rate (constant)."""
+    """Peak learning rate."""
     weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
+    """Weight decay (decoupled for AdamW, LAMB and LARS; L2 for torch's others)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    lr_decay: str = "none"
+    """After warm-up: none (constant), linear or cosine decay to min_lr at the last step."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    precision: str = "fp32"
+    """fp32, fp16 (fp32 masters, dynamic loss scaling) or bf16 (fp32 masters, no scaling)."""
+    loss_scale: float = 0.0
+    """fp16: a static loss scale when > 0 (DeepSpeed's fp16.loss_scale); 0 means dynamic."""
+    initial_scale_power: int = 16
+    """fp16 dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16: clean steps before the scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the scale halves."""
+    min_loss_scale: float = 1.0
+    """fp16: the scale never drops below this."""
     clip_grad: float | None = 1.0
     """Max global gradient norm over all stages; None disables clipping."""
     seed: int = 1234

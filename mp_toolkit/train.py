@@ -23,8 +23,12 @@ from mp_toolkit.config import ConfigError, TrainConfig, parse_boundaries
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.launch import LaunchEnv, init_distributed
 from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.factory import build_optimizer
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler
+from mp_toolkit.optim.lr import WarmupDecay, set_lr
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
+from mp_toolkit.schedule import get_schedule
 
 
 def model_config(cfg: TrainConfig):
@@ -38,11 +42,13 @@ def model_config(cfg: TrainConfig):
     return gpt
 
 
-def plan_boundaries(layer_list: LayerList, pp: int, partition: str) -> list[int]:
-    """Stage boundaries for ``pp`` stages by method name or explicit ``0,3,7`` text."""
+def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int = 1) -> list[int]:
+    """Boundaries of ``pp * chunks`` stages by method name or explicit ``0,3,7`` text."""
     n = len(layer_list)
-    if pp > n:
-        raise ConfigError(f"--pp {pp} exceeds the model's {n} layers ({', '.join(layer_list.names)}): use at most {n}")
+    if pp * chunks > n:
+        what = f"--pp {pp}" if chunks == 1 else f"--pp {pp} x --chunks {chunks} = {pp * chunks} stages"
+        raise ConfigError(f"{what} exceeds the model's {n} layers ({', '.join(layer_list.names)}): use at most {n}")
+    pp = pp * chunks
     given = parse_boundaries(partition)
     try:
         if given is not None:
@@ -59,8 +65,17 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("pp", "microbatches", "micro_batch", "seq_len", "steps"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be at least 1")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise ConfigError(f"--lr {cfg.lr} must be a positive finite number")
+    for name in ("lr", "min_lr", "weight_decay", "loss_scale", "min_loss_scale"):
+        value = getattr(cfg, name)
+        if not (value >= 0 and math.isfinite(value)) or (name == "lr" and value == 0):
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be a {'positive' if name == 'lr' else 'non-negative'} finite number")
+    if cfg.clip_grad is not None and not (cfg.clip_grad > 0 and math.isfinite(cfg.clip_grad)):
+        raise ConfigError(f"--clip-grad {cfg.clip_grad} must be a positive finite number (or none)")
+    for name in ("warmup_steps", "loss_scale_window", "hysteresis", "initial_scale_power"):
+        if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power") else 1):
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}: the decay must end at or below the peak")
     if cfg.data not in ("stdlib", "synthetic"):
         path = Path(cfg.data)
         if not path.exists() or not os.access(path, os.R_OK):
@@ -68,7 +83,22 @@ def validate(cfg: TrainConfig) -> None:
     gpt = model_config(cfg)
     with torch.device("meta"):
         layers = LayerList.from_model(GPT(gpt))
-    plan_boundaries(layers, cfg.pp, cfg.partition)
+    plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks)
+    try:
+        get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:
+    """fp16 scales the loss (static when --loss-scale > 0); fp32 and bf16 need no scaling."""
+    if cfg.precision != "fp16":
+        return None
+    return DynamicLossScaler(
+        initial_scale_power=cfg.initial_scale_power, loss_scale_window=cfg.loss_scale_window,
+        hysteresis=cfg.hysteresis, min_loss_scale=cfg.min_loss_scale,
+        static_scale=cfg.loss_scale if cfg.loss_scale > 0 else None,
+    )
 
 
 def _dataset(cfg: TrainConfig, vocab_size: int, rank: int):
@@ -117,8 +147,11 @@ class MetricsLog:
         first, last = self.rows[0], self.rows[-1]
         timed = self.rows[1:] or self.rows  # the first step includes the one-time shape pass
         tok_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
+        skipped = sum(bool(r.get("skipped")) for r in self.rows)
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(self.rows)} steps, "
-              f"{tok_s:.0f} tokens/s")
+              f"{tok_s:.0f} tokens/s, {skipped} skipped, loss scale {last['loss_scale']:g}")
+        for t in last.get("trust_ratio", []):
+            print(f"  stage {t['stage']} trust ratio min {t['min']:.4g} median {t['median']:.4g} max {t['max']:.4g}")
         if self.cfg.metrics:
             print(f"metrics: {self.cfg.metrics}")
         if self.cfg.plot:
@@ -156,12 +189,14 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device) -> list[dict]
     gpt = model_config(cfg)
     torch.manual_seed(cfg.seed)  # every rank builds the same full model, then keeps its stage
     layers = LayerList.from_model(GPT(gpt))
-    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition)
+    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks)
     engine = PipelineEngine(
         layers, ctx, boundaries, cfg.microbatches, cfg.schedule,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True),
-        loss_fn=lm_loss, clip_grad=cfg.clip_grad,
+        optimizer=lambda named: build_optimizer(cfg.optimizer, named, cfg.lr, cfg.weight_decay),
+        loss_fn=lm_loss, clip_grad=cfg.clip_grad, precision=cfg.precision, loss_scaler=loss_scaler(cfg),
+        chunks=cfg.chunks,
     )
+    schedule = WarmupDecay(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.lr_decay, cfg.min_lr)
     del layers  # only this rank's stage stays alive
     from mp_toolkit.data import DataError, MicroBatches
 
@@ -171,10 +206,17 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device) -> list[dict]
         raise ConfigError(str(e)) from None
     log = MetricsLog(cfg, enabled=env.rank == 0)
     for step in range(1, cfg.steps + 1):
+        lr = schedule(step)
+        set_lr(engine.optimizer, lr)
         t0 = time.perf_counter()
         stats = engine.train_batch(data)
         dt = time.perf_counter() - t0
-        log.step({"step": step, "loss": stats.loss, "lr": cfg.lr, "grad_norm": stats.grad_norm,
-                  "tokens_per_s": cfg.tokens_per_step / dt, "step_time_s": dt})
+        row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
+               "tokens_per_s": cfg.tokens_per_step / dt, "step_time_s": dt,
+               "loss_scale": stats.loss_scale, "skipped": stats.skipped}
+        trust = engine.trust_ratio_stats()
+        if trust is not None:
+            row["trust_ratio"] = trust
+        log.step(row)
     log.close()
     return log.rows

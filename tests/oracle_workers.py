@@ -27,10 +27,14 @@ def make_batches(steps: int, m: int, vocab: int, seed: int = 0) -> list[list[tup
     return out
 
 
-OPTIMIZERS = {
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=True),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+OPTIMIZERS = {  # each takes [(name, param), ...] as the engine passes them, or a plain list
+    "adamw": lambda ps: torch.optim.AdamW(_params(ps), lr=1e-2, weight_decay=0.01, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(_params(ps), lr=0.1, momentum=0.9),
 }
+
+
+def _params(ps):
+    return [p[1] if isinstance(p, tuple) else p for p in ps]
 
 
 def single_process(cfg: GPTConfig, batches, optimizer: str = "adamw", seed: int = 0):
@@ -54,35 +58,35 @@ def single_process(cfg: GPTConfig, batches, optimizer: str = "adamw", seed: int 
 
 
 def pipeline_run(cfg: GPTConfig, pp: int, schedule: str, batches, optimizer: str = "adamw", seed: int = 0,
-                 boundaries=None):
+                 chunks: int = 1):
     ctx = build_context(pp)
     torch.manual_seed(seed)
     layers = LayerList.from_model(GPT(cfg))
-    engine = PipelineEngine(layers, ctx, boundaries or uniform(len(layers), pp), len(batches[0]), schedule,
-                            optimizer=OPTIMIZERS[optimizer], loss_fn=lm_loss)
+    engine = PipelineEngine(layers, ctx, uniform(len(layers), pp * chunks), len(batches[0]), schedule,
+                            optimizer=OPTIMIZERS[optimizer], loss_fn=lm_loss, chunks=chunks)
     losses = [engine.train_batch(iter(step)).loss for step in batches]
     return engine, losses
 
 
 def oracle_cases(rank: int, world: int, cases, steps: int = 3):
-    """For every (schedule, m, tied[, optimizer]): this rank's stage after ``steps`` steps vs the reference.
+    """For every (schedule, m, tied[, optimizer[, chunks]]): this rank's stage after ``steps`` steps vs the reference.
 
     Returns per case: (number of tensors compared, number not bitwise equal, max abs difference,
     pipeline losses, reference losses, this rank's tied weight if any).
     """
     report = []
-    for schedule, m, tied, *opt in cases:
-        opt = opt[0] if opt else "adamw"
+    for schedule, m, tied, *rest in cases:
+        opt, chunks = (list(rest) + ["adamw", 1][len(rest):])[:2]
         cfg = GPTConfig(**TINY, tie_word_embeddings=tied)
         batches = make_batches(steps, m, cfg.vocab_size)
         ref_params, ref_losses = single_process(cfg, batches, opt)
-        engine, losses = pipeline_run(cfg, world, schedule, batches, opt)
+        engine, losses = pipeline_run(cfg, world, schedule, batches, opt, chunks=chunks)
         n, unequal, max_diff = 0, 0, 0.0
-        for name, p in engine.stage.named_layer_parameters():
+        for name, p in engine.named_parameters():
             ref = ref_params[name]
             n += 1
             unequal += int(not torch.equal(p.detach(), ref.detach()))
             max_diff = max(max_diff, (p.detach() - ref.detach()).abs().max().item())
-        tied_copy = next(iter(engine.stage.tie_members.values())).detach().clone() if engine.stage.tie_members else None
+        tied_copy = next(iter(engine.ties.members.values())).detach().clone() if engine.ties.members else None
         report.append((n, unequal, max_diff, losses, ref_losses, tied_copy))
     return report

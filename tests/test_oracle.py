@@ -15,13 +15,16 @@ import torch
 from tests.dist_harness import run_world
 from tests.oracle_workers import oracle_cases
 
-CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b") for m in (1, 3, 8)]
+CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b", "zbh1") for m in (1, 3, 8)]
+# Interleaved 1F1B: two model chunks per rank, micro-batches a multiple of pp (7 layers -> 4 stages).
+INTERLEAVED = [("interleaved", m, False, "adamw", 2) for m in (2, 4)]
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_bitwise_equals_single_process(pp):
-    reports = run_world(oracle_cases, pp, CASES, timeout_s=240)
-    for case_index, case in enumerate(CASES):
+    cases = CASES + (INTERLEAVED if pp == 2 else [])
+    reports = run_world(oracle_cases, pp, cases, timeout_s=300)
+    for case_index, case in enumerate(cases):
         compared = sum(r[case_index][0] for r in reports)
         unequal = [r[case_index][1] for r in reports]
         assert compared > 0

@@ -22,6 +22,10 @@ from mp_toolkit.schedule import Action, Kind
 MicroBatch = tuple  # (inputs: Tensor | tuple[Tensor, ...], labels: Tensor)
 
 
+def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return grad if grad is not None else torch.zeros_like(like)
+
+
 def _float_parts(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The differentiable tensors of a message; ints and bools travel without gradients."""
     return [t for t in tensors if t.is_floating_point()]
@@ -44,20 +48,24 @@ class Executor:
         self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
         self.p2p, self.input_specs, self.loss_fn = p2p, input_specs, loss_fn
         self.last_stage = len(self.stage_to_rank) - 1
-        self.handlers = {Kind.F: self._forward, Kind.B: self._backward}
+        self.handlers = {Kind.F: self._forward, Kind.B: self._backward,
+                         Kind.I: self._backward_input, Kind.W: self._backward_weight}
 
     def run(self, actions: Sequence[Action], microbatches: Sequence[MicroBatch],
-            loss_divisor: int = 1, grad: bool = True) -> list[torch.Tensor]:
-        """Run ``actions``; return the scaled losses of the micro-batches (last stage only).
+            loss_divisor: int = 1, loss_scale: float = 1.0, grad: bool = True) -> list[torch.Tensor]:
+        """Run ``actions``; return the losses / m of the micro-batches (last stage only).
 
-        ``loss_divisor`` divides each micro-batch loss before backward (m, for accumulation).
+        ``loss_divisor`` divides each micro-batch loss before backward (m, for accumulation);
+        ``loss_scale`` multiplies the loss that is differentiated (fp16 loss scaling), not the
+        one returned.
         ``grad=False`` runs forward-only actions under no_grad (evaluation).
         """
-        self._mbs, self._div, self._grad = microbatches, loss_divisor, grad
+        self._mbs, self._div, self._scale, self._grad = microbatches, loss_divisor, loss_scale, grad
         self._inputs: dict = {}
         self._outputs: dict = {}
         self._grads: dict = {}
         self._losses: dict = {}
+        self._deferred: dict = {}  # (stage, mb) -> what W differentiates, kept from I
         i = 0
         with torch.set_grad_enabled(grad):
             while i < len(actions):
@@ -86,28 +94,68 @@ class Executor:
         return tuple(t.detach().requires_grad_(self._grad and t.is_floating_point()) for t in received)
 
     def _forward(self, a: Action) -> None:
-        inputs = self._stage_inputs(a.stage, a.microbatch)
-        outputs = as_tuple(self.stages[a.stage](*inputs))
-        if a.stage == self.last_stage:
-            loss = self.loss_fn(outputs[0], self._mbs[a.microbatch][1]) / self._div
-            self._losses[a.microbatch] = loss
-        self._outputs[(a.stage, a.microbatch)] = (inputs, outputs)
+        s, k = a.stage, a.microbatch
+        inputs = self._stage_inputs(s, k)
+        outputs = as_tuple(self.stages[s](*inputs))
+        if s == self.last_stage:
+            logits = outputs[0]
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()  # the loss and its softmax in fp32 under mixed precision
+            self._losses[k] = self.loss_fn(logits, self._mbs[k][1]) / self._div
+        elif self._local(s + 1):  # the next stage is on this rank: hand the activations over
+            self._inputs[(s + 1, k)] = outputs
+        self._outputs[(s, k)] = (inputs, outputs)
+
+    def _roots(self, s: int, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """What to differentiate for (stage, micro-batch): the scaled loss, or outputs and their grads."""
+        if s == self.last_stage:
+            loss = self._losses[k]
+            self._losses[k] = loss.detach()
+            return [loss * self._scale if self._scale != 1.0 else loss], None
+        _, outputs = self._outputs[(s, k)]
+        grads = self._grads.pop((s, k))
+        pairs = [(o, g) for o, g in zip(_float_parts(outputs), grads) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _hand_back(self, s: int, k: int, input_grads: tuple[torch.Tensor, ...]) -> None:
+        """Input gradients go to the previous stage: locally, or queued for SEND_B."""
+        if s == 0:
+            return
+        key = (s - 1, k) if self._local(s - 1) else ("send", s, k)
+        self._grads[key] = input_grads
 
     def _backward(self, a: Action) -> None:
-        inputs, outputs = self._outputs.pop((a.stage, a.microbatch))
-        if a.stage == self.last_stage:
-            loss = self._losses[a.microbatch]
-            self._losses[a.microbatch] = loss.detach()
-            loss.backward()
-        else:
-            grads = self._grads.pop((a.stage, a.microbatch))
-            pairs = [(o, g) for o, g in zip(_float_parts(outputs), grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if a.stage > 0:
-            self._grads[("send", a.stage, a.microbatch)] = tuple(
-                t.grad if t.grad is not None else torch.zeros_like(t) for t in _float_parts(inputs)
-            )
+        """Full backward (B): weight and input gradients in one pass."""
+        s, k = a.stage, a.microbatch
+        roots, grads = self._roots(s, k)
+        inputs, _ = self._outputs.pop((s, k))
+        if roots:
+            torch.autograd.backward(roots, grads)
+        self._hand_back(s, k, tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                                    for t in _float_parts(inputs)))
+
+    def _backward_input(self, a: Action) -> None:
+        """I of zero-bubble schedules: input gradients only; the graph is kept for W."""
+        s, k = a.stage, a.microbatch
+        roots, grads = self._roots(s, k)
+        inputs, _ = self._outputs[(s, k)]
+        leaves = [t for t in _float_parts(inputs) if t.requires_grad]
+        got = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True) if roots and leaves else ()
+        by_leaf = dict(zip(map(id, leaves), got))
+        self._hand_back(s, k, tuple(_or_zeros(by_leaf.get(id(t)), t) for t in _float_parts(inputs)))
+        self._deferred[(s, k)] = (roots, grads)
+
+    def _backward_weight(self, a: Action) -> None:
+        """W of zero-bubble schedules: weight gradients, accumulated in micro-batch order."""
+        s, k = a.stage, a.microbatch
+        roots, grads = self._deferred.pop((s, k))
+        self._outputs.pop((s, k))
+        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        if roots and params:
+            torch.autograd.backward(roots, grads, inputs=params)
+
+    def _local(self, stage: int) -> bool:
+        return self.stage_to_rank[stage] == self.rank
 
     # --- communication -----------------------------------------------------------------------
     def _communicate(self, comms: Sequence[Action]) -> None:

@@ -4,11 +4,8 @@ Micro-batching *is* gradient accumulation: each micro-batch loss is multiplied b
 backward (DESIGN.md invariant 5), so after the schedule the gradients are those of the mean loss
 over the global batch, exactly as single-process accumulation over the same micro-batches.
 
-The order of the step, in one place::
-
-    run schedule actions -> sum tied-weight gradients over their stages
-        -> global gradient norm over all stages (tied weights counted once) -> optional clip
-        -> optimizer step -> zero gradients
+After the schedule, `mp_toolkit.engine.step.OptimizerStep` closes the batch (unscale, tied
+gradients, overflow consensus, global-norm clip, step, copy back) in the order written there.
 
 Launch (each rank runs the same program)::
 
@@ -25,12 +22,19 @@ import torch
 import torch.distributed as dist
 
 from mp_toolkit.engine.executor import Executor, agree_specs
+from mp_toolkit.engine.step import OptimizerStep
 from mp_toolkit.engine.ties import TiedGradients
 from mp_toolkit.layers import LayerList
-from mp_toolkit.optim.clip import clip_by_global_norm, global_grad_norm
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler
+from mp_toolkit.optim.master import MasterWeights, precision_dtype
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.p2p import P2P
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
+
+
+def _ratio_values(ratios) -> list[float]:
+    values = ratios.values() if isinstance(ratios, dict) else ratios
+    return [float(v) for v in values]
 
 
 def forward_only(schedule: Schedule) -> tuple[tuple, ...]:
@@ -41,44 +45,73 @@ def forward_only(schedule: Schedule) -> tuple[tuple, ...]:
 
 @dataclass
 class StepStats:
-    """What one `train_batch` measured: mean loss and pre-clip global gradient norm."""
+    """What one `train_batch` measured and decided."""
 
     loss: float
+    """Mean loss over the global batch (unscaled)."""
     grad_norm: float
+    """Global gradient norm before clipping (nan when the step was skipped)."""
+    skipped: bool = False
+    """True when inf/nan gradients on any rank made every rank skip the step."""
+    loss_scale: float = 1.0
+    """The loss scale this batch used."""
 
 
 class PipelineEngine:
-    """Trains the stage of a LayerList that this rank holds.
+    """Trains the stages of a LayerList that this rank holds (one, or v under interleaving).
 
     Args:
         layer_list: the whole model as a LayerList (every rank builds it identically).
         ctx: this rank's ParallelContext.
-        boundaries: partition ``[0, b1, ..., len(layer_list)]`` with ``ctx.pp`` stages.
+        boundaries: partition ``[0, b1, ..., len(layer_list)]`` with ``ctx.pp * chunks`` stages.
         num_microbatches: m, micro-batches per global batch.
-        schedule: schedule name ("1f1b", "gpipe").
-        optimizer: callable(params) -> torch.optim.Optimizer for this stage's parameters.
+        schedule: schedule name ("gpipe", "1f1b", "interleaved", "zbh1").
+        optimizer: callable([(name, param), ...]) -> torch.optim.Optimizer over this stage's
+            (fp32 master) parameters, named as in the unsplit LayerList.
         loss_fn: (last stage output, labels) -> mean loss of one micro-batch.
         clip_grad: max global gradient norm, or None for no clipping.
+        precision: "fp32", "fp16" or "bf16": the dtype the stage computes and communicates in;
+            the optimizer always holds fp32 masters.
+        loss_scaler: scaler of the loss before backward (fp16); None means a scale of 1.
+        chunks: model chunks per rank (interleaved 1F1B); stage s runs on pipeline rank s % pp.
     """
 
     def __init__(self, layer_list: LayerList, ctx: ParallelContext, boundaries: Sequence[int],
                  num_microbatches: int, schedule: str, optimizer: Callable, loss_fn: Callable,
-                 clip_grad: float | None = None):
-        if len(boundaries) != ctx.pp + 1:
-            raise ValueError(f"partition {list(boundaries)} has {len(boundaries) - 1} stages, expected --pp {ctx.pp}")
+                 clip_grad: float | None = None, precision: str = "fp32",
+                 loss_scaler: DynamicLossScaler | None = None, chunks: int = 1):
         if ctx.tp != 1 or ctx.dp != 1:
             raise NotImplementedError("the pipeline engine supports tp=1 and dp=1 so far")
-        self.ctx, self.boundaries, self.m = ctx, list(boundaries), num_microbatches
-        s = ctx.pp_rank
-        self.stage = layer_list.slice(boundaries[s], boundaries[s + 1], s).to(ctx.device)
-        self.schedule = get_schedule(schedule, ctx.pp, num_microbatches)
+        self.schedule = get_schedule(schedule, ctx.pp, num_microbatches, num_chunks=chunks)
         validate(self.schedule)
-        self.ties = TiedGradients(layer_list, boundaries, ctx, self.stage)
+        n_stages = self.schedule.num_stages
+        if len(boundaries) != n_stages + 1:
+            raise ValueError(f"partition {list(boundaries)} has {len(boundaries) - 1} stages, expected {n_stages}"
+                             f" (--pp {ctx.pp} x --chunks {chunks})")
+        self.ctx, self.boundaries, self.m = ctx, list(boundaries), num_microbatches
+        dtype = precision_dtype(precision)
+        self.stages = {s: layer_list.slice(boundaries[s], boundaries[s + 1], s).to(ctx.device, dtype)
+                       for s in self.schedule.stages_of(ctx.pp_rank)}
+        self.stage = self.stages[min(self.stages)]  # the first (with one chunk: the only) stage
+        self.ties = TiedGradients(layer_list, boundaries, ctx, self.stages, self.schedule.stage_to_rank)
         self.p2p = P2P(ctx.device) if ctx.pp > 1 else None
         self.stage_to_rank = [ctx.stage_rank(i) for i in self.schedule.stage_to_rank]
-        self.loss_fn, self.clip_grad = loss_fn, clip_grad
-        self.optimizer = optimizer(list(self.stage.parameters()))
+        self.loss_fn = loss_fn
+        named = self.named_parameters()
+        self.masters = MasterWeights([p for _, p in named])
+        self.optimizer = optimizer([(n, m) for (n, _), m in zip(named, self.masters.master)])
+        self.step = OptimizerStep(ctx, self.masters, self.optimizer, self.ties, clip_grad, loss_scaler)
         self.executor: Executor | None = None
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters over all its stages, named as in the unsplit LayerList."""
+        seen, out = set(), []
+        for index in sorted(self.stages):
+            for name, p in self.stages[index].named_layer_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
 
     def _next_global_batch(self, data_iter: Iterator) -> list:
         mbs = list(itertools.islice(data_iter, self.m))
@@ -90,9 +123,8 @@ class PipelineEngine:
 
     def _executor(self, sample_inputs) -> Executor:
         if self.executor is None:  # shapes are agreed once, on the first batch, and cached
-            stages = {self.ctx.pp_rank: self.stage}
-            specs = agree_specs(stages, self.stage_to_rank, self.ctx.rank, self.p2p, sample_inputs)
-            self.executor = Executor(stages, self.stage_to_rank, self.ctx.rank, self.p2p, specs, self.loss_fn)
+            specs = agree_specs(self.stages, self.stage_to_rank, self.ctx.rank, self.p2p, sample_inputs)
+            self.executor = Executor(self.stages, self.stage_to_rank, self.ctx.rank, self.p2p, specs, self.loss_fn)
         return self.executor
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
@@ -101,28 +133,36 @@ class PipelineEngine:
         for loss in losses:  # ascending micro-batch order, as single-process accumulation adds them
             total += loss.detach().float()
         if self.ctx.pp_group is not None:
-            dist.broadcast(total, src=self.ctx.stage_rank(self.ctx.pp - 1), group=self.ctx.pp_group)
+            dist.broadcast(total, src=self.stage_to_rank[-1], group=self.ctx.pp_group)
         return total.item()
 
     def train_batch(self, data_iter: Iterator) -> StepStats:
         """Run every micro-batch of one global batch and take one optimizer step."""
-        self.stage.train()
+        for stage in self.stages.values():
+            stage.train()
         mbs = self._next_global_batch(data_iter)
         actions = self.schedule.rank_actions(self.ctx.pp_rank)
-        losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m)
-        self.ties.all_reduce()
-        params = list(self.stage.parameters())
-        counted = [p for p in params if self.ties.counted_in_norm(p)]
-        norm = global_grad_norm(counted, group=self.ctx.model_group, device=self.ctx.device)
-        if self.clip_grad is not None:
-            clip_by_global_norm(params, norm, self.clip_grad)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss=self._mean_loss(losses), grad_norm=float(norm))
+        losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, loss_scale=self.step.loss_scale)
+        result = self.step()
+        return StepStats(loss=self._mean_loss(losses), grad_norm=result.grad_norm,
+                         skipped=result.skipped, loss_scale=result.loss_scale)
+
+    def trust_ratio_stats(self) -> list[dict] | None:
+        """Per stage min / median / max of the last step's trust ratios (LAMB, LARS), on every rank."""
+        if not hasattr(self.optimizer, "last_trust_ratios"):
+            return None
+        ratios = torch.tensor(list(_ratio_values(self.optimizer.last_trust_ratios())) or [float("nan")])
+        mine = torch.stack([ratios.min(), ratios.median(), ratios.max()]).float().to(self.ctx.device)
+        rows = [mine]
+        if self.ctx.pp_group is not None:
+            rows = [torch.empty_like(mine) for _ in range(self.ctx.pp)]
+            dist.all_gather(rows, mine, group=self.ctx.pp_group)
+        return [{"stage": i, "min": r[0].item(), "median": r[1].item(), "max": r[2].item()} for i, r in enumerate(rows)]
 
     def eval_batch(self, data_iter: Iterator) -> float:
         """Mean loss of one global batch, forward only, no step."""
-        self.stage.eval()
+        for stage in self.stages.values():
+            stage.eval()
         mbs = self._next_global_batch(data_iter)
         actions = forward_only(self.schedule)[self.ctx.pp_rank]
         losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, grad=False)

@@ -30,29 +30,43 @@ def tie_stages(layer_list: LayerList, boundaries: Sequence[int]) -> list[list[in
 
 
 class TiedGradients:
-    """Sums tied-weight gradients over the stages that share them."""
+    """Sums tied-weight gradients over the ranks whose stages share them.
 
-    def __init__(self, layer_list: LayerList, boundaries: Sequence[int], ctx: ParallelContext, stage: StageModule):
-        self.stage = stage
+    ``stages`` are the stages this rank holds (several under interleaved schedules);
+    ``stage_rank`` maps a stage index to the global rank that holds it, for every tp/dp replica
+    through ``ctx``.
+    """
+
+    def __init__(self, layer_list: LayerList, boundaries: Sequence[int], ctx: ParallelContext,
+                 stages: dict[int, StageModule], stage_to_pp_rank: Sequence[int]):
+        self.members: dict[int, torch.nn.Parameter] = {}  # tie group index -> this rank's copy
+        for index in sorted(stages):
+            for g, param in stages[index].tie_members.items():
+                self.members.setdefault(g, param)
         self.groups: dict[int, object] = {}  # tie group index -> process group (this rank's)
-        self.not_counted: set[int] = set()  # id() of tied params another stage counts in norms
-        for g, stages in enumerate(tie_stages(layer_list, boundaries)):
-            if len(stages) < 2:
+        self.not_counted: set[int] = set()  # id() of tied params another rank counts in norms
+        for g, tied_stages in enumerate(tie_stages(layer_list, boundaries)):
+            pp_ranks = sorted({stage_to_pp_rank[s] for s in tied_stages})
+            if len(pp_ranks) < 2:
                 continue
             # new_group is collective over the world: every rank creates every replica's group.
             for tp_rank in range(ctx.tp):
                 for dp_rank in range(ctx.dp):
-                    ranks = [grid_rank(s, tp_rank, dp_rank, ctx.tp, ctx.dp) for s in stages]
+                    ranks = [grid_rank(r, tp_rank, dp_rank, ctx.tp, ctx.dp) for r in pp_ranks]
                     pg = dist.new_group(ranks)
                     if ctx.rank in ranks:
                         self.groups[g] = pg
-            if g in stage.tie_members and stage.index != stages[0]:
-                self.not_counted.add(id(stage.tie_members[g]))
+            if g in self.members and ctx.pp_rank != pp_ranks[0]:
+                self.not_counted.add(id(self.members[g]))
 
-    def all_reduce(self) -> None:
-        """Sum each shared weight's gradient over its stages (a missing gradient counts as 0)."""
+    def all_reduce(self, master_of=lambda p: p) -> None:
+        """Sum each shared weight's gradient over its ranks (a missing gradient counts as 0).
+
+        ``master_of`` maps a model parameter to the tensor whose ``.grad`` the optimizer reads
+        (its fp32 master under mixed precision).
+        """
         for g, pg in self.groups.items():
-            param = self.stage.tie_members[g]
+            param = master_of(self.members[g])
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=pg)

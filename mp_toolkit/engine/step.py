@@ -1,0 +1,75 @@
+"""The optimizer step that closes a global batch, in the one order that keeps ranks in agreement.
+
+    unscale (model grads -> fp32 master grads x 1/loss_scale)
+      -> sum tied-weight gradients over their stages
+      -> overflow consensus: inf/nan on any rank that holds the model means every rank skips
+      -> global gradient norm over all stages (tied weights counted once) -> clip
+      -> optimizer step on the masters -> copy masters back into the model (fp16/bf16)
+      -> loss scaler update
+
+DESIGN.md invariant 6: one global decision per step. A skipped step leaves every parameter and
+optimizer state unchanged on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mp_toolkit.engine.ties import TiedGradients
+from mp_toolkit.optim.clip import clip_by_global_norm, global_grad_norm
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler, has_inf_or_nan
+from mp_toolkit.optim.master import MasterWeights
+from mp_toolkit.parallel.context import ParallelContext
+
+
+@dataclass
+class StepResult:
+    """What the step decided: pre-clip global norm, whether it was skipped, the scale it used."""
+
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+def any_rank_true(flag: bool, device: torch.device) -> bool:
+    """MAX all-reduce of a flag over every rank (a no-op in one process)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+class OptimizerStep:
+    """Owns the masters, the optimizer and the loss scaler of one stage."""
+
+    def __init__(self, ctx: ParallelContext, masters: MasterWeights, optimizer: torch.optim.Optimizer,
+                 ties: TiedGradients, clip_grad: float | None, scaler: DynamicLossScaler | None):
+        self.ctx, self.masters, self.optimizer, self.ties = ctx, masters, optimizer, ties
+        self.clip_grad, self.scaler = clip_grad, scaler
+        self.counted = [masters.of(p) for p in masters.model if ties.counted_in_norm(p)]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def __call__(self) -> StepResult:
+        scale = self.loss_scale
+        self.masters.grads_to_master(1.0 / scale)
+        self.ties.all_reduce(self.masters.of)
+        overflow = any_rank_true(has_inf_or_nan([m.grad for m in self.masters.master if m.grad is not None]),
+                                 self.ctx.device)
+        norm = float("nan")
+        if not overflow:
+            total = global_grad_norm(self.counted, group=self.ctx.model_group, device=self.ctx.device)
+            norm = float(total)
+            if self.clip_grad is not None:
+                clip_by_global_norm(self.masters.master, total, self.clip_grad)
+            self.optimizer.step()
+            self.masters.copy_back()
+        self.masters.zero_grad()
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        return StepResult(grad_norm=norm, skipped=overflow, loss_scale=scale)
