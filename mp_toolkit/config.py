@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "auto")
 OPTIMIZERS = ("adamw", "adam", "adagrad", "rmsprop", "sgd", "lamb", "lars")
 LR_DECAYS = ("none", "linear", "cosine")
 PARTITION_METHODS = ("uniform", "parameters")
@@ -51,7 +51,8 @@ class TrainConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
     precision: str = "fp32"
-    """fp32, fp16 (fp32 masters, dynamic loss scaling) or bf16 (fp32 masters, no scaling)."""
+    """fp32, fp16 (fp32 masters, dynamic loss scaling), bf16 (fp32 masters, no scaling), or auto:
+    bf16 where this device multiplies bf16 fast (CUDA, AMX / AVX512-BF16 CPUs), else fp32."""
     loss_scale: float = 0.0
     """fp16: a static loss scale when > 0 (DeepSpeed's fp16.loss_scale); 0 means dynamic."""
     initial_scale_power: int = 16

@@ -8,6 +8,7 @@ Entry point (each rank)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.lr import WarmupDecay, set_lr
+from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
 from mp_toolkit.schedule import get_schedule
@@ -185,6 +187,9 @@ def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
 
 
 def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device) -> list[dict]:
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))
+    if env.rank == 0:
+        print(f"precision {cfg.precision}, optimizer {cfg.optimizer}, schedule {cfg.schedule}, pp {cfg.pp}")
     ctx = build_context(cfg.pp, device=device)
     gpt = model_config(cfg)
     torch.manual_seed(cfg.seed)  # every rank builds the same full model, then keeps its stage

@@ -91,3 +91,20 @@ def test_unknown_flag_and_schedule(capsys, tmp_path):
 
 def test_bad_partition(capsys, tmp_path):
     _bad(capsys, *BASE, "--model", "gpt-tiny", "--pp", "2", "--partition", "0,9", mentions="0,9")
+
+
+def test_bad_numerics_flags(capsys, tmp_path):
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--lr", "-1", mentions="--lr -1")
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--lr", "nan", mentions="--lr nan")
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--weight-decay", "-0.1", mentions="--weight-decay")
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--clip-grad", "-2", mentions="--clip-grad")
+    _bad(capsys, "train", "--precision", "fp8", mentions="fp8")
+    _bad(capsys, "train", "--optimizer", "adafactor", mentions="adafactor")
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--min-lr", "1", "--lr", "0.1", mentions="--min-lr")
+
+
+def test_bad_schedule_shapes(capsys, tmp_path):
+    # interleaved needs micro-batches a multiple of pp, and pp x chunks stages within the layers
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--pp", "2", "--schedule", "interleaved", mentions="multiple")
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--pp", "2", "--schedule", "interleaved", "--chunks", "4",
+         "--microbatches", "4", mentions="--chunks 4")

@@ -32,9 +32,11 @@ from mp_toolkit.parallel.p2p import P2P
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
 
 
-def _ratio_values(ratios) -> list[float]:
-    values = ratios.values() if isinstance(ratios, dict) else ratios
-    return [float(v) for v in values]
+def _adapted_ratios(optimizer) -> list[float]:
+    """Last step's trust ratios of the tensors that layer adaptation applies to (not the 1.0s of
+    biases and norms, which ``adapt=False`` excludes)."""
+    adapted = {id(p) for g in optimizer.param_groups if g.get("adapt", True) for p in g["params"]}
+    return [float(v) for p, v in optimizer.last_trust_ratios().items() if id(p) in adapted]
 
 
 def forward_only(schedule: Schedule) -> tuple[tuple, ...]:
@@ -151,7 +153,7 @@ class PipelineEngine:
         """Per stage min / median / max of the last step's trust ratios (LAMB, LARS), on every rank."""
         if not hasattr(self.optimizer, "last_trust_ratios"):
             return None
-        ratios = torch.tensor(list(_ratio_values(self.optimizer.last_trust_ratios())) or [float("nan")])
+        ratios = torch.tensor(_adapted_ratios(self.optimizer) or [float("nan")])
         mine = torch.stack([ratios.min(), ratios.median(), ratios.max()]).float().to(self.ctx.device)
         rows = [mine]
         if self.ctx.pp_group is not None:

@@ -14,6 +14,25 @@ import torch
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matrix products run on a fast path here: CUDA, or a CPU with AMX / AVX512-BF16.
+
+    Elsewhere (e.g. CPUs without those instructions) bf16 is emulated and several times slower
+    than fp32, so `resolve_precision("auto")` keeps fp32 there.
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """``auto`` -> bf16 where it is fast (`fast_bf16`), else fp32; other names pass through."""
+    if name == "auto":
+        return "bf16" if fast_bf16(device) else "fp32"
+    return name
+
+
 def precision_dtype(name: str) -> torch.dtype:
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {name!r}: choose one of {', '.join(PRECISIONS)}")
