@@ -175,6 +175,27 @@ def test_lamb_default_wave_on_a_large_tensor_and_grad_holds_the_update():
     torch.testing.assert_close(before - p.detach(), 0.5 * opt.last_trust_ratios()[p] * p.grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("wave", [64, None])
+@pytest.mark.parametrize("path", ["foreach-fused", "foreach-plain"])
+def test_lamb_update_of_a_tensor_is_bitwise_independent_of_the_other_tensors(monkeypatch, wave, path):
+    """A pipeline stage's optimizer holds a subset of the unsplit model's tensors: each tensor's
+    update and trust ratio must be bitwise those of the optimizer over all tensors (the oracle)."""
+    set_path(monkeypatch, path)
+    big = ((30, 20), 0.1, 1.0)  # several 64-element waves; with the real wave size, several of those:
+    if wave is None:
+        monkeypatch.setitem(lamb_module._WAVE, "cpu", 1 << 18)
+        big = ((600, 500), 0.1, 1.0)
+    init, grads = make_data(seed=6, tensors=TENSORS + [big], steps=3)
+    whole, whole_ratios = run(LAMB, init, grads, [(list(range(6)), {})])
+    for stages in ([[0, 1, 2], [3, 4, 5]], [[1, 4], [0, 2, 3, 5]]):
+        for stage in stages:
+            sub = [init[i] for i in stage]
+            got, ratios = run(LAMB, sub, [[g[i] for i in stage] for g in grads], [(list(range(len(stage))), {})])
+            for j, i in enumerate(stage):
+                assert torch.equal(got[j], whole[i]), (stage, i)
+                assert ratios[j] == whole_ratios[i]
+
+
 def test_lamb_state_dict_round_trip_resumes_exactly():
     init, grads = make_data(seed=3)
     straight, _ = run(LAMB, init, grads, [([0, 1, 2, 3, 4], {})])

@@ -13,7 +13,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import numbers
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ def allreduce_sharded_squares(squares: torch.Tensor, sharded: Sequence[bool], tp
 
 def check_hparam(owner: str, name: str, value, *, positive: bool = False) -> None:
     """Raise a ValueError naming ``owner``'s hyper-parameter unless it is a finite number >= 0 (> 0)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (positive and value == 0):
         need = "> 0" if positive else ">= 0"
         raise ValueError(f"{owner}: {name} must be a finite number {need}, got {value!r}")
@@ -82,7 +83,7 @@ def check_betas(owner: str, betas) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
-        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0.0 <= b < 1.0:
+        if not isinstance(b, numbers.Real) or isinstance(b, bool) or not 0.0 <= b < 1.0:
             raise ValueError(f"{owner}: betas[{i}] must be in [0, 1), got {b!r}")
 
 
@@ -91,10 +92,3 @@ def optional_hparam(owner: str, name: str, value, *, positive: bool = False) -> 
     if value is not None:
         check_hparam(owner, name, value, positive=positive)
 
-
-def grad_squares(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Squared 2-norms (fp32) of a list of tensors, with one multi-tensor reduction."""
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    return [n.float().square() for n in torch._foreach_norm(tensors)]

@@ -17,7 +17,7 @@ summed over ``tp_group`` in one all-reduce per step for all shards together, so 
 the whole tensor's; no traffic ever crosses pipeline stages.
 
 The multi-tensor path (default on CPU and CUDA) makes two passes over memory. Pass 1 walks the
-tensors in cache-sized *waves* of chunks: ``s = wd w`` into a wave scratch, then one fused kernel
+tensors in cache-sized *waves* of chunks: ``s = wd w`` in a wave scratch, then one fused kernel
 (torch's multi-tensor Adam, ``torch._fused_adam_``, with ``lr = -1``: it computes
 ``s - lr m_hat / (sqrt(v_hat) + eps) = u`` while updating m and v in the same sweep over g, m, v);
 the chunk norms of w and u are taken while the wave is in cache and u is stored into the gradient's
@@ -38,8 +38,12 @@ import torch
 from mp_toolkit.optim.groups import (allreduce_sharded_squares, check_betas, check_hparam, is_tensor_parallel,
                                      optional_hparam)
 
-_WAVE = {"cpu": 1 << 17, "cuda": 1 << 22}
-"""Elements per wave: CPU, 512 KiB per operand so a wave's g, m, v, w and scratch stay in cache."""
+_WAVE = {"cpu": 1 << 18, "cuda": 1 << 22}
+"""Elements per wave. CPU: 1 MiB per operand, so a wave's w, g, m, v and scratch (5 MiB) stay in
+cache between the few ops of pass 1 (measured best of 2^16..2^19 with tools/bench_optim.py)."""
+_ALIGN = 16
+"""Scratch chunks start at multiples of 16 elements (64 bytes): BLAS's dot, which takes the norms
+on CPU, rounds differently at different alignments."""
 _HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")
 
 
@@ -47,28 +51,51 @@ _HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")
 class _Plan:
     """How a list of tensors (by numel) is cut into chunks and the chunks into waves."""
 
-    sizes: tuple[tuple[int, ...], ...]            # chunk sizes of each tensor
+    sizes: tuple[tuple[int, ...], ...]              # chunk sizes of each tensor
     waves: tuple[tuple[tuple[int, int], ...], ...]  # per wave: (tensor index, chunk index)
-    owner: torch.Tensor                            # tensor index of every chunk, in wave order
+    offsets: tuple[tuple[int, ...], ...]            # per wave: each chunk's offset in the scratch
+    owner: torch.Tensor                             # tensor index of every chunk, in wave order
+
+
+@dataclass(frozen=True)
+class _Wave:
+    """One wave's chunk views (params, moments, scratch) and the step tensor of each chunk."""
+
+    chunks: tuple[tuple[int, int], ...]
+    p: list[torch.Tensor]
+    m: list[torch.Tensor]
+    v: list[torch.Tensor]
+    s: list[torch.Tensor]
+    steps: list[torch.Tensor]
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 def _plan(numels: tuple[int, ...], wave: int) -> _Plan:
-    sizes: list[list[int]] = [[] for _ in numels]
-    waves: list[list[tuple[int, int]]] = [[]]
-    fill = 0
-    for i, n in enumerate(numels):
-        off = 0
-        while off < n:
-            take = min(n - off, wave - fill)
-            waves[-1].append((i, len(sizes[i])))
-            sizes[i].append(take)
-            off, fill = off + take, fill + take
-            if fill == wave:
+    """Cut each tensor at offsets 0, wave, 2 wave, ... and pack whole chunks into waves whose
+    scratch (chunks at 64-byte aligned offsets) holds at most ``wave`` elements.
+
+    A tensor's chunks and their scratch alignment never depend on its neighbours, so its update
+    and trust ratio are bitwise the same whichever other tensors share the optimizer (a pipeline
+    stage holds a subset of the unsplit model's tensors: DESIGN.md invariant 1).
+    """
+    sizes = tuple(tuple(min(wave, n - off) for off in range(0, n, wave)) for n in numels)
+    waves: list[list[tuple[int, int]]] = []
+    offsets: list[list[int]] = []
+    fill = wave
+    for i, chunk_sizes in enumerate(sizes):
+        for c, k in enumerate(chunk_sizes):
+            if _align(fill) + k > wave:
                 waves.append([])
+                offsets.append([])
                 fill = 0
-    waves = [w for w in waves if w]
+            waves[-1].append((i, c))
+            offsets[-1].append(_align(fill))
+            fill = _align(fill) + k
     owner = torch.tensor([i for w in waves for i, _ in w], dtype=torch.long)
-    return _Plan(tuple(map(tuple, sizes)), tuple(map(tuple, waves)), owner)
+    return _Plan(sizes, tuple(map(tuple, waves)), tuple(map(tuple, offsets)), owner)
 
 
 class LAMB(torch.optim.Optimizer):
@@ -80,7 +107,8 @@ class LAMB(torch.optim.Optimizer):
         min_trust, max_trust: clamp of the trust ratio (DeepSpeed's ``min_coeff`` / ``max_coeff``);
             None means unbounded. The ratio 1 used for a zero norm is not clamped (as DeepSpeed).
         max_grad_norm: NVLAMB global gradient pre-normalisation; None (default) is off.
-        foreach: multi-tensor path; None means True when every param is on CPU or CUDA.
+        foreach: multi-tensor path; None means True when every param is on CPU or CUDA. Tensors it
+            cannot take (other devices, non-contiguous ones) go through the per-tensor loop.
         tp_group: the tensor-parallel process group, or None.
     """
 
@@ -94,7 +122,7 @@ class LAMB(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.max_grad_norm, self.foreach, self.tp_group = max_grad_norm, foreach, tp_group
         self._last: dict[torch.Tensor, float] = {}
-        self._plans: dict[tuple, _Plan] = {}
+        self._waves: dict[tuple, tuple] = {}      # per bucket: (signature, plan, waves)
         self._scratch: dict[tuple, torch.Tensor] = {}
 
     def add_param_group(self, param_group: dict) -> None:
@@ -179,30 +207,51 @@ class LAMB(torch.optim.Optimizer):
 
     def _wave_pass(self, group, ps, gs, ms, vs, steps, scale) -> torch.Tensor:
         """Pass 1 of the multi-tensor path over one (device, dtype) bucket."""
-        device, wave = ps[0].device, _WAVE[ps[0].device.type]
-        key = (tuple(p.numel() for p in ps), wave)
-        plan = self._plans.get(key) or self._plans.setdefault(key, _plan(*key))
-        skey = (device, ps[0].dtype)
-        if skey not in self._scratch:
-            self._scratch[skey] = torch.empty(wave, dtype=ps[0].dtype, device=device)
-        scratch, wd = self._scratch[skey], group["weight_decay"]
-        if not group["bias_correction"]:  # b^inf = 0: the kernels' bias corrections become 1
-            steps = [torch.full((), math.inf, dtype=torch.float32, device=device)] * len(steps)
-        split = lambda ts: [t.view(-1).split(s) for t, s in zip(ts, plan.sizes)]  # noqa: E731
-        P, G, M, V = split(ps), split(gs), split(ms), split(vs)
-        norms = []
-        for wave_chunks in plan.waves:
-            p, g = [P[i][c] for i, c in wave_chunks], [G[i][c] for i, c in wave_chunks]
-            m, v = [M[i][c] for i, c in wave_chunks], [V[i][c] for i, c in wave_chunks]
-            s = list(scratch[: sum(t.numel() for t in p)].split([t.numel() for t in p]))
-            for pi, si in zip(p, s):
-                torch.mul(pi, wd, out=si)                      # s = wd w
-            _adam_direction(group, s, g, m, v, [steps[i] for i, _ in wave_chunks], scale)  # s = u
-            norms.append(torch.stack(torch._foreach_norm(p + s)).view(2, -1).double())
-            torch._foreach_copy_(g, s)                         # keep u for pass 2
-        chunk_sq = torch.cat(norms, dim=1).square().T          # (chunks, 2): ||w_c||^2, ||u_c||^2 in fp64
-        out = torch.zeros(len(ps), 2, dtype=torch.float64, device=chunk_sq.device)
-        return out.index_add_(0, plan.owner.to(chunk_sq.device), chunk_sq)
+        plan, waves = self._waves_of(group, ps, ms, vs, steps)
+        wd, device = group["weight_decay"], ps[0].device
+        out = torch.zeros(len(ps), 2, dtype=torch.float64, device=device)
+        if not waves:  # only empty tensors
+            return out
+        inf_step = [torch.full((), math.inf, dtype=torch.float32, device=device)]
+        G = [g.view(-1).split(sizes) for g, sizes in zip(gs, plan.sizes)]
+        w_sq, u_sq = [], []
+        for wave in waves:
+            g = [G[i][c] for i, c in wave.chunks]
+            torch._foreach_copy_(wave.s, wave.p)               # s = w, in the aligned scratch
+            w_sq += _squares(wave.s)
+            torch._foreach_mul_(wave.s, wd)                    # s = wd w
+            # b^inf = 0: without bias correction the kernels' corrections become 1.
+            wave_steps = wave.steps if group["bias_correction"] else inf_step * len(g)
+            _adam_direction(group, wave.s, g, wave.m, wave.v, wave_steps, scale)  # s = u
+            u_sq += _squares(wave.s)
+            torch._foreach_copy_(g, wave.s)                    # keep u for pass 2
+        chunk_sq = torch.stack([torch.stack(w_sq), torch.stack(u_sq)], dim=1).double()  # (chunks, 2)
+        # Each tensor's chunk squares are summed in chunk order, in fp64.
+        return out.index_add_(0, plan.owner.to(device), chunk_sq.to(device))
+
+    def _waves_of(self, group, ps, ms, vs, steps) -> tuple[_Plan, list[_Wave]]:
+        """The bucket's chunk views of params, moments, steps and scratch, built once and kept
+        while the tensors stay the same (only the gradients' views are made every step)."""
+        device, dtype, wave = ps[0].device, ps[0].dtype, _WAVE[ps[0].device.type]
+        signature = tuple((p.data_ptr(), m.data_ptr(), v.data_ptr(), t.data_ptr(), p.numel())
+                          for p, m, v, t in zip(ps, ms, vs, steps))
+        slot = (id(group), device, dtype)
+        cached = self._waves.get(slot)
+        if cached is not None and cached[0] == (signature, wave):
+            return cached[1], cached[2]
+        if (device, dtype, wave) not in self._scratch:
+            self._scratch[(device, dtype, wave)] = torch.empty(wave, dtype=dtype, device=device)
+        scratch = self._scratch[(device, dtype, wave)]
+        plan = _plan(tuple(p.numel() for p in ps), wave)
+        P, M, V = ([t.view(-1).split(sizes) for t, sizes in zip(ts, plan.sizes)] for ts in (ps, ms, vs))
+        waves = []
+        for chunks, offs in zip(plan.waves, plan.offsets):
+            p = [P[i][c] for i, c in chunks]
+            s = [scratch.narrow(0, o, t.numel()) for o, t in zip(offs, p)]
+            waves.append(_Wave(chunks, p, [M[i][c] for i, c in chunks], [V[i][c] for i, c in chunks], s,
+                               [steps[i] for i, _ in chunks]))
+        self._waves[slot] = ((signature, wave), plan, waves)
+        return plan, waves
 
     def _apply(self, order, squares: torch.Tensor) -> None:
         """Pass 2: trust ratios from the whole-tensor norms, then ``w -= lr trust u``."""
@@ -217,6 +266,14 @@ class LAMB(torch.optim.Optimizer):
         for (p, g), r in zip(order, ratio):
             p.add_(p.grad, alpha=-g["lr"] * r)
         self._last = {p: r for (p, _), r in zip(order, ratio)}
+
+
+def _squares(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Squared 2-norms of 1-D chunks. On CPU BLAS's dot is both faster than ``vector_norm`` (it
+    uses both threads) and closer to the fp64 value; elsewhere one multi-tensor norm."""
+    if ts[0].device.type == "cpu" and ts[0].dtype in (torch.float32, torch.float64):
+        return [torch.dot(t, t) for t in ts]
+    return [n.float().square() for n in torch._foreach_norm(ts)]
 
 
 def _adam_direction(group, s, g, m, v, steps, scale) -> None:

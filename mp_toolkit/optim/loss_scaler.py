@@ -129,5 +129,6 @@ class DynamicLossScaler:
         self.cur_hysteresis = int(state["cur_hysteresis"])
 
     def __repr__(self) -> str:
-        kind = "static" if self.static else f"dynamic, window {self.loss_scale_window}, hysteresis {self.cur_hysteresis}"
+        kind = ("static" if self.static
+                else f"dynamic, window {self.loss_scale_window}, hysteresis {self.cur_hysteresis}")
         return f"DynamicLossScaler(scale={self.cur_scale:g}, {kind})"
