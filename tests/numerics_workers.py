@@ -99,3 +99,8 @@ def precision_curve(rank, world, precision, steps):
     batches = make_batches(2, 2, cfg.vocab_size, seed=1) * (steps // 2)  # learnable: seen again and again
     losses = [engine.train_batch(iter(step)).loss for step in batches]
     return losses, engine.p2p.bytes_sent
+
+
+def many_optimizers_oracle(rank, world, pairs):
+    """`lamb_clip_oracle` for several (optimizer, schedule) pairs in one world."""
+    return [lamb_clip_oracle(rank, world, optimizer, schedule) for optimizer, schedule in pairs]

@@ -1,7 +1,8 @@
 """Large-batch numerics across stages (issue 4's oracle extension).
 
-- LAMB (and LARS) with global-norm clipping at pp=2 leave every parameter bitwise equal to the
-  same optimizer with `torch.nn.utils.clip_grad_norm_` on the unsplit model (fp32, untied model).
+- LAMB (and LARS, and torch's Adam, Adagrad, RMSprop, SGD) with global-norm clipping at pp=2
+  leave every parameter bitwise equal to the same optimizer with `torch.nn.utils.clip_grad_norm_`
+  on the unsplit model (fp32, untied model).
 - An overflow injected on one stage only makes every rank skip: no parameter, master weight or
   optimizer state changes anywhere, and the loss scale backs off as the hysteresis says.
 - fp16 and bf16 training tracks fp32 over 50 steps; fp16 activations cross stages in half the bytes.
@@ -10,7 +11,7 @@
 import pytest
 
 from tests.dist_harness import run_world
-from tests.numerics_workers import lamb_clip_oracle, overflow_on_one_stage, precision_curve
+from tests.numerics_workers import lamb_clip_oracle, many_optimizers_oracle, overflow_on_one_stage, precision_curve
 
 
 @pytest.mark.parametrize("optimizer,schedule", [("lamb", "1f1b"), ("lars", "gpipe")])
@@ -22,6 +23,16 @@ def test_lamb_lars_with_clipping_bitwise_equal_unsplit(optimizer, schedule):
         assert all(n > 0.05 for n in ref_norms)  # clipping really was active
     trust = reports[0][3]
     assert [t["stage"] for t in trust] == [0, 1] and all(t["min"] <= t["median"] <= t["max"] for t in trust)
+
+
+def test_torch_optimizers_take_the_same_path_bitwise():
+    """Adam, Adagrad, RMSprop and SGD through masters, overflow check and clipping: still exact."""
+    pairs = [("adam", "gpipe"), ("adagrad", "1f1b"), ("rmsprop", "zbh1"), ("sgd", "1f1b")]
+    reports = run_world(many_optimizers_oracle, 2, pairs, timeout_s=180)
+    for rank_reports in reports:
+        for (optimizer, _), (unequal, norms, ref_norms, trust) in zip(pairs, rank_reports):
+            assert unequal == [], f"{optimizer}: not bitwise equal: {unequal}"
+            assert norms == ref_norms and trust is None
 
 
 @pytest.mark.parametrize("hysteresis,expected_scale", [(1, 512.0), (2, 1024.0)])
