@@ -90,3 +90,27 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3):
         tied_copy = next(iter(engine.ties.members.values())).detach().clone() if engine.ties.members else None
         report.append((n, unequal, max_diff, losses, ref_losses, tied_copy))
     return report
+
+
+def eval_matches(rank, world, schedule):
+    """eval_batch's mean loss after training equals the reference model's, and changes nothing."""
+    cfg = GPTConfig(**TINY, tie_word_embeddings=False)
+    batches = make_batches(3, 4, cfg.vocab_size)
+    engine, _ = pipeline_run(cfg, world, schedule, batches[:2])
+    ref_params, _ = single_process(cfg, batches[:2])
+    before = [p.detach().clone() for _, p in engine.named_parameters()]
+    loss = engine.eval_batch(iter(batches[2]))
+    torch.manual_seed(0)
+    ref = LayerList.from_model(GPT(cfg))
+    with torch.no_grad():
+        for name, p in dict(_all_named(ref)).items():
+            p.copy_(ref_params[name])
+        expected = torch.zeros(())
+        for x, y in batches[2]:
+            expected += lm_loss(ref(x), y) / len(batches[2])
+    unchanged = all(torch.equal(a, p) for a, (_, p) in zip(before, engine.named_parameters()))
+    return loss, expected.item(), unchanged
+
+
+def _all_named(model: LayerList):
+    return [(f"{n}.{path}", p) for n, layer in zip(model.names, model.layers) for path, p in layer.named_parameters()]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_world
-from tests.oracle_workers import oracle_cases
+from tests.oracle_workers import eval_matches, oracle_cases
 
 CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b", "zbh1") for m in (1, 3, 8)]
 # Interleaved 1F1B: two model chunks per rank, micro-batches a multiple of pp (7 layers -> 4 stages).
@@ -44,3 +44,9 @@ def test_tied_embedding_across_stages_matches_and_copies_stay_equal():
         for r in (first, last):
             assert r[2] < tolerance[case[3]], f"{case}: max parameter difference {r[2]}"
             assert r[3] == pytest.approx(r[4], rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_eval_batch_equals_single_process_and_changes_nothing(schedule):
+    for loss, expected, unchanged in run_world(eval_matches, 2, schedule, timeout_s=120):
+        assert loss == expected and unchanged
