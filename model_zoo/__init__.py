@@ -1,4 +1,4 @@
-"""Single-device reference models that expose an ordered layer list (no torch.distributed)."""
+"""Single-device reference models that expose an ordered layer list (single-device: no process groups)."""
 from model_zoo.gpt import GPT, PRESETS, GPTConfig, get_config
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "get_config"]

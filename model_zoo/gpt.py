@@ -8,7 +8,7 @@ tensor and returns one tensor, so ``named_layers()`` can be cut anywhere into pi
 
 Parameter names follow nanoGPT / HuggingFace GPT-2 (``attn.qkv`` is HF's ``attn.c_attn``,
 ``attn.proj`` is ``attn.c_proj``, ``mlp.fc`` is ``mlp.c_fc``, ``mlp.proj`` is ``mlp.c_proj``).
-This module never imports ``torch.distributed`` or anything from ``mp_toolkit``.
+This module imports nothing distributed and nothing from ``mp_toolkit``.
 """
 from __future__ import annotations
 

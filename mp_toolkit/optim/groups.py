@@ -92,3 +92,11 @@ def optional_hparam(owner: str, name: str, value, *, positive: bool = False) -> 
     if value is not None:
         check_hparam(owner, name, value, positive=positive)
 
+
+
+def evaluate_closure(closure):
+    """The loss of an optimizer's optional closure, evaluated with gradients enabled (or None)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()

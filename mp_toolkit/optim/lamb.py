@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_toolkit.optim.groups import (allreduce_sharded_squares, check_betas, check_hparam, is_tensor_parallel,
-                                     optional_hparam)
+from mp_toolkit.optim.groups import (allreduce_sharded_squares, check_betas, check_hparam,
+                                     evaluate_closure, is_tensor_parallel, optional_hparam)
 
 _WAVE = {"cpu": 1 << 18, "cuda": 1 << 22}
 """Elements per wave. CPU: 1 MiB per operand, so a wave's w, g, m, v and scratch (5 MiB) stay in
@@ -143,10 +143,7 @@ class LAMB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         work = [(g, self._tensors(g)) for g in self.param_groups]
         work = [(g, t) for g, t in work if t[0]]
         if not work:

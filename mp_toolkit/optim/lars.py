@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mp_toolkit.optim.groups import allreduce_sharded_squares, check_hparam, is_tensor_parallel
+from mp_toolkit.optim.groups import allreduce_sharded_squares, check_hparam, evaluate_closure, is_tensor_parallel
 
 _FOREACH_DEVICES = ("cpu", "cuda")
 
@@ -65,10 +65,7 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         order = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not order:
             return loss
