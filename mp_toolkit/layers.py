@@ -106,14 +106,4 @@ class StageModule(nn.Module):
                     yield f"{name}.{path}", param
 
 
-def full_named_parameters(layer_list: LayerList):
-    """Same naming as `StageModule.named_layer_parameters` over the whole list (tied counted once)."""
-    return layer_list.slice(0, len(layer_list)).named_layer_parameters()
-
-
-def stage_stats(stage: StageModule) -> dict[str, int]:
-    """Parameter and layer counts of a stage, for logs."""
-    return {"layers": len(stage.layers), "params": sum(p.numel() for p in stage.parameters())}
-
-
-__all__ = ["LayerList", "StageModule", "run_layers", "full_named_parameters", "stage_stats"]
+__all__ = ["LayerList", "StageModule", "run_layers"]

@@ -131,8 +131,7 @@ class Executor:
         inputs, _ = self._outputs.pop((s, k))
         if roots:
             torch.autograd.backward(roots, grads)
-        self._hand_back(s, k, tuple(t.grad if t.grad is not None else torch.zeros_like(t)
-                                    for t in _float_parts(inputs)))
+        self._hand_back(s, k, tuple(_or_zeros(t.grad, t) for t in _float_parts(inputs)))
 
     def _backward_input(self, a: Action) -> None:
         """I of zero-bubble schedules: input gradients only; the graph is kept for W."""
