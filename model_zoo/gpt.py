@@ -13,11 +13,12 @@ This module imports nothing distributed and nothing from ``mp_toolkit``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from model_zoo.config_io import check_type, read_config_json
 
 import torch
 import torch.nn as nn
@@ -63,7 +64,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
+            check_type("GPTConfig", f.name, getattr(self, f.name), f.type)
             if f.type == "float":  # JSON may spell 0.0 as 0
                 object.__setattr__(self, f.name, float(getattr(self, f.name)))
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -106,34 +107,10 @@ class GPTConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> "GPTConfig":
         """Read a GPT-2 ``config.json`` (or a directory holding one)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read GPT config {path}: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_config_json(path, "GPT"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _check_type(name: str, value: Any, annotation: str) -> None:
-    """Raise ValueError unless ``value`` fits the (string) field annotation."""
-    optional = annotation.startswith("Optional[")
-    base = annotation[len("Optional["):-1] if optional else annotation
-    if optional and value is None:
-        return
-    ok = {
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-        "bool": isinstance(value, bool),
-    }[base]
-    if not ok:
-        want = f"{base} or null" if optional else base
-        raise ValueError(f"GPTConfig.{name}={value!r} has type {type(value).__name__}; expected {want}")
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -325,3 +302,19 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
     )
+
+
+# Megatron-LM tensor-parallel plan (Shoeybi et al. 2019), as data: {module path suffix: style},
+# matched against "{layer name}.{module path}" (e.g. "attn.qkv" -> "h.0.attn.qkv"; "lm_head" is the
+# whole layer). qkv is split with stride 3 so each rank keeps q, k, v of its own heads; each
+# column/row pair costs one all-reduce; embedding and LM head split the (tied) vocab rows, so the
+# last layer returns local logits (B, T, V / tp) for a vocab-parallel cross-entropy. LayerNorms and
+# the position embedding stay replicated. Applied by mp_toolkit's apply_tensor_parallel.
+TP_PLAN: dict[str, str] = {
+    "embed.wte": "vocab",
+    "attn.qkv": "qkv",
+    "attn.proj": "row",
+    "mlp.fc": "column",
+    "mlp.proj": "row",
+    "lm_head": "vocab",
+}
