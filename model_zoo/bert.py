@@ -1,0 +1,300 @@
+"""A single-device BERT with the pre-training heads (masked LM + next-sentence prediction).
+
+The model is a plain ``nn.Module`` exposing an ordered layer list; pipeline and tensor
+parallelism are applied afterwards by functions in ``mp_toolkit`` (DESIGN.md, invariant 2):
+
+    embeddings -> encoder.layer.0 -> ... -> encoder.layer.{L-1} -> heads
+
+    embeddings(input_ids, token_type_ids, attention_mask) -> (hidden, attention_mask)
+    encoder.layer.i(hidden, attention_mask)               -> (hidden, attention_mask)
+    heads(hidden, attention_mask)                         -> (mlm_logits, nsp_logits)
+
+The padding mask (B, T) rides along with the hidden state as an integer tensor (1 = attend,
+0 = padding, HF semantics), so a pipeline stage boundary can fall between any two layers and the
+mask crosses it without a gradient. Every layer turns it into an additive mask on the scores.
+
+Parameter names are HuggingFace ``BertForPreTraining``'s with ``bert.`` / ``cls.`` replaced by
+the layer they live in (``bert.pooler`` and ``cls.*`` live in ``heads``); ``model_zoo.bert_hf``
+converts state dicts both ways; config and presets live in ``model_zoo.bert_config`` (both
+re-exported here). This module imports nothing distributed and nothing from ``mp_toolkit``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model_zoo.bert_config import ACTIVATIONS, PRESETS, BertConfig, get_config
+from model_zoo.bert_hf import hf_state_dict_map, load_hf_state_dict, to_hf_state_dict
+
+__all__ = [
+    "PRESETS", "TP_PLAN", "BertConfig", "BertForPreTraining", "get_config", "hf_state_dict_map",
+    "load_hf_state_dict", "pretraining_loss", "to_hf_state_dict",
+]
+
+
+# Tensor-parallel plan, as data (STYLE.md 2), applied by mp_toolkit's apply_tensor_parallel:
+# {module path suffix: style}, matched against "{layer name}.{module path}" (the format of
+# model_zoo.gpt.TP_PLAN). Megatron-LM styles (Shoeybi et al. 2019):
+#   "column": split the Linear's output features; q/k/v are separate Linears (HF's layout), each
+#             split by heads, and head_dim stays fixed, so attention runs on the local heads;
+#   "row":    split the input features; one all-reduce closes the sub-layer before its LayerNorm.
+#             "output.dense" names both attention.output.dense and the feed-forward output.dense;
+#   "vocab":  split the word embedding's vocabulary rows (padding_idx handled by the shard).
+# The MLM decoder is tied to the word embedding and has a bias, so it is "column" over the same
+# vocabulary rows (one tied shard per rank); its logits stay vocab-sharded (B, T, V / tp) for
+# vocab_parallel_cross_entropy. Position/token-type embeddings, LayerNorms, the pooler, the MLM
+# transform and the NSP classifier are replicated (C x C or smaller; the pooler sees one token).
+TP_PLAN: dict[str, str] = {
+    "word_embeddings": "vocab",
+    "attention.self.query": "column",
+    "attention.self.key": "column",
+    "attention.self.value": "column",
+    "output.dense": "row",
+    "intermediate.dense": "column",
+    "predictions.decoder": "column",
+}
+
+
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, T) 1 = attend / 0 = pad -> (B, 1, 1, T) added to the scores: 0 or dtype's minimum (HF)."""
+    keep = attention_mask[:, None, None, :].bool()  # broadcast over heads and query positions
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+class BertEmbeddings(nn.Module):
+    """Word + token-type + position embedding, LayerNorm, dropout; passes the padding mask on."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        C = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, C, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, C)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, C)
+        self.LayerNorm = nn.LayerNorm(C, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.max_positions = config.max_position_embeddings
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        T = input_ids.shape[1]
+        if T > self.max_positions:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings={self.max_positions}")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        pos = torch.arange(T, device=input_ids.device)  # (T,)
+        # HF's order of the sums: (word + type) + position
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)  # (B, T, C)
+        x = x + self.position_embeddings(pos)  # (B, T, C) + (T, C)
+        return self.dropout(self.LayerNorm(x)), attention_mask
+
+
+class BertSelfAttention(nn.Module):
+    """Bidirectional multi-head attention with separate query / key / value projections."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        C = config.hidden_size
+        self.query = nn.Linear(C, C)
+        self.key = nn.Linear(C, C)
+        self.value = nn.Linear(C, C)
+        self.dropout_p = config.attention_probs_dropout_prob
+        # head_dim, not the head count, is fixed: a tensor-parallel split leaves fewer local heads.
+        self.head_dim = C // config.num_attention_heads
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # (B, T, C') -> (B, nh, T, hs); C' = nh * hs is C, or C / tp after a tensor-parallel split
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.query, self.key, self.value))
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
+        )  # (B, nh, T, hs); scores scaled by 1/sqrt(hs) as in BERT
+        return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C')
+
+
+class BertDenseNorm(nn.Module):
+    """dense -> dropout -> LayerNorm(. + residual): HF's BertSelfOutput and BertOutput (post-LN)."""
+
+    def __init__(self, config: BertConfig, in_features: int):
+        super().__init__()
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+
+
+class BertAttention(nn.Module):
+    """Self-attention and its output projection: (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertDenseNorm(config, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class BertIntermediate(nn.Module):
+    """The feed-forward expansion: (B, T, C) -> (B, T, intermediate_size)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    """One post-LayerNorm encoder layer; (hidden, attention_mask) in and out."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertDenseNorm(config, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.attention(x, additive_mask(attention_mask, x.dtype))
+        return self.output(self.intermediate(x), x), attention_mask
+
+
+class BertEncoder(nn.Module):
+    """Holds ``layer``, so parameter names read ``encoder.layer.i...`` as in HF."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertPooler(nn.Module):
+    """tanh(dense(hidden of the first, [CLS], token)): (B, T, C) -> (B, C)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+class BertPredictionHeadTransform(nn.Module):
+    """dense -> activation -> LayerNorm before the MLM decoder: (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.act(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """Transform, then a decoder with the word embedding's weight and its own bias: -> (B, T, V)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)  # HF's cls.predictions.bias is decoder.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(x))
+
+
+class BertPreTrainingHeads(nn.Module):
+    """Pooler + NSP classifier and the MLM head: (hidden, mask) -> (mlm_logits, nsp_logits)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.pooler = BertPooler(config)
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
+        # The mask is accepted (the previous layer passes it) but not needed: every position is scored.
+        return self.predictions(x), self.seq_relationship(self.pooler(x))  # (B, T, V), (B, 2)
+
+
+class BertForPreTraining(nn.Module):
+    """BERT with MLM and NSP heads as an ordered list of layers (see the module docstring)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.heads = BertPreTrainingHeads(config)
+        if config.tie_word_embeddings:
+            # One Parameter object in two places; pipeline stages holding one end each keep a copy
+            # and sum gradients through tie_groups().
+            self.heads.predictions.decoder.weight = self.embeddings.word_embeddings.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """HF's BERT init; deterministic under torch.manual_seed (modules visited in layer order)."""
+        std = self.config.initializer_range
+        tied = self.embeddings.word_embeddings.weight
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if module.weight is not tied:  # the tied decoder keeps the embedding's init
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.padding_idx is not None:
+                    with torch.no_grad():
+                        module.weight[module.padding_idx].zero_()
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def named_layers(self) -> list[tuple[str, nn.Module]]:
+        """Layers in execution order: embeddings, encoder.layer.0 ... encoder.layer.{L-1}, heads."""
+        return ([("embeddings", self.embeddings)]
+                + [(f"encoder.layer.{i}", layer) for i, layer in enumerate(self.encoder.layer)]
+                + [("heads", self.heads)])
+
+    def tie_groups(self) -> list[list[tuple[str, str]]]:
+        """Groups of (layer name, parameter name) that are one Parameter; empty when untied."""
+        if self.config.tie_word_embeddings:
+            return [[("embeddings", "word_embeddings.weight"), ("heads", "predictions.decoder.weight")]]
+        return []
+
+    def num_parameters(self) -> int:
+        """Number of parameters, counting tied ones once."""
+        return sum(p.numel() for p in self.parameters())  # parameters() de-duplicates shared ones
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embeddings(input_ids, token_type_ids, attention_mask)
+        for layer in self.encoder.layer:
+            x = layer(*x)
+        return self.heads(*x)  # (B, T, V) MLM logits, (B, 2) NSP logits
+
+
+def pretraining_loss(outputs: tuple[torch.Tensor, torch.Tensor],
+                     labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """HF BertForPreTraining's total loss: mean MLM cross-entropy (-100 ignored) + mean NSP CE.
+
+    ``outputs`` is (mlm_logits (B, T, V), nsp_logits (B, 2)); ``labels`` is (mlm_labels (B, T),
+    nsp_labels (B,)) with NSP label 0 = B follows A, 1 = B is random.
+    """
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != 2:
+        # A lone tensor would unpack along its batch dimension and give a wrong loss silently.
+        raise TypeError(f"pretraining_loss needs (mlm_logits, nsp_logits), got {type(outputs).__name__}"
+                        f"{'' if not isinstance(outputs, torch.Tensor) else ' of shape ' + str(tuple(outputs.shape))}")
+    mlm_logits, nsp_logits = outputs
+    mlm_labels, nsp_labels = labels
+    mlm = F.cross_entropy(mlm_logits.reshape(-1, mlm_logits.shape[-1]), mlm_labels.reshape(-1), ignore_index=-100)
+    return mlm + F.cross_entropy(nsp_logits, nsp_labels.reshape(-1))
