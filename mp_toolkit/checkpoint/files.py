@@ -1,0 +1,250 @@
+"""On-disk primitives of a checkpoint: names, hashes, atomic writes, verified safetensors reads.
+
+Nothing here unpickles. A shard is handed to `safetensors` (a JSON header followed by raw tensor
+bytes) only after its size and SHA-256 matched the manifest and its header passed
+`_check_header`, and the bytes that were hashed are the bytes that are parsed (read once into
+memory, so a file swapped between the check and the parse cannot slip through; the cost is a
+peak of about twice the largest shard in host memory). A hostile file can at worst be refused
+with a `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+
+FORMAT = "mp_toolkit.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+"""Every entry of a checkpoint root whose name starts with this is scratch: an unfinished save, a
+checkpoint being replaced or deleted, a half-written ``latest``. Loaders never look at them and
+`begin` removes them."""
+SHARD_SUFFIX = ".safetensors"
+MAX_NAME = 200
+_STEP_RE = re.compile(r"step-(\d{8,})")
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+_MAX_HEADER = 100 << 20    # the limit safetensors itself puts on a header
+MAX_MANIFEST = 64 << 20   # a manifest is config and counters: anything larger is not ours
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read; the one-line message names the file and fault."""
+
+
+def step_dir_name(step: int) -> str:
+    """``step-00000012``: eight digits so names sort by step (more digits past 10^8 still parse)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint step must be an integer >= 0, got {step!r}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step-XXXXXXXX`` name, or None for any other name."""
+    match = _STEP_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """``name`` unchanged when it is safe as one file-name component, else CheckpointError.
+
+    Layer names are used as file names as they are (``h.0``, ``embed``, ``encoder.layer.3``), not
+    escaped, so a file name always reads back as its layer name. Path separators, ``..``, a
+    leading ``.`` (hidden and scratch files) and characters shells or other systems mangle are
+    refused.
+    """
+    if (not isinstance(name, str) or len(name) > MAX_NAME or not _NAME_RE.fullmatch(name)
+            or ".." in name):
+        raise CheckpointError(
+            f"{what} {name!r} cannot be a checkpoint file name: use letters, digits, '_', '-' and "
+            f"'.', not '..' and not a leading '.', at most {MAX_NAME} characters")
+    return name
+
+
+def check_relative(rel: str) -> str:
+    """A shard's path inside a checkpoint (``layers/h.0.safetensors``), checked component-wise.
+
+    Manifests are untrusted input: this is what keeps a listed ``../../x`` or ``/etc/x`` from
+    being opened.
+    """
+    parts = rel.split("/") if isinstance(rel, str) else [rel]
+    for part in parts:
+        check_name(part, "shard path component")
+    if not rel.endswith(SHARD_SUFFIX) or len(parts) > 2:
+        raise CheckpointError(f"shard path {rel!r} must be '<name>{SHARD_SUFFIX}' or "
+                              f"'<folder>/<name>{SHARD_SUFFIX}'")
+    return rel
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new files, renames) durable; Windows has no directory fsync."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(temp)`` a sibling temp file, fsync it, then ``os.replace`` it onto ``path``.
+
+    Readers see the old file or the complete new one, never a prefix. The temp name starts with
+    TMP_PREFIX, so a crash leaves only scratch that `begin` (or a failed commit) recognises.
+    """
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def to_json(doc, what: str) -> str:
+    """Strict JSON (no NaN / Infinity, which other readers reject) or a CheckpointError."""
+    try:
+        return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} is not JSON-able: {e}") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _no_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def from_json(data: bytes | str):
+    """Strict JSON parse: NaN / Infinity and duplicate keys are refused (ValueError)."""
+    return json.loads(data, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
+
+
+def file_digest(path: Path) -> tuple[str, int]:
+    """(SHA-256 hex digest, size in bytes), streamed in 1 MiB blocks."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            n += len(block)
+    return h.hexdigest(), n
+
+
+def read_bounded(path: Path, limit: int, what: str) -> bytes:
+    """At most ``limit + 1`` bytes of a regular file (devices and fifos are refused), so a caller
+    can tell "exactly limit" from "longer" without reading an unbounded file."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise CheckpointError(f"{what}: missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{what}: cannot be read ({e.strerror})") from None
+    with f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CheckpointError(f"{what}: not a regular file")
+        return f.read(limit + 1)
+
+
+def read_verified(path: Path, record: Mapping, what: str) -> bytes:
+    """The bytes of a manifest-listed file after its size and SHA-256 matched ``record``."""
+    size = record["bytes"]
+    data = read_bounded(path, size, what)
+    if len(data) != size:
+        got = f"{len(data)} bytes" if len(data) <= size else f"more than {size} bytes"
+        raise CheckpointError(f"{what}: {got}, {MANIFEST} says {size} (file truncated or modified)")
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise CheckpointError(f"{what}: SHA-256 mismatch (file modified or truncated)")
+    return data
+
+
+def _check_header(data: bytes, what: str) -> dict[str, str]:
+    """Validate a safetensors header before the library sees it; returns its ``__metadata__``.
+
+    Layout: 8-byte little-endian header length n, n bytes of JSON ``{name: {dtype, shape,
+    data_offsets: [begin, end]}, "__metadata__": {str: str}}``, then the tensor bytes.
+    """
+    if len(data) < 8:
+        raise CheckpointError(f"{what}: {len(data)} bytes is shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, _MAX_HEADER):
+        raise CheckpointError(f"{what}: safetensors header length {n} exceeds the file ({len(data)} bytes)")
+    try:
+        header = from_json(data[8:8 + n])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{what}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{what}: safetensors header is not a JSON object")
+    body = len(data) - 8 - n
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{what}: safetensors __metadata__ must map strings to strings")
+    for name, info in header.items():
+        if not isinstance(info, dict) or info.get("dtype") not in _ITEMSIZE:
+            raise CheckpointError(f"{what}: tensor {name!r} has no supported dtype")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= body
+                or offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[info["dtype"]]):
+            raise CheckpointError(f"{what}: tensor {name!r} has an invalid shape or byte range")
+    return metadata
+
+
+def load_shard(data: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors on CPU, metadata) of verified safetensors bytes; malformed input -> CheckpointError."""
+    metadata = _check_header(data, what)
+    try:
+        tensors = safetensors.torch.load(data)
+    except (safetensors.SafetensorError, ValueError, RuntimeError, TypeError) as e:
+        reason = " ".join(str(e).split())  # one line
+        raise CheckpointError(f"{what}: not a valid safetensors file ({reason})") from None
+    return tensors, metadata
+
+
+def prepare_tensors(tensors: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors that each own their storage, as `safetensors.save_file` requires.
+
+    safetensors refuses tensors that share memory (a view, or one weight under two names); those
+    are cloned so the file holds each tensor's bytes exactly once per name.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise CheckpointError(f"{what}: tensor name {name!r} must be a non-empty string other than __metadata__")
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{what}: {name!r} is a {type(t).__name__}, not a tensor")
+        t = t.detach().to("cpu").contiguous()
+        storage = t.untyped_storage()
+        if t.numel() and (storage.data_ptr() in seen or storage.nbytes() != t.numel() * t.element_size()):
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
