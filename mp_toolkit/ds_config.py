@@ -1,0 +1,512 @@
+"""Read a DeepSpeed JSON config into typed settings::
+
+    settings = read_ds_config("ds_config.json", dp=2)
+    cfg = dataclasses.replace(TrainConfig(), **settings.train_config_overrides())
+    if settings.ignored:
+        print(settings.ignored_message())
+
+A value means what it means to DeepSpeed 0.19: an absent key takes DeepSpeed's default (no
+``gradient_clipping`` is no clipping, ``Lamb`` clamps its trust ratio to [0.01, 10], ``Adam`` is AdamW
+unless ``adam_w_mode`` is false), and train_batch_size = micro-batch x accumulation steps x dp.
+
+Understood: the batch keys, ``gradient_clipping``, ``fp16``, ``bf16`` (or the legacy ``bfloat16``),
+``optimizer`` (Adam, AdamW, Lamb; Lars is mp_toolkit's own), ``scheduler`` (WarmupLR, WarmupDecayLR,
+WarmupCosineLR) and ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument).
+mp_toolkit's extensions, which DeepSpeed's reader tolerates: ``pipeline.schedule``, ``pipeline.chunks``
+and explicit boundaries ("0,3,7") as ``partition_method``. Understood but unused keys (logging,
+profiling, ZeRO stage 0, ...) are listed in ``ignored``. Unknown keys fail where DeepSpeed fails
+(inside ``fp16``, ``bf16``, ``optimizer.params``, ``scheduler.params``: DeepSpeed validates those or
+passes them to a constructor) and elsewhere, where DeepSpeed tolerates them, are listed in ``ignored``
+as "(unknown)". ZeRO stages above 0, torch autocast, options mp_toolkit cannot honour and every wrong
+type or range are a ConfigError: one line naming the dotted key and the file. A JSON null counts as
+absent. Files are strict JSON without duplicate keys (DeepSpeed's base64 form is not read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mp_toolkit.config import SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+OPTIMIZER_TYPES = ("Adam", "AdamW", "Lamb", "Lars")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+_IGNORED_TOP = frozenset("""steps_per_print wall_clock_breakdown memory_breakdown dump_state disable_python_gc
+    disable_allgather communication_data_type seq_parallel_communication_data_type prescale_gradients
+    gradient_predivide_factor gradient_allreduce_op zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
+    activation_checkpointing flops_profiler tensorboard wandb csv_monitor comet comms_logger autotuning checkpoint
+    data_types dataloader_drop_last aio log_level timers compile data_efficiency hybrid_engine weight_quantization
+    tensor_parallel expert_parallel use_data_before_expert_parallelism managed_gradient_accumulation
+    sequence_parallel_size vocabulary_size""".split())
+_IGNORED_PIPELINE = ("partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
+                     "grad_partitioned", "use_reentrant")
+_TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+_SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
+                   "zbh1": "zbh1"}
+
+
+@dataclass(frozen=True)
+class FP16Settings:
+    """DeepSpeed's ``fp16`` block (its defaults where a key is absent)."""
+
+    enabled: bool = False
+    """fp16 training with fp32 master weights."""
+    loss_scale: float = 0.0
+    """A static loss scale when > 0; 0 means dynamic scaling."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Clean steps before the scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale halves."""
+    min_loss_scale: float = 1.0
+    """The scale never drops below this."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis on every clean step, not only when the scale grows."""
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """DeepSpeed's ``optimizer`` block, resolved to the optimizer mp_toolkit builds for it."""
+
+    type: str
+    """``optimizer.type`` as the file spells it."""
+    name: str
+    """mp_toolkit's optimizer (TrainConfig.optimizer): adam, adamw, lamb or lars."""
+    lr: float
+    """``params.lr`` (DeepSpeed's fused optimizers default to 1e-3)."""
+    weight_decay: float
+    """``params.weight_decay`` (default 0)."""
+    eps: float
+    """``params.eps`` (default 1e-8; note mp_toolkit's LAMB alone defaults to 1e-6)."""
+    betas: tuple[float, float] | None = None
+    """``params.betas`` for Adam, AdamW and Lamb (default (0.9, 0.999)); None for Lars."""
+    min_trust: float | None = None
+    """Lamb's ``min_coeff``: lower clamp of the trust ratio (default 0.01)."""
+    max_trust: float | None = None
+    """Lamb's ``max_coeff``: upper clamp of the trust ratio (default 10)."""
+    bias_correction: bool = True
+    """Lamb's ``bias_correction`` (Adam and AdamW always correct)."""
+    momentum: float | None = None
+    """Lars's ``momentum`` (default 0.9)."""
+    trust_coefficient: float | None = None
+    """Lars's ``trust_coefficient``, eta (default 0.001)."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """What mp_toolkit understands of one DeepSpeed config (see the module docstring)."""
+
+    source: str
+    """The file it was read from, or "DeepSpeed config (dict)"."""
+    dp: int
+    """Data-parallel degree the batch arithmetic used (DeepSpeed's world size)."""
+    train_batch_size: int
+    """Sequences per optimizer step over all data-parallel ranks."""
+    train_micro_batch_size_per_gpu: int
+    """Sequences per micro-batch (TrainConfig.micro_batch)."""
+    gradient_accumulation_steps: int
+    """Micro-batches per optimizer step on each rank (TrainConfig.microbatches)."""
+    gradient_clipping: float
+    """Max global gradient norm; 0 (DeepSpeed's default) means no clipping."""
+    precision: str
+    """fp16, bf16 or fp32 (neither block enabled)."""
+    fp16: FP16Settings
+    """The ``fp16`` block (also read when fp16 is off, as DeepSpeed does)."""
+    optimizer: OptimizerSettings | None
+    """The ``optimizer`` block; None when absent (the program picks the optimizer)."""
+    scheduler: DeepSpeedSchedule | None
+    """The ``scheduler`` block as an lr(step) schedule; None when absent (constant lr)."""
+    pp: int | None
+    """``pipeline.stages``; None when absent or "auto"."""
+    partition: str | None
+    """``pipeline.partition_method`` as TrainConfig.partition (uniform, parameters, 0,3,7); None when absent."""
+    schedule: str | None
+    """``pipeline.schedule`` (mp_toolkit's extension) as TrainConfig.schedule; None when absent."""
+    chunks: int | None
+    """``pipeline.chunks`` (mp_toolkit's extension): model chunks per rank; None when absent."""
+    ignored: tuple[str, ...] = ()
+    """Dotted keys read but not used, sorted; unknown ones carry " (unknown)"."""
+
+    def _overrides(self) -> dict[str, Any]:
+        """Every TrainConfig-style field the file determines, whether TrainConfig has it yet or not."""
+        fp = self.fp16
+        out: dict[str, Any] = dict(
+            micro_batch=self.train_micro_batch_size_per_gpu, microbatches=self.gradient_accumulation_steps,
+            clip_grad=self.gradient_clipping or None, precision=self.precision, loss_scale=fp.loss_scale,
+            initial_scale_power=fp.initial_scale_power, loss_scale_window=fp.loss_scale_window,
+            hysteresis=fp.hysteresis, min_loss_scale=fp.min_loss_scale,
+            consecutive_hysteresis=fp.consecutive_hysteresis)
+        opt = self.optimizer
+        if opt is not None:
+            out.update(optimizer=opt.name, lr=opt.lr, weight_decay=opt.weight_decay, eps=opt.eps)
+            if opt.betas is not None:
+                out["betas"] = opt.betas
+            if opt.name == "lamb":
+                out.update(min_trust=opt.min_trust, max_trust=opt.max_trust, bias_correction=opt.bias_correction)
+            if opt.name == "lars":
+                out.update(momentum=opt.momentum, trust_coefficient=opt.trust_coefficient)
+            if self.scheduler is None:  # DeepSpeed keeps the optimizer's lr constant
+                out.update(warmup_steps=0, lr_decay="none")
+        s = self.scheduler
+        if s is not None:
+            # lr_schedule is exact; warmup_steps / lr_decay / min_lr are the nearest WarmupDecay (linear
+            # warm-up from lr / warmup_steps, no log warm-up, no two-step offset) until TrainConfig has it.
+            out.update(lr=s.peak_lr, lr_schedule=s, warmup_steps=max(2, s.warmup_num_steps))
+            if isinstance(s, WarmupCosineLR):
+                out.update(lr_decay="cosine", min_lr=s.lr * min(1.0, s.cos_min_ratio))
+            elif isinstance(s, WarmupDecayLR):
+                out.update(lr_decay="linear", min_lr=min(s.warmup_min_lr, s.warmup_max_lr))
+            else:
+                out.update(lr_decay="none")
+        for name in ("pp", "partition", "schedule", "chunks"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    def train_config_overrides(self) -> dict[str, Any]:
+        """The fields of TrainConfig this config sets: ``dataclasses.replace(TrainConfig(), **these)``."""
+        return {k: v for k, v in self._overrides().items() if k in _TRAIN_FIELDS}
+
+    def pending_overrides(self) -> dict[str, Any]:
+        """What the config sets that TrainConfig has no field for yet (betas, eps, lr_schedule, ...)."""
+        return {k: v for k, v in self._overrides().items() if k not in _TRAIN_FIELDS}
+
+    def ignored_message(self) -> str | None:
+        """One log line listing the ignored keys, or None when there are none."""
+        if not self.ignored:
+            return None
+        return f"{self.source}: keys not used by mp_toolkit: {', '.join(self.ignored)}"
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, bool, int, float, type(None))) else repr(value)
+    if value == "auto":
+        text += " (a HuggingFace Trainer placeholder: write the value itself)"
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+class _Block:
+    """One JSON object at a dotted path: typed getters whose errors name the key and the file, and a
+    record of the keys they read."""
+
+    def __init__(self, where: str, path: str, data: Any):
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: {path or 'the config'} must be a JSON object, got {_show(data)}")
+        self.where, self.path, self.data, self.used = where, path, data, set()
+
+    def key(self, k: str) -> str:
+        return f"{self.path}.{k}" if self.path else k
+
+    def fail(self, k: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {self.key(k)} {message}")
+
+    def get(self, k: str, default: Any = None) -> Any:
+        """The value at ``k``; absent and JSON null both give ``default``."""
+        self.used.add(k)
+        v = self.data.get(k)
+        return default if v is None else v
+
+    def _typed(self, k: str, default: Any, ok, need: str) -> Any:
+        v = self.get(k, default)
+        if v is not None and not ok(v):
+            raise self.fail(k, f"{_show(v)} must be {need}")
+        return v
+
+    def integer(self, k: str, default: int | None, lowest: int = 1) -> int | None:
+        need = "a positive integer" if lowest == 1 else f"an integer >= {lowest}"
+        return self._typed(k, default, lambda v: type(v) is int and v >= lowest, need)
+
+    def number(self, k: str, default: float | None, positive: bool = False) -> float | None:
+        ok = lambda v: type(v) in (int, float) and math.isfinite(v) and (v > 0 if positive else v >= 0)  # noqa: E731
+        v = self._typed(k, default, ok, f"a {'positive' if positive else 'non-negative'} finite number")
+        return None if v is None else float(v)
+
+    def boolean(self, k: str, default: bool) -> bool:
+        return self._typed(k, default, lambda v: isinstance(v, bool), "true or false")
+
+    def string(self, k: str, default: str | None = None) -> str | None:
+        return self._typed(k, default, lambda v: isinstance(v, str), "a string")
+
+    def block(self, k: str) -> _Block | None:
+        v = self.get(k)
+        return None if v is None else _Block(self.where, self.key(k), v)
+
+    def only(self, k: str, allowed: bool, why: str) -> None:
+        """A boolean option of which mp_toolkit implements one value."""
+        if k in self.data and self.boolean(k, allowed) != allowed:
+            raise self.fail(k, f"{json.dumps(not allowed)} is not supported: {why}")
+
+    def finish(self, ignored: list[str], known: tuple[str, ...] | frozenset = (), strict: str | None = None) -> None:
+        """Record the keys not read: ``known`` ones as ignored; others fail when ``strict`` names the
+        accepted keys, else are ignored as unknown."""
+        for k in self.data:
+            if k in self.used:
+                continue
+            if k in known:
+                ignored.append(self.key(k))
+            elif strict is not None:
+                raise self.fail(k, f"is not a known key here (DeepSpeed rejects it too): use {strict}")
+            else:
+                ignored.append(f"{self.key(k)} (unknown)")
+
+
+def _load(source: str | Path | dict) -> tuple[str, Any]:
+    if isinstance(source, dict):
+        return "DeepSpeed config (dict)", source
+    if not isinstance(source, (str, Path)):
+        raise ConfigError(f"a DeepSpeed config is a file path or a dict, got {type(source).__name__}")
+    where = str(source)
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such DeepSpeed config file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: cannot read the DeepSpeed config: {getattr(e, 'strerror', None) or e}") from None
+    if not text.strip():
+        raise ConfigError(f"{where}: the DeepSpeed config is empty: write a JSON object such as "
+                          '{"train_batch_size": 32}')
+
+    def no_duplicates(pairs):
+        seen = {}
+        for k, v in pairs:
+            if k in seen:
+                raise ConfigError(f"{where}: key {k!r} appears twice in one object (DeepSpeed rejects that too)")
+            seen[k] = v
+        return seen
+
+    try:
+        return where, json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
+def _batch(root: _Block, dp: int) -> tuple[int, int, int]:
+    """DeepSpeed's rule: any two of the three batch keys give the third; one alone takes 1 accumulation step."""
+    tb = root.integer("train_batch_size", None)
+    mb = root.integer("train_micro_batch_size_per_gpu", None)
+    ga = root.integer("gradient_accumulation_steps", None)
+    if tb is None and mb is None:
+        raise ConfigError(f"{root.where}: set train_batch_size or train_micro_batch_size_per_gpu "
+                          "(DeepSpeed derives the other batch keys from them)")
+    if tb is None:
+        ga = 1 if ga is None else ga
+        return mb * ga * dp, mb, ga
+    if mb is not None and ga is not None:
+        if tb != mb * ga * dp:
+            raise ConfigError(f"{root.where}: train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x "
+                              f"gradient_accumulation_steps {ga} x dp {dp} = {mb * ga * dp}: "
+                              "make them agree or drop one")
+        return tb, mb, ga
+    if mb is not None:      # accumulation steps derived
+        factors = [("train_micro_batch_size_per_gpu", mb), ("dp", dp)]
+    elif ga is not None:    # micro-batch derived
+        factors = [("gradient_accumulation_steps", ga), ("dp", dp)]
+    else:                   # train_batch_size alone: one accumulation step
+        factors = [("dp", dp)]
+    divisor = math.prod(v for _, v in factors)
+    if tb % divisor:
+        raise ConfigError(f"{root.where}: train_batch_size {tb} is not divisible by "
+                          f"{' x '.join(f'{n} {v}' for n, v in factors)} = {divisor}: use a multiple of {divisor}")
+    if mb is not None:
+        return tb, mb, tb // divisor
+    return tb, tb // divisor, 1 if ga is None else ga
+
+
+def _fp16(block: _Block | None, ignored: list[str]) -> FP16Settings:
+    if block is None:
+        return FP16Settings()
+    d = FP16Settings()
+    fp = FP16Settings(
+        enabled=block.boolean("enabled", d.enabled), loss_scale=block.number("loss_scale", d.loss_scale),
+        initial_scale_power=block.integer("initial_scale_power", d.initial_scale_power, lowest=0),
+        loss_scale_window=block.integer("loss_scale_window", d.loss_scale_window),
+        hysteresis=block.integer("hysteresis", d.hysteresis),
+        min_loss_scale=block.number("min_loss_scale", d.min_loss_scale, positive=True),
+        consecutive_hysteresis=block.boolean("consecutive_hysteresis", d.consecutive_hysteresis))
+    block.finish(ignored, known=("auto_cast", "fp16_master_weights_and_grads"),
+                 strict=", ".join(f.name for f in dataclasses.fields(FP16Settings)))
+    return fp
+
+
+def _precision(root: _Block, ignored: list[str]) -> tuple[str, FP16Settings]:
+    if "bf16" in root.data and "bfloat16" in root.data:
+        raise root.fail("bfloat16", "and bf16 are both given: keep only bf16 (bfloat16 is its legacy name)")
+    fp16 = _fp16(root.block("fp16"), ignored)
+    bf16 = root.block("bfloat16" if "bfloat16" in root.data else "bf16")
+    bf16_on = False
+    if bf16 is not None:
+        bf16_on = bf16.boolean("enabled", False)
+        bf16.finish(ignored, known=("immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                                    "bf16_optimizer_states"), strict="enabled")
+    if fp16.enabled and bf16_on:
+        raise ConfigError(f"{root.where}: fp16.enabled and {bf16.path}.enabled are both true: enable one of them")
+    return ("fp16" if fp16.enabled else "bf16" if bf16_on else "fp32"), fp16
+
+
+def _betas(params: _Block) -> tuple[float, float]:
+    v = params.get("betas", [0.9, 0.999])
+    if not (isinstance(v, list) and len(v) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)):
+        raise params.fail("betas", f"{_show(v)} must be two numbers in [0, 1), such as [0.9, 0.999]")
+    return float(v[0]), float(v[1])
+
+
+def _optimizer(root: _Block, ignored: list[str]) -> OptimizerSettings | None:
+    block = root.block("optimizer")
+    if block is None:
+        return None
+    supported = ", ".join(OPTIMIZER_TYPES)
+    kind = block.string("type")
+    name = kind.lower() if kind and kind.lower() in (t.lower() for t in OPTIMIZER_TYPES) else None
+    if name is None:
+        what = "is missing" if kind is None else f"{_show(kind)} is not supported by mp_toolkit"
+        raise block.fail("type", f"{what}: use one of {supported} (case-insensitive)")
+    params = block.block("params") or _Block(root.where, block.key("params"), {})
+    block.finish(ignored, known=("legacy_fusion",))
+    common = dict(lr=params.number("lr", 1e-3, positive=True), weight_decay=params.number("weight_decay", 0.0),
+                  eps=params.number("eps", 1e-8))
+    if "max_grad_norm" in params.data:
+        raise params.fail("max_grad_norm", "is not supported (as in DeepSpeed): use gradient_clipping")
+    params.only("amsgrad", False, "no mp_toolkit optimizer has the AMSGrad variant")
+    if name in ("adam", "adamw"):
+        params.only("bias_correction", True, "torch's Adam and AdamW always correct the moments")
+        if params.boolean("adam_w_mode", True):
+            name = "adamw"  # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false
+        betas = _betas(params)
+        params.finish(ignored, known=("torch_adam", "set_grad_none", "fp32_optimizer_states", "foreach"),
+                      strict="lr, betas, eps, weight_decay, adam_w_mode, bias_correction")
+        return OptimizerSettings(type=kind, name=name, betas=betas, **common)
+    if name == "lamb":
+        params.only("eps_inside_sqrt", False, "mp_toolkit's LAMB adds eps outside the square root")
+        lo, hi = params.number("min_coeff", 0.01), params.number("max_coeff", 10.0)
+        if lo > hi:
+            raise params.fail("min_coeff", f"{lo} exceeds {params.key('max_coeff')} {hi}: the trust clamp is empty")
+        bias, betas = params.boolean("bias_correction", True), _betas(params)
+        params.finish(ignored, strict="lr, betas, eps, weight_decay, bias_correction, max_coeff, min_coeff")
+        return OptimizerSettings(type=kind, name=name, betas=betas, min_trust=lo, max_trust=hi,
+                                 bias_correction=bias, **common)
+    momentum = params.number("momentum", 0.9)
+    if momentum >= 1:
+        raise params.fail("momentum", f"{momentum} must be below 1")
+    trust = params.number("trust_coefficient", 0.001, positive=True)
+    params.finish(ignored, strict="lr, momentum, weight_decay, trust_coefficient, eps")
+    return OptimizerSettings(type=kind, name=name, momentum=momentum, trust_coefficient=trust, **common)
+
+
+def _scheduler(root: _Block, optimizer: OptimizerSettings | None, ignored: list[str]) -> DeepSpeedSchedule | None:
+    block = root.block("scheduler")
+    if block is None:
+        return None
+    kind = block.string("type")
+    if kind not in SCHEDULER_TYPES:
+        what = "is missing" if kind is None else f"{_show(kind)} is not supported by mp_toolkit"
+        raise block.fail("type", f"{what}: use one of {', '.join(SCHEDULER_TYPES)} (case-sensitive, as in DeepSpeed)")
+    p = block.block("params") or _Block(root.where, block.key("params"), {})
+    block.finish(ignored)
+
+    warmup_type = p.string("warmup_type", "log")
+    if warmup_type not in ("log", "linear"):
+        raise p.fail("warmup_type", f"{_show(warmup_type)} must be \"log\" or \"linear\"")
+    warmup = dict(warmup_num_steps=p.integer("warmup_num_steps", 1000), warmup_type=warmup_type)
+    lows = dict(warmup_min_lr=p.number("warmup_min_lr", 0.0)) if kind != "WarmupCosineLR" else {}
+    if kind == "WarmupCosineLR":
+        total = _required(p, "total_num_steps", kind)
+        if optimizer is None:
+            raise block.fail("type", f"{kind} scales the optimizer's lr, but the config has no optimizer block: "
+                                     "add one with params.lr")
+        schedule = WarmupCosineLR(lr=optimizer.lr, total_num_steps=total, warmup_min_ratio=p.number(
+            "warmup_min_ratio", 0.0), cos_min_ratio=p.number("cos_min_ratio", 0.0001), **warmup)
+        strict = "total_num_steps, warmup_min_ratio, warmup_num_steps, cos_min_ratio, warmup_type"
+    elif kind == "WarmupDecayLR":
+        schedule = WarmupDecayLR(total_num_steps=_required(p, "total_num_steps", kind),
+                                 warmup_max_lr=p.number("warmup_max_lr", 0.001), **lows, **warmup)
+        strict = "warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, total_num_steps"
+    else:
+        high = p.number("warmup_max_lr", None)
+        if high is None and optimizer is None:
+            raise p.fail("warmup_max_lr", "is not set and there is no optimizer block whose lr WarmupLR would "
+                                          "default to: set it, or optimizer.params.lr")
+        schedule = WarmupLR(warmup_max_lr=optimizer.lr if high is None else high, **lows, **warmup)
+        strict = "warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type"
+    p.finish(ignored, strict=strict)
+    return schedule
+
+
+def _required(p: _Block, k: str, kind: str) -> int:
+    if k not in p.data:
+        raise p.fail(k, f"is required by {kind}: the scheduler iteration at which the decay ends")
+    return p.integer(k, None)
+
+
+def _pipeline(root: _Block, ignored: list[str]) -> tuple[int | None, str | None, str | None, int | None]:
+    block = root.block("pipeline")
+    if block is None:
+        return None, None, None, None
+    stages = None if block.get("stages") == "auto" else block.integer("stages", None)
+    partition = block.string("partition_method")
+    if partition is not None:
+        method = partition.lower()  # DeepSpeed lower-cases the method too
+        if method in ("parameters", "uniform"):
+            partition = method
+        elif all(part.strip().isdigit() for part in partition.split(",")):
+            partition = ",".join(part.strip() for part in partition.split(","))
+        else:
+            raise block.fail("partition_method", f"{_show(partition)} is not supported by mp_toolkit: use parameters, "
+                                                 "uniform or explicit boundaries such as \"0,3,7\"")
+    schedule = block.string("schedule")
+    if schedule is not None:
+        if schedule.lower() not in _SCHEDULE_NAMES:
+            raise block.fail("schedule", f"{_show(schedule)} is not a schedule: use one of {', '.join(SCHEDULES)}")
+        schedule = _SCHEDULE_NAMES[schedule.lower()]
+    chunks = block.integer("chunks", None)
+    if "micro_batches" in block.data:
+        raise block.fail("micro_batches", "is not read: micro-batches per step are gradient_accumulation_steps")
+    block.finish(ignored, known=_IGNORED_PIPELINE)
+    return stages, partition, schedule, chunks
+
+
+def _refused(root: _Block, ignored: list[str]) -> None:
+    """ZeRO and torch autocast: accepted only when off, then listed as ignored."""
+    zero = root.get("zero_optimization")
+    if zero is not None:  # DeepSpeed's legacy form is a bool: true means stage 1
+        stage = int(zero) if isinstance(zero, bool) else root.block("zero_optimization").integer("stage", 0, lowest=0)
+        if stage > 0:
+            raise ConfigError(f"{root.where}: zero_optimization.stage {stage}: mp_toolkit does not implement ZeRO; "
+                              "set stage 0 or remove the block")
+        ignored.append("zero_optimization")
+    autocast = root.block("torch_autocast")
+    if autocast is not None:
+        if autocast.boolean("enabled", False):
+            raise ConfigError(f"{root.where}: torch_autocast.enabled is not supported by mp_toolkit: "
+                              "use fp16.enabled or bf16.enabled")
+        ignored.append("torch_autocast")
+
+
+def read_ds_config(source: str | Path | dict, *, dp: int = 1) -> DeepSpeedSettings:
+    """Read a DeepSpeed config file (or an already loaded dict) for ``dp`` data-parallel ranks.
+
+    Raises ConfigError, one line naming the key and the file, for anything mp_toolkit cannot run.
+    """
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ConfigError(f"dp {dp!r} must be a positive integer (the data-parallel degree)")
+    where, data = _load(source)
+    root = _Block(where, "", data)
+    ignored: list[str] = []
+    tb, mb, ga = _batch(root, dp)
+    clip = root.number("gradient_clipping", 0.0)
+    precision, fp16 = _precision(root, ignored)
+    optimizer = _optimizer(root, ignored)
+    scheduler = _scheduler(root, optimizer, ignored)
+    pp, partition, schedule, chunks = _pipeline(root, ignored)
+    _refused(root, ignored)
+    root.finish(ignored, known=_IGNORED_TOP)
+    return DeepSpeedSettings(
+        source=where, dp=dp, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
+        gradient_clipping=clip, precision=precision, fp16=fp16, optimizer=optimizer, scheduler=scheduler, pp=pp,
+        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)))
