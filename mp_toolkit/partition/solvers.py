@@ -125,8 +125,18 @@ def min_max(weights: Sequence[Real], num_stages: int) -> list[int]:
         prefix.append(prefix[-1] + x)
     limit = _min_bottleneck(prefix, num_stages)
 
-    # best[i] for the current number of stages j: (sorted-desc sums, boundaries) covering
-    # layers[:i] with j stages, or None. Stage j ends at i, so i ranges over j..n-(p-j).
+    return leximax_cut(prefix, num_stages, limit)
+
+
+def leximax_cut(prefix: list[int], num_stages: int, limit: int, fits=None) -> list[int]:
+    """The cut of integer prefix sums whose sorted-descending stage sums are lexicographically
+    smallest among cuts with every stage sum <= ``limit`` (and ``fits(stage, a, b)`` when given);
+    ties to the lexicographically smallest boundaries.
+
+    DP over (stages used, layers covered): best[i] for the current stage count j is the best
+    (sorted sums, boundaries) covering layers[:i]; stage j ends at i in j..n-(p-j).
+    """
+    n = len(prefix) - 1
     best: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = [None] * (n + 1)
     best[0] = ((), (0,))
     for j in range(1, num_stages + 1):
@@ -135,7 +145,7 @@ def min_max(weights: Sequence[Real], num_stages: int) -> list[int]:
             first_k = max(j - 1, bisect.bisect_left(prefix, prefix[i] - limit, 0, i))
             for k in range(first_k, i):
                 prev = best[k]
-                if prev is None:
+                if prev is None or (fits is not None and not fits(j - 1, k, i)):
                     continue
                 seg = prefix[i] - prefix[k]
                 cand = (tuple(sorted(prev[0] + (seg,), reverse=True)), prev[1] + (i,))

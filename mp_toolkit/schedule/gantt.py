@@ -18,8 +18,10 @@ KIND_COLOURS = {"F": "#4c72b0", "B": "#55a868", "I": "#dd8452", "W": "#8172b3"}
 _FORMATS = (".png", ".svg")
 
 
-def draw_gantt(timeline: Timeline, path: str | os.PathLike, title: str | None = None) -> None:
-    """Write ``timeline`` as a PNG or SVG chart, chosen by the suffix of ``path``."""
+def draw_gantt(timeline: Timeline, path: str | os.PathLike, title: str | None = None,
+               xlabel: str = "time") -> None:
+    """Write ``timeline`` as a PNG or SVG chart, chosen by the suffix of ``path``; ``xlabel``
+    names the unit of the costs (the planner passes predicted milliseconds)."""
     suffix = os.path.splitext(os.fspath(path))[1].lower()
     if suffix not in _FORMATS:
         raise ValueError(f"Gantt chart path {os.fspath(path)!r} must end in .png or .svg")
@@ -41,7 +43,7 @@ def draw_gantt(timeline: Timeline, path: str | os.PathLike, title: str | None = 
     ax.set_yticks(range(ranks))
     ax.set_yticklabels([f"rank {r}" for r in range(ranks)])
     ax.set_xlim(0, max(timeline.step_time, 1e-12))
-    ax.set_xlabel("time")
+    ax.set_xlabel(xlabel)
     used = sorted({e.action.kind.value for evs in timeline.events for e in evs
                    if e.action.kind.is_compute}, key="FBIW".index)
     ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=k) for k in used],

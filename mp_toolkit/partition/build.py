@@ -1,0 +1,77 @@
+"""Build the model a plan describes and measure its layers here (``mpt plan --method time``).
+
+GPT-2-family configs build `model_zoo.gpt.GPT`, BERT configs `model_zoo.bert.BertForPreTraining`;
+the planner then uses the measured per-layer forward/backward medians and kept bytes, and one
+measured optimizer step shared out over the layers by parameter count. With ``--tp T`` the
+unsharded layers are measured and their times divided by T (ideal scaling of the sharded math).
+"""
+from __future__ import annotations
+
+import torch
+
+from mp_toolkit.layers import LayerList
+
+from .cost import CostModelError, ModelShape
+from mp_toolkit.memstats import release_free_memory, rss_bytes, warm_runtime
+
+from .measure import LayerTiming, measure_layers, measure_optimizer_step
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def build_layer_list(model: str, shape: ModelShape):
+    """(LayerList, make_batch(b, s) -> (inputs, labels), loss_fn) for a preset or config path."""
+    if shape.family == "gpt2":
+        from model_zoo import gpt
+
+        config = gpt.PRESETS[model] if model in gpt.PRESETS else gpt.get_config(model)
+        layers = LayerList.from_model(gpt.GPT(config))
+
+        def batch(b: int, s: int):
+            ids = torch.randint(0, config.vocab_size, (b, s + 1))
+            return ids[:, :-1], ids[:, 1:]
+
+        return layers, batch, lambda logits, labels: gpt.lm_loss(logits.float(), labels)
+    if shape.family == "bert":
+        from model_zoo import bert
+
+        config = bert.get_config(model)
+        layers = LayerList.from_model(bert.BertForPreTraining(config))
+
+        def batch(b: int, s: int):
+            ids = torch.randint(0, config.vocab_size, (b, s))
+            inputs = (ids, torch.zeros_like(ids), torch.ones_like(ids))
+            mlm = torch.where(torch.rand(b, s) < 0.15, ids, torch.full_like(ids, -100))
+            return inputs, (mlm, torch.randint(0, 2, (b,)))
+
+        return layers, batch, bert.pretraining_loss
+    raise CostModelError(f"--method time measures GPT-2 and BERT models so far; {model} is a {shape.family} "
+                         f"model: use --method flops or memory (FLOP-based times)")
+
+
+def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float], list[int], int]:
+    """Measured per-layer timings; the optimizer step's seconds and transient bytes shared out
+    over the layers by parameter count; and the bytes that running the layers leaves resident
+    (a per-process constant every stage pays), for ``req``."""
+    from mp_toolkit.optim.factory import build_optimizer
+
+    warm_runtime()
+    torch.manual_seed(0)
+    layers, batch, loss_fn = build_layer_list(req.model, shape)
+    layers = layers.to(DTYPES[req.dtype])
+    inputs, labels = batch(req.micro_batch, req.seq_len)
+    release_free_memory()
+    before = rss_bytes()
+    timings = measure_layers(layers, inputs, loss_fn, labels)
+    release_free_memory()
+    residue = max(0, rss_bytes() - before)  # what computing leaves resident: kernel scratch, caches
+    if req.tp > 1:
+        timings = [LayerTiming(t.name, t.forward_s / req.tp, t.backward_s / req.tp, t.activation_bytes // req.tp,
+                               t.workspace_bytes // req.tp) for t in timings]
+    named = [(n, p.float() if p.dtype != torch.float32 else p) for n, p in layers.named_parameters()]
+    named = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in named]
+    step_s, transient = measure_optimizer_step(lambda nps: build_optimizer(req.optimizer, nps, 1e-3, 0.01), named)
+    counts = layers.layer_parameter_counts()
+    total = sum(p.numel() for _, p in named) or 1
+    return (timings, [step_s * c / total / req.tp for c in counts],
+            [int(transient * c / total / req.tp) for c in counts], residue)

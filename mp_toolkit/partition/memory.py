@@ -1,0 +1,132 @@
+"""The exact memory-capped cut: minimise the slowest stage subject to every stage fitting.
+
+A stage's memory depends on *which* stage it is, not only on its layers: under 1F1B stage ``s``
+of ``p`` keeps the activations of ``min(m, p - s)`` micro-batches, under GPipe all ``m``
+(`StageMemory.inflight`, taken from the simulated schedule). So the feasibility of a segment is
+a property of (stage index, first layer, last layer), and the problem is a dynamic programme over
+(stages used, layers covered):
+
+1. the optimal bottleneck ``T*`` (min over feasible cuts of the slowest stage) by a scalar DP;
+2. among cuts whose stages are all feasible and no slower than ``T*``, the one whose stage times
+   sorted in descending order are lexicographically smallest (leximax: the most balanced), ties
+   to the lexicographically smallest boundary list -- the same rule as `solvers.min_max`.
+
+Both steps are exact: times are compared as integers with one common scale (`_exact_weights`),
+and the best prefix cut extends to the best full cut because feasibility of the rest depends
+only on (stage, position). ``O(p * n^2)`` segment checks; ``n`` = layers, ``p`` = stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Real
+from typing import Sequence
+
+from .solvers import PartitionError, _check_num_stages, _exact_weights, leximax_cut
+
+__all__ = ["StageMemory", "MemoryCapError", "min_max_memory", "min_memory_cut"]
+
+
+class MemoryCapError(PartitionError):
+    """No cut fits the cap. ``needed`` is the smallest cap that would, reached by ``boundaries``
+    whose stage ``stage`` is the one at that cap."""
+
+    def __init__(self, message: str, needed: int, boundaries: list[int], stage: int):
+        super().__init__(message)
+        self.needed, self.boundaries, self.stage = needed, boundaries, stage
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes of stage ``j`` holding layers ``[a, b)``: its static bytes, plus the larger of the
+    schedule's peak and the optimizer step's temporaries (they never coexist: activations are
+    freed before the step), plus a fixed part::
+
+        sum(static[a:b]) + max(inflight[j] * sum(activation[a:b]) + max(workspace[a:b]),
+                               sum(step_transient[a:b])) + fixed
+    """
+
+    static: Sequence[int]
+    """Per layer: weights, gradients, master copy and optimizer state."""
+    activation: Sequence[int]
+    """Per layer: bytes kept for backward per micro-batch."""
+    inflight: Sequence[int]
+    """Per stage: peak micro-batches whose activations the stage holds at once."""
+    workspace: Sequence[int] = ()
+    """Per layer: transient bytes while it runs (the largest on the stage counts)."""
+    fixed: int = 0
+    """Per stage: bytes independent of the layers (receive buffers, runtime)."""
+    step_transient: Sequence[int] = ()
+    """Per layer: temporaries of the optimizer step over its parameters."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "_ps", _prefix(self.static))
+        object.__setattr__(self, "_pa", _prefix(self.activation))
+        object.__setattr__(self, "_pt", _prefix(self.step_transient or [0] * len(self.static)))
+
+    def __call__(self, stage: int, a: int, b: int) -> int:
+        ws = max(self.workspace[a:b], default=0) if self.workspace else 0
+        schedule_peak = self.inflight[stage] * (self._pa[b] - self._pa[a]) + ws
+        return (self._ps[b] - self._ps[a]) + max(schedule_peak, self._pt[b] - self._pt[a]) + self.fixed
+
+
+def _prefix(xs: Sequence[int]) -> list[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + int(x))
+    return out
+
+
+def _scalar_dp(n: int, p: int, seg_cost) -> tuple[float, list[int]] | None:
+    """min over cuts of max over stages of ``seg_cost(j, a, b)`` (None = infeasible segment)."""
+    inf = float("inf")
+    best = [inf] * (n + 1)
+    best[0] = 0
+    back = [[0] * (n + 1) for _ in range(p + 1)]
+    for j in range(p):
+        new = [inf] * (n + 1)
+        for i in range(j + 1, n - (p - j - 1) + 1):
+            for k in range(j, i):
+                if best[k] == inf:
+                    continue
+                c = seg_cost(j, k, i)
+                if c is None:
+                    continue
+                v = max(best[k], c)
+                if v < new[i]:
+                    new[i], back[j + 1][i] = v, k
+        best = new
+    if best[n] == inf:
+        return None
+    bounds, i = [n], n
+    for j in range(p, 0, -1):
+        i = back[j][i]
+        bounds.append(i)
+    return best[n], bounds[::-1]
+
+
+def min_memory_cut(memory: StageMemory, num_layers: int, num_stages: int) -> tuple[int, list[int]]:
+    """The smallest achievable largest-stage memory and a cut reaching it."""
+    _check_num_stages(num_layers, num_stages)
+    value, bounds = _scalar_dp(num_layers, num_stages, memory)
+    return int(value), bounds
+
+
+def min_max_memory(times: Sequence[Real], memory: StageMemory, num_stages: int, cap: int) -> list[int]:
+    """The most balanced cut minimising the slowest stage with every stage <= ``cap`` bytes.
+
+    Raises `MemoryCapError` (with the smallest feasible cap) when nothing fits.
+    """
+    n = len(times)
+    _check_num_stages(n, num_stages)
+    if len(memory.inflight) < num_stages:
+        raise ValueError(f"inflight gives {len(memory.inflight)} stages, need {num_stages}")
+    w = _exact_weights(times)
+    pw = _prefix(w)
+    fits = lambda j, a, b: memory(j, a, b) <= cap
+    found = _scalar_dp(n, num_stages, lambda j, a, b: pw[b] - pw[a] if fits(j, a, b) else None)
+    if found is None:
+        needed, bounds = min_memory_cut(memory, n, num_stages)
+        stage = max(range(num_stages), key=lambda j: memory(j, bounds[j], bounds[j + 1]))
+        raise MemoryCapError(f"no cut into {num_stages} stages fits {cap} bytes per stage; the smallest "
+                             f"cap that fits is {needed} bytes", needed, bounds, stage)
+    return leximax_cut(pw, num_stages, found[0], fits)  # the most balanced cut at that bottleneck

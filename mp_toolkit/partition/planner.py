@@ -1,0 +1,315 @@
+"""The planner behind ``mpt plan``: cut a model into stages and predict the pipeline.
+
+`make_plan` composes, in this order:
+
+1. per-layer costs (`cost.layer_costs`; measured on this machine for ``--method time`` or
+   ``--measure``, `measure.measure_layers`);
+2. per-layer times: measured, or FLOPs / throughput (``--tflops``, else a GEMM measured here);
+   tensor parallelism adds its all-reduces to each block;
+3. the cut (`cut`): uniform, parameters, flops, time, ``type:REGEX``, or memory (`memory.py`);
+4. per-stage static + in-flight memory, with the in-flight count taken from the schedule the
+   run would execute;
+5. the simulated timeline (`schedule.simulate`) with a latency/bandwidth term per message,
+   plus the optimizer step and the data-parallel gradient all-reduce: bubble, step time, tokens/s.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+
+from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape
+from .memory import MemoryCapError, StageMemory, min_max_memory
+from .solvers import PartitionError, min_max, uniform
+
+PLAN_METHODS = ("uniform", "parameters", "flops", "time", "type:REGEX", "memory")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``mpt plan`` is asked."""
+
+    model: str
+    """Preset name or a HuggingFace config.json (GPT-2, BERT, Llama families)."""
+    pp: int = 2
+    tp: int = 1
+    dp: int = 1
+    micro_batch: int = 8
+    microbatches: int = 4
+    seq_len: int = 128
+    method: str = "parameters"
+    """uniform, parameters, flops, time, type:REGEX (DeepSpeed's) or memory."""
+    memory_gb: float | None = None
+    """Per-device cap; required by ``memory``, a warning threshold otherwise."""
+    dtype: str = "fp32"
+    optimizer: str = "adamw"
+    schedule: str = "1f1b"
+    chunks: int = 1
+    """Model chunks per rank (interleaved)."""
+    tflops: float | None = None
+    """Throughput turning FLOPs into time; None measures a GEMM on this machine."""
+    measure: bool = False
+    """Time each layer here even when the method does not need it."""
+    p2p_latency_us: float = 150.0
+    """Per message (gloo on one host; NCCL across NVLink is ~10)."""
+    p2p_gbps: float = 3.0
+    """Point-to-point and collective bandwidth, GB/s."""
+    mem_gbps: float = 8.0
+    """Memory bandwidth for the FLOP-free optimizer step estimate, GB/s."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    first_layer: int
+    last_layer: int
+    params: int
+    time_ms: float
+    """Forward + backward of one micro-batch."""
+    memory_bytes: int
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    optimizer_ms: float = 0.0
+
+
+@dataclass
+class Plan:
+    request: PlanRequest
+    layers: list[LayerCost]
+    boundaries: list[int]
+    stages: list[StagePlan]
+    bubble_fraction: float
+    step_time_ms: float
+    tokens_per_s: float
+    time_source: str
+    warnings: list[str] = field(default_factory=list)
+    timeline: object = None
+
+    @property
+    def max_stage_time_ms(self) -> float:
+        return max(s.time_ms for s in self.stages)
+
+    def to_json(self) -> dict:
+        """Exactly the fields ``mpt plan --json`` writes (issue 3, item 5)."""
+        r = self.request
+        return {
+            "pp": r.pp, "tp": r.tp, "dp": r.dp, "schedule": r.schedule, "method": r.method,
+            "layers": [{"name": c.name, "params": c.params, "flops_fwd": c.flops_fwd,
+                        "activation_bytes": c.activation_bytes} for c in self.layers],
+            "stages": [{"index": s.index, "first_layer": s.first_layer, "last_layer": s.last_layer,
+                        "params": s.params, "time_ms": s.time_ms, "memory_bytes": s.memory_bytes}
+                       for s in self.stages],
+            "max_stage_time_ms": self.max_stage_time_ms, "bubble_fraction": self.bubble_fraction,
+            "step_time_ms": self.step_time_ms, "tokens_per_s": self.tokens_per_s,
+        }
+
+
+def gemm_tflops(dtype: str, n: int = 512, k: int = 512, repeats: int = 5) -> float:
+    """Measured TFLOP/s of an (n x k) @ (k x 4k) matrix product in ``dtype`` on this CPU."""
+    import torch
+
+    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    a, b = torch.randn(n, k, dtype=dt), torch.randn(k, 4 * k, dtype=dt)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n * k * 4 * k / statistics.median(times) / 1e12
+
+
+def _allreduce_s(nbytes: float, ranks: int, req: PlanRequest) -> float:
+    """Ring all-reduce: 2 (r-1)/r of the bytes over the wire, 2 (r-1) latency steps."""
+    if ranks == 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / (req.p2p_gbps * GB) + 2 * (ranks - 1) * req.p2p_latency_us * 1e-6
+
+
+STEP_TRANSIENT_BYTES = 8
+"""Optimizer-step temporaries per parameter without a measurement (two fp32 foreach buffers)."""
+
+
+def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]):
+    """Per layer (forward s, backward s), optimizer seconds and step temporaries; bytes that
+    computing leaves resident per process (measured only); the costs (measured kept and transient
+    bytes replace the formula's when measured); and where the times come from."""
+    if req.method == "time" or req.measure:
+        from .build import measure_model
+
+        timings, opt_s, step_bytes, residue = measure_model(req, shape)
+        times = [(t.forward_s, t.backward_s) for t in timings]
+        costs = [replace(c, activation_bytes=t.activation_bytes, workspace_bytes=t.workspace_bytes)
+                 for c, t in zip(costs, timings)]
+        source = "measured on this machine (median of 5 after 2 warm-up runs)"
+    else:
+        tflops = req.tflops or gemm_tflops(req.dtype)
+        times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
+        bpp_touched = bytes_per_param(req.dtype, req.optimizer) + 8  # read + write of weights/states
+        opt_s = [c.params * bpp_touched / (req.mem_gbps * GB) for c in costs]
+        step_bytes = [c.params * STEP_TRANSIENT_BYTES for c in costs]
+        residue = 0
+        source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None else "")
+    if req.tp > 1:  # two all-reduces of the block's activations forward, two backward (Megatron)
+        msg = req.micro_batch * req.seq_len * shape.hidden * ACT_BYTES[req.dtype]
+        ar = 2 * _allreduce_s(msg, req.tp, req)
+        times = [(f + ar, b + ar) if c.kind.endswith(("Block", "Layer")) else (f, b) for (f, b), c in zip(times, costs)]
+    return times, opt_s, step_bytes, residue, costs, source
+
+
+def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float]],
+        memory: StageMemory | None, num_stages: int) -> list[int]:
+    """Boundaries by ``req.method``."""
+    n = len(costs)
+    m = req.method
+    if m == "uniform":
+        return uniform(n, num_stages)
+    if m == "parameters":
+        return min_max([c.params for c in costs], num_stages)
+    if m == "flops":
+        return min_max([c.flops_fwd + c.flops_bwd for c in costs], num_stages)
+    if m == "time":
+        return min_max([f + b for f, b in times], num_stages)
+    if m.startswith("type:"):
+        try:
+            regex = re.compile(m[5:], re.IGNORECASE)  # DeepSpeed matches class names case-insensitively
+        except re.error as e:
+            raise PartitionError(f"--method {m}: bad regular expression: {e}") from None
+        weights = [1 if regex.search(c.kind) else 0 for c in costs]
+        if not any(weights):
+            kinds = sorted({c.kind for c in costs})
+            raise PartitionError(f"--method {m} matches no layer class: the classes are {', '.join(kinds)}")
+        return min_max(weights, num_stages)
+    if m == "memory":
+        if req.memory_gb is None:
+            raise PartitionError("--method memory needs --memory-gb, the per-device cap")
+        cap = int(req.memory_gb * GB / req.chunks)  # interleaved: each chunk gets its rank's share
+        return min_max_memory([f + b for f, b in times], memory, num_stages, cap)
+    raise PartitionError(f"unknown --method {m!r}: choose one of {', '.join(PLAN_METHODS)}")
+
+
+def _inflight(req: PlanRequest):
+    """Per stage peak in-flight micro-batches of the schedule the run would execute, and the
+    unit-cost schedule itself (ZB-H1 keeps a micro-batch's activations until its W)."""
+    from mp_toolkit.schedule import get_schedule, simulate
+
+    schedule = get_schedule(req.schedule, req.pp, req.microbatches, num_chunks=req.chunks)
+    tl = simulate(schedule)
+    return schedule, list(tl.peak_inflight_w if req.schedule == "zbh1" else tl.peak_inflight)
+
+
+def make_plan(req: PlanRequest) -> Plan:
+    """Plan ``req``; raises PartitionError / CostModelError / ValueError with one-line messages."""
+    from mp_toolkit.schedule import simulate
+
+    shape = model_shape(req.model)
+    check_request(req, shape)
+    costs = layer_costs(shape, req.micro_batch, req.seq_len, req.dtype, req.tp)
+    times, opt_s, step_bytes, residue, costs, source = layer_times(req, shape, costs)
+    schedule, inflight = _inflight(req)
+    num_stages = schedule.num_stages
+    bpp = bytes_per_param(req.dtype, req.optimizer)
+    msg_in = max(c.output_bytes for c in costs[:-1]) if len(costs) > 1 else 0
+    memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
+                         inflight=inflight, workspace=[c.workspace_bytes for c in costs], fixed=2 * msg_in + residue,
+                         step_transient=step_bytes)
+    try:
+        bounds = cut(req, costs, times, memory, num_stages)
+    except MemoryCapError as e:
+        a, b = e.boundaries[e.stage], e.boundaries[e.stage + 1]
+        need = e.needed * req.chunks / GB
+        raise PartitionError(f"--memory-gb {req.memory_gb:g} is too small: even the leanest cut puts "
+                             f"{need:.3g} GB on stage {e.stage} ({costs[a].name}..{costs[b - 1].name}); "
+                             f"use --memory-gb {_round_up(need)} or more") from None
+    stages = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        fwd, bwd = sum(t[0] for t in times[a:b]), sum(t[1] for t in times[a:b])
+        stages.append(StagePlan(s, a, b - 1, sum(c.params for c in costs[a:b]), 1e3 * (fwd + bwd),
+                                memory(s, a, b), 1e3 * fwd, 1e3 * bwd, 1e3 * sum(opt_s[a:b])))
+    # ZB-H1's W re-runs the stage's backward towards the weights (autograd.backward with
+    # inputs=params walks the whole graph again), so here W costs a full B and I half of one.
+    stage_costs = {st.index: {"F": st.forward_ms, "B": st.backward_ms, "I": st.backward_ms / 2,
+                              "W": st.backward_ms} for st in stages}
+    out_bytes = [costs[b - 1].output_bytes for b in bounds[1:]]
+
+    def message_bytes(action) -> float:  # F sends the stage's output, B the gradient of its input
+        return out_bytes[action.stage] if action.kind.value == "SEND_F" else out_bytes[action.stage - 1]
+
+    timeline = simulate(schedule, stage_costs, p2p_latency=req.p2p_latency_us * 1e-3,
+                        p2p_bandwidth=req.p2p_gbps * GB / 1e3, message_bytes=message_bytes)
+    per_rank_opt = [0.0] * req.pp
+    for st in stages:  # every rank steps its own stages; the slowest rank closes the step
+        r = schedule.stage_to_rank[st.index]
+        grad_bytes = st.params * 4
+        per_rank_opt[r] += st.optimizer_ms + 1e3 * _allreduce_s(grad_bytes, req.dp, req)
+    step_ms = timeline.step_time + max(per_rank_opt)
+    tokens = req.microbatches * req.micro_batch * req.seq_len * req.dp
+    plan = Plan(req, costs, bounds, stages, timeline.bubble_fraction, step_ms, tokens / (step_ms / 1e3),
+                source, timeline=timeline)
+    plan.warnings.extend(_memory_warnings(req, plan, schedule))
+    return plan
+
+
+def _memory_warnings(req: PlanRequest, plan: Plan, schedule) -> list[str]:
+    if req.memory_gb is None:
+        return []
+    out = []
+    for rank in range(req.pp):
+        mine = [s for s in plan.stages if schedule.stage_to_rank[s.index] == rank]
+        total = sum(s.memory_bytes for s in mine)
+        if total > req.memory_gb * GB:
+            names = ", ".join(str(s.index) for s in mine)
+            out.append(f"warning: rank {rank} (stage {names}) needs {total / GB:.3g} GB, over the "
+                       f"--memory-gb {req.memory_gb:g} cap")
+    return out
+
+
+def _round_up(gb: float) -> str:
+    """A cap a little above ``gb`` with two significant digits, never below it."""
+    import math
+
+    digits = 2 - int(math.floor(math.log10(gb))) - 1 if gb > 0 else 2
+    step = 10.0 ** -digits
+    return f"{math.ceil(gb / step - 1e-9) * step:.{max(digits, 0)}f}"
+
+
+def check_request(req: PlanRequest, shape: ModelShape) -> None:
+    """Every bad combination as one line."""
+
+    for name in ("pp", "tp", "dp", "micro_batch", "microbatches", "seq_len", "chunks"):
+        v = getattr(req, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PartitionError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+    if req.schedule not in ("gpipe", "1f1b", "interleaved", "zbh1"):
+        raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of gpipe, 1f1b, interleaved, zbh1")
+    if not (req.method in PLAN_METHODS[:4] or req.method == "memory" or req.method.startswith("type:")):
+        raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
+    if req.dtype not in ACT_BYTES:
+        raise PartitionError(f"unknown --dtype {req.dtype!r}: choose one of {', '.join(ACT_BYTES)}")
+    if req.memory_gb is not None and not req.memory_gb > 0:
+        raise PartitionError(f"--memory-gb {req.memory_gb:g} must be positive")
+    n_layers = len(layer_costs(shape, 1, 1))
+    stages = req.pp * req.chunks
+    if stages > n_layers:
+        what = f"--pp {req.pp}" if req.chunks == 1 else f"--pp {req.pp} x --chunks {req.chunks} = {stages} stages"
+        raise PartitionError(f"{what} exceeds the model's {n_layers} layers: use at most {n_layers}")
+    if req.chunks > 1 and req.schedule != "interleaved":
+        raise PartitionError(f"--chunks {req.chunks} needs --schedule interleaved")
+    if req.schedule == "interleaved" and req.chunks > 1 and req.microbatches % req.pp:
+        raise PartitionError(f"--schedule interleaved needs --microbatches a multiple of --pp {req.pp}, "
+                             f"got {req.microbatches}")
+    if req.tp > 1:
+        for what, value in (("attention heads", shape.heads), ("key/value heads", shape.kvh),
+                            ("MLP size", shape.ffn), ("vocabulary", shape.vocab_size)):
+            if value % req.tp:
+                raise PartitionError(f"--tp {req.tp} does not divide the model's {what} ({value}): "
+                                     f"choose a tp that divides {value}")
+    if shape.positions and req.seq_len > shape.positions:
+        raise PartitionError(f"--seq-len {req.seq_len} exceeds the model's {shape.positions} positions")
+    for name in ("tflops", "p2p_gbps", "mem_gbps"):
+        v = getattr(req, name)
+        if v is not None and not v > 0:
+            raise PartitionError(f"--{name.replace('_', '-')} {v:g} must be positive")
+
