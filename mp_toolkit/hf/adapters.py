@@ -1,0 +1,69 @@
+"""`from_hf`: a HuggingFace transformers model -> LayerList, by walking the model's own modules.
+
+No tracing: each supported architecture has an adapter (``gpt2.py``, ``bert.py``, ``llama.py``) that
+puts HF's embeddings, blocks, norms and heads, unchanged, inside thin layers that only adapt the
+calling convention (a tuple out is the next layer's arguments) and carry masks / positions as
+tensors. So the math is HF's, and the LayerList shares its modules (its Parameters) with the model:
+training the LayerList trains the model (``copy.deepcopy(model)`` first to keep one untouched).
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained("gpt2")
+    layers = from_hf(model)                  # embed, h.0 .. h.11, ln_f, lm_head
+    logits = layers(input_ids, attention_mask)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mp_toolkit.hf.bert import bert_layers
+from mp_toolkit.hf.common import tie_groups
+from mp_toolkit.hf.gpt2 import gpt2_layers
+from mp_toolkit.hf.llama import FAMILIES as LLAMA_FAMILIES, llama_layers
+from mp_toolkit.layers import LayerList
+
+# HF class name -> adapter; also what `export_hf` can write.
+ADAPTERS = {
+    "GPT2LMHeadModel": gpt2_layers,
+    "BertForPreTraining": bert_layers,
+    "BertForMaskedLM": bert_layers,
+    **{name: llama_layers for name in LLAMA_FAMILIES},
+}
+SUPPORTED = tuple(ADAPTERS)
+
+
+class UnsupportedModelError(ValueError):
+    """An architecture `from_hf` has no adapter for (one line, for the CLI's exit 2)."""
+
+
+def unsupported(name: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{name} is not supported by from_hf: supported architectures are {', '.join(SUPPORTED)}; "
+        "for another model build the layer list yourself, LayerList([(name, module), ...], tie_groups), "
+        "where each layer takes the previous layer's output (a tuple is unpacked into its arguments)")
+
+
+def from_hf(model: nn.Module) -> LayerList:
+    """The LayerList of a supported HF model (GPT-2, BERT pre-training / MLM, Llama, Mistral, Qwen2).
+
+    Layer names: GPT-2 ``embed, h.{i}, ln_f, lm_head``; BERT ``embeddings, encoder.layer.{i}, heads``;
+    Llama family ``embed_tokens, layers.{i}, norm, lm_head``. Tied embeddings (HF's
+    ``tie_word_embeddings``) become a tie group. Calling it: ``layers(input_ids, attention_mask)``
+    for the causal LMs (logits (B, T, V)); ``layers(input_ids, token_type_ids, attention_mask)``
+    for BERT. The model's mode (train / eval) and ``attn_implementation`` are used as they are.
+    """
+    name = type(model).__name__
+    build = ADAPTERS.get(name)
+    if build is None or not type(model).__module__.startswith("transformers."):
+        raise unsupported(name)
+    layers = build(model)
+    return LayerList(layers, tie_groups(layers))
+
+
+def family_of(layer_list: LayerList) -> str:
+    """"gpt2", "bert" or "llama" for a LayerList `from_hf` built (read off its layer names)."""
+    names = set(layer_list.names)
+    for family, marker in (("gpt2", "embed"), ("bert", "embeddings"), ("llama", "embed_tokens")):
+        if marker in names:
+            return family
+    raise ValueError(f"layer list {list(layer_list.names)[:4]}... was not built by from_hf")

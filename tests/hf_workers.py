@@ -1,0 +1,169 @@
+"""Tiny random HF models and the rank functions of tests/test_hf.py (importable by spawned ranks).
+
+Every model is built from a config in code (no hub, no network), fp32, with dropout off so that
+training is deterministic. Each rank seeds identically and builds its own copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mp_toolkit.engine.pipeline import PipelineEngine
+from mp_toolkit.hf import apply_hf_tensor_parallel, causal_lm_loss, from_hf, hf_name_map, layer_state_dict
+from mp_toolkit.parallel.context import build_context
+from mp_toolkit.parallel.tensor_parallel import gather_full
+from mp_toolkit.parallel.tp_comms import all_gather
+from tests.oracle_workers import OPTIMIZERS
+
+VOCAB, SEQ = 128, 12
+_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, **_IDS)
+CONFIGS = {  # name: (transformers config class, model class, config kwargs)
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=4, n_head=4,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_IDS)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _LLAMA),
+    # window 4 < SEQ: the sliding-window mask differs from the causal one
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_LLAMA, sliding_window=4)),
+    # layers 2 and 3 slide, 0 and 1 are full: per-layer masks
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA, use_sliding_window=True, sliding_window=4,
+                                                      max_window_layers=2)),
+    "bert-pretraining": ("BertConfig", "BertForPreTraining", dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+}
+CONFIGS["bert-mlm"] = (CONFIGS["bert-pretraining"][0], "BertForMaskedLM", CONFIGS["bert-pretraining"][2])
+CAUSAL = ("gpt2", "llama", "mistral", "qwen2")
+
+
+def tiny_config(name: str, attn: str = "sdpa", **overrides):
+    import transformers
+
+    config_cls, _, kwargs = CONFIGS[name]
+    return getattr(transformers, config_cls)(**(kwargs | overrides), attn_implementation=attn)
+
+
+def tiny_hf(name: str, attn: str = "sdpa", seed: int = 0, train: bool = False, **overrides):
+    """A random tiny HF model (same weights for the same seed), in eval mode unless ``train``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, CONFIGS[name][1])(tiny_config(name, attn, **overrides))
+    return model.train(train)
+
+
+def causal_inputs(B: int = 3, T: int = SEQ, seed: int = 0, padded: bool = True):
+    """(input_ids, attention_mask) (B, T); row 1 padded on the right, row 2 on the left."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    if padded:
+        mask[1, T - 4:] = 0
+        mask[2, :3] = 0
+        ids = torch.where(mask.bool(), ids, 0)
+    return ids, mask
+
+
+def train_batches(steps: int, m: int, B: int = 2, T: int = SEQ, seed: int = 0) -> list[list[tuple]]:
+    """steps x m micro-batches ((input_ids, attention_mask), labels) in our convention: labels are
+    the next tokens (pre-shifted); row 1 of odd micro-batches is right-padded, its padded targets -100."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        step = []
+        for k in range(m):
+            window = torch.randint(3, VOCAB, (B, T + 1), generator=g)
+            ids, labels = window[:, :-1].clone(), window[:, 1:].clone()
+            mask = torch.ones(B, T, dtype=torch.long)
+            if k % 2:
+                mask[1, T - 5:] = 0
+                ids[1, T - 5:] = 0
+                labels[1, T - 6:] = -100  # the last real position's target is padding too
+            step.append(((ids, mask), labels))
+        out.append(step)
+    return out
+
+
+# ---------------------------------------------------------------- tensor parallel (tp = world)
+
+def tp_rank(rank: int, world: int, names):
+    """Per model: TP forward/backward on this rank's shard next to the unsharded twin.
+
+    Returns {name: (gathered logits, full logits, tp loss, full loss, max relative grad error,
+    sharded parameter count, local shapes)}; gradients are compared as gathered full tensors.
+    """
+    ctx = build_context(pp=1, tp=world, dp=1)
+    out = {}
+    for name in names:
+        full = from_hf(tiny_hf(name, train=True))
+        sharded = apply_hf_tensor_parallel(from_hf(tiny_hf(name, train=True)), ctx)
+        ids, mask = causal_inputs()
+        labels = torch.where(mask.bool(), torch.roll(ids, -1, dims=1), -100)
+        full_logits, local = full(ids, mask), sharded(ids, mask)
+        loss_full, loss_tp = causal_lm_loss(full_logits, labels), causal_lm_loss(local, labels, ctx.tp_group)
+        loss_full.backward()
+        loss_tp.backward()
+        full_params = dict(full.named_parameters())  # LayerList's names: layers.{index}.{path}
+        worst, n_sharded = 0.0, 0
+        for key, p in sharded.named_parameters():
+            want = full_params[key].grad
+            got = gather_full(p, ctx.tp_group, p.grad)
+            n_sharded += int(getattr(p, "tensor_model_parallel", False))
+            worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+        gathered = torch.cat(all_gather(local.detach(), ctx.tp_group), dim=-1)  # vocab blocks in rank order
+        shapes = {k: tuple(t.shape) for k, t in layer_state_dict(sharded).items()
+                  if k.startswith(("h.0.block.attn", "layers.0.block.self_attn"))}
+        attn = sharded["h.0"].block.attn if name == "gpt2" else None
+        local_sizes = (attn.split_size, attn.num_heads) if attn is not None else None
+        # a tied pair (GPT-2's wte / lm_head) is still one Parameter: one vocab shard
+        tied = bool(sharded.tie_groups) and len({id(sharded[l].get_parameter(p)) for l, p in sharded.tie_groups[0]}) == 1
+        out[name] = (gathered, full_logits.detach(), loss_tp.item(), loss_full.item(), worst, n_sharded, shapes,
+                     local_sizes, tied)
+    return out
+
+
+# ---------------------------------------------------------------- pipeline (pp = world) vs HF
+
+def hf_reference(name: str, batches, overrides: dict):
+    """Single-process gradient accumulation on the HF model itself: same micro-batches, same AdamW."""
+    model = tiny_hf(name, train=True, **overrides)
+    opt = OPTIMIZERS["adamw"](list(model.parameters()))
+    losses = []
+    for step in batches:
+        total = torch.zeros(())
+        for (ids, mask), labels in step:
+            loss = causal_lm_loss(model(input_ids=ids, attention_mask=mask).logits, labels) / len(step)
+            loss.backward()  # invariant 5: the loss, not the gradient, is scaled
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total.item())
+    return model.state_dict(), losses
+
+
+def pp_rank(rank: int, world: int, cases, steps: int = 2, m: int = 3):
+    """Per (name, config overrides): this rank's stage after ``steps`` 1F1B steps vs the HF reference.
+
+    The cut falls in the middle of the blocks (4 blocks: stage 0 = embedding + 2 blocks), so the
+    padding mask (and for Llama the position ids) cross the boundary. Returns per case: (tensors
+    compared, not bitwise equal, max |difference|, pipeline losses, reference losses).
+    """
+    report = []
+    for name, overrides in cases:
+        batches = train_batches(steps, m)
+        ref_state, ref_losses = hf_reference(name, batches, overrides)
+        model = tiny_hf(name, train=True, **overrides)
+        hf_names = hf_name_map(model)
+        layers = from_hf(model)
+        boundaries = [0, 3, len(layers)]  # [embed, block 0, block 1] | [block 2, block 3, norm, lm_head]
+        engine = PipelineEngine(layers, build_context(world), boundaries, m, "1f1b",
+                                optimizer=OPTIMIZERS["adamw"], loss_fn=causal_lm_loss)
+        losses = [engine.train_batch(iter(step)).loss for step in batches]
+        n, unequal, diff = 0, 0, 0.0
+        for key, p in engine.named_parameters():
+            want = ref_state[hf_names[key][0]]
+            n += 1
+            unequal += int(not torch.equal(p.detach(), want))
+            diff = max(diff, (p.detach() - want).abs().max().item())
+        report.append((n, unequal, diff, losses, ref_losses))
+    return report
