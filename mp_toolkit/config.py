@@ -23,7 +23,14 @@ class TrainConfig:
     model: str = "gpt-small-cpu"
     """Preset name (gpt-tiny, gpt-small-cpu, gpt2, ...) or a path to a GPT-2 config.json."""
     pp: int = 2
-    """Pipeline stages (ranks)."""
+    """Pipeline stages (ranks along the slowest grid axis)."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split every layer (Megatron's TP_PLAN); must divide the
+    model's heads, hidden size, MLP size and vocabulary. The world is pp x tp x dp ranks."""
+    dp: int = 1
+    """Data-parallel replicas: each trains on its own micro-batches, gradients are averaged."""
+    dp_bucket_mb: float = 25.0
+    """Data-parallel gradient buckets: MiB of fp32 gradients per all-reduce (DDP's bucket_cap_mb)."""
     schedule: str = "1f1b"
     """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks) or zbh1 (zero bubble)."""
     chunks: int = 1
@@ -31,7 +38,8 @@ class TrainConfig:
     partition: str = "parameters"
     """Stage cut: uniform, parameters, or explicit boundaries such as 0,3,7."""
     microbatches: int = 4
-    """Micro-batches per global batch (= gradient accumulation steps)."""
+    """Micro-batches per global batch on each data-parallel replica (= gradient accumulation
+    steps); the global batch is dp x microbatches x micro_batch sequences."""
     micro_batch: int = 8
     """Sequences per micro-batch."""
     seq_len: int = 128
@@ -83,8 +91,14 @@ class TrainConfig:
     """Show a progress bar on rank 0."""
 
     @property
+    def world_size(self) -> int:
+        """Ranks the run needs: pp x tp x dp."""
+        return self.pp * self.tp * self.dp
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.microbatches * self.micro_batch * self.seq_len
+        """Tokens of one global batch, over every data-parallel replica."""
+        return self.dp * self.microbatches * self.micro_batch * self.seq_len
 
 
 def parse_boundaries(text: str) -> list[int] | None:

@@ -44,6 +44,33 @@ def test_pp1_and_pp2_losses_agree_with_tied_head(tmp_path):
     assert two == pytest.approx(one, rel=1e-6)
 
 
+def test_tp2_and_dp2_losses_agree_with_one_rank_on_the_same_global_batch(tmp_path):
+    """--tp 2 splits every layer; --dp 2 --microbatches 2 trains two replicas on sequences 0, 2, 4, 6
+    and 1, 3, 5, 7 (MicroBatches shards by dp rank), the same 8 sequences as one rank's 4
+    micro-batches of 2. Tolerance 1e-5 relative (fp32 reduction order; measured 1e-7)."""
+    one = losses(tmp_path, "one", "--model", "gpt-tiny", "--pp", "1", "--microbatches", "4")
+    tp2 = losses(tmp_path, "tp2", "--model", "gpt-tiny", "--pp", "1", "--tp", "2", "--microbatches", "4")
+    dp2 = losses(tmp_path, "dp2", "--model", "gpt-tiny", "--pp", "1", "--dp", "2", "--microbatches", "2")
+    assert tp2 == pytest.approx(one, rel=1e-5) and dp2 == pytest.approx(one, rel=1e-5)
+    for name in ("one", "tp2", "dp2"):  # tokens/s counts the global batch: 4 x 2 x 16 tokens per step
+        for row in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines()):
+            assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(128)
+
+
+def test_tp_that_does_not_divide_the_model(capsys):
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--tp", "3", mentions="--tp 3 does not divide n_head=4")
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--tp", "0", mentions="--tp 0")
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--dp", "0", mentions="--dp 0")
+
+
+def test_launcher_world_must_be_pp_tp_dp(capsys, monkeypatch):
+    """Under torchrun the grid must fill the world exactly; checked before any process group."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    _bad(capsys, *BASE, "--model", "gpt-tiny", "--pp", "1", "--tp", "2",
+         mentions="pp*tp*dp = 1*2*1 = 2 does not match the world size 3")
+
+
 def _bad(capsys, *args, mentions):
     """In-process: every check runs before any rank is started."""
     try:

@@ -31,6 +31,15 @@ def _float_parts(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point()]
 
 
+def final_weight_grad_actions(actions: Sequence[Action]) -> dict[int, int]:
+    """{index of a stage's last weight-gradient action (B, or W when split) in ``actions``: stage}.
+
+    Read off the action list, whatever schedule wrote it (I actions leave weight gradients alone).
+    """
+    last = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+    return {i: stage for stage, i in last.items()}
+
+
 class Executor:
     """Executes actions for the stages this rank holds.
 
@@ -52,14 +61,19 @@ class Executor:
                          Kind.I: self._backward_input, Kind.W: self._backward_weight}
 
     def run(self, actions: Sequence[Action], microbatches: Sequence[MicroBatch],
-            loss_divisor: int = 1, loss_scale: float = 1.0, grad: bool = True) -> list[torch.Tensor]:
+            loss_divisor: int = 1, loss_scale: float = 1.0, grad: bool = True,
+            on_grads_final: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         """Run ``actions``; return the losses / m of the micro-batches (last stage only).
 
         ``loss_divisor`` divides each micro-batch loss before backward (m, for accumulation);
         ``loss_scale`` multiplies the loss that is differentiated (fp16 loss scaling), not the
         one returned.
         ``grad=False`` runs forward-only actions under no_grad (evaluation).
+        ``on_grads_final(stage)`` is called right after a stage's last weight-gradient action of
+        this batch (`final_weight_grad_actions`): from then on its gradients no longer change, so
+        the data-parallel all-reduce of that stage can start while the rest of the schedule runs.
         """
+        final = final_weight_grad_actions(actions) if on_grads_final is not None else {}
         self._mbs, self._div, self._scale, self._grad = microbatches, loss_divisor, loss_scale, grad
         self._inputs: dict = {}
         self._outputs: dict = {}
@@ -80,6 +94,8 @@ class Executor:
                 if handler is None:
                     raise NotImplementedError(f"action kind {actions[i].kind.value} ({actions[i]}) is not supported by this executor")
                 handler(actions[i])
+                if i in final:
+                    on_grads_final(final[i])
                 i += 1
         if self.p2p is not None:
             self.p2p.wait_sends()
@@ -98,10 +114,11 @@ class Executor:
         inputs = self._stage_inputs(s, k)
         outputs = as_tuple(self.stages[s](*inputs))
         if s == self.last_stage:
-            logits = outputs[0]
-            if logits.dtype in (torch.float16, torch.bfloat16):
-                logits = logits.float()  # the loss and its softmax in fp32 under mixed precision
-            self._losses[k] = self.loss_fn(logits, self._mbs[k][1]) / self._div
+            # the loss and its softmax in fp32 under mixed precision
+            out = tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in outputs)
+            # one output (GPT's logits) or all of them (BERT's mlm_logits, nsp_logits)
+            self._losses[k] = self.loss_fn(out[0] if len(out) == 1 else out, self._mbs[k][1]) / self._div
+            outputs = None  # the loss holds the graph; keeping the (B, T, V) logits would cost N*V floats
         elif self._local(s + 1):  # the next stage is on this rank: hand the activations over
             self._inputs[(s + 1, k)] = outputs
         self._outputs[(s, k)] = (inputs, outputs)

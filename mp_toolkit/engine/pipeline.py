@@ -2,14 +2,29 @@
 
 Micro-batching *is* gradient accumulation: each micro-batch loss is multiplied by 1/m before its
 backward (DESIGN.md invariant 5), so after the schedule the gradients are those of the mean loss
-over the global batch, exactly as single-process accumulation over the same micro-batches.
+over the replica's micro-batches, exactly as single-process accumulation over the same
+micro-batches.
 
-After the schedule, `mp_toolkit.engine.step.OptimizerStep` closes the batch (unscale, tied
-gradients, overflow consensus, global-norm clip, step, copy back) in the order written there.
+On the (pp, tp, dp) grid (`mp_toolkit.parallel.context`, tp fastest, then dp, then pp):
+
+* tensor parallelism is applied by the caller before the layer list reaches the engine
+  (``apply_tensor_parallel(layer_list, ctx, TP_PLAN)``); the engine cuts the sharded list into
+  stages like any other. Activations between stages are replicated (B, T, C) on every tp rank,
+  so each rank exchanges them only with the neighbouring stages of its own (tp_rank, dp_rank)
+  (`ParallelContext.stage_rank`). The last stage's loss_fn is then
+  ``vocab_parallel_cross_entropy`` over ``ctx.tp_group``, on local (B, T, V / tp) logits.
+* data parallelism: each replica runs m micro-batches of its own with the loss scaled by 1/m;
+  the gradients are then averaged over ``ctx.dp_group`` (`mp_toolkit.parallel.data_parallel`,
+  bucketed, each stage's buckets posted as soon as its last backward has run), so the step acts on
+  the gradient of the global batch's mean loss: dp x m micro-batches.
+
+After the schedule, `mp_toolkit.engine.step.OptimizerStep` closes the batch (data-parallel
+average, unscale, tied gradients, overflow consensus, global-norm clip, step, copy back) in the
+order written there.
 
 Launch (each rank runs the same program)::
 
-    torchrun --nproc_per_node 2 -m mp_toolkit.cli train --model gpt-tiny --pp 2
+    torchrun --nproc_per_node 8 -m mp_toolkit.cli train --model gpt-tiny --pp 2 --tp 2 --dp 2
 """
 
 from __future__ import annotations
@@ -19,30 +34,37 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from mp_toolkit.engine.executor import Executor, agree_specs
+from mp_toolkit.engine.executor import Executor, agree_specs, final_weight_grad_actions
+from mp_toolkit.engine.reductions import global_mean_loss, trust_ratio_rows
 from mp_toolkit.engine.step import OptimizerStep
 from mp_toolkit.engine.ties import TiedGradients
 from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.master import MasterWeights, precision_dtype
 from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.parallel.data_parallel import BUCKET_BYTES, DataParallelGrads
 from mp_toolkit.parallel.p2p import P2P
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
 
-
-def _adapted_ratios(optimizer) -> list[float]:
-    """Last step's trust ratios of the tensors that layer adaptation applies to (not the 1.0s of
-    biases and norms, which ``adapt=False`` excludes)."""
-    adapted = {id(p) for g in optimizer.param_groups if g.get("adapt", True) for p in g["params"]}
-    return [float(v) for p, v in optimizer.last_trust_ratios().items() if id(p) in adapted]
+_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
 def forward_only(schedule: Schedule) -> tuple[tuple, ...]:
     """Each rank's actions without backward or gradient traffic (evaluation)."""
     keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
     return tuple(tuple(a for a in acts if a.kind in keep) for acts in schedule.actions)
+
+
+def carry_tp_attributes(masters: MasterWeights) -> None:
+    """Give each fp32 master its model parameter's sharding attributes: clipping and LAMB / LARS
+    read them from the tensors they see, which under fp16 / bf16 are the masters."""
+    for p, m in zip(masters.model, masters.master):
+        if m is not p:
+            for name in _TP_ATTRIBUTES:
+                if hasattr(p, name):
+                    setattr(m, name, getattr(p, name))
 
 
 @dataclass
@@ -63,27 +85,33 @@ class PipelineEngine:
     """Trains the stages of a LayerList that this rank holds (one, or v under interleaving).
 
     Args:
-        layer_list: the whole model as a LayerList (every rank builds it identically).
+        layer_list: the whole model as a LayerList (every rank builds it identically), already
+            tensor-parallel (this rank's shards) when ``ctx.tp > 1``.
         ctx: this rank's ParallelContext.
         boundaries: partition ``[0, b1, ..., len(layer_list)]`` with ``ctx.pp * chunks`` stages.
-        num_microbatches: m, micro-batches per global batch.
+        num_microbatches: m, micro-batches per global batch on each data-parallel replica.
         schedule: schedule name ("gpipe", "1f1b", "interleaved", "zbh1").
         optimizer: callable([(name, param), ...]) -> torch.optim.Optimizer over this stage's
-            (fp32 master) parameters, named as in the unsplit LayerList.
-        loss_fn: (last stage output, labels) -> mean loss of one micro-batch.
+            (fp32 master) parameters, named as in the unsplit LayerList (LAMB / LARS built with
+            ``tp_group=ctx.tp_group``, so their trust ratios use whole-tensor norms).
+        loss_fn: (last stage output, labels) -> mean loss of one micro-batch (with tp > 1,
+            ``vocab_parallel_cross_entropy`` over ``ctx.tp_group``).
         clip_grad: max global gradient norm, or None for no clipping.
         precision: "fp32", "fp16" or "bf16": the dtype the stage computes and communicates in;
             the optimizer always holds fp32 masters.
         loss_scaler: scaler of the loss before backward (fp16); None means a scale of 1.
         chunks: model chunks per rank (interleaved 1F1B); stage s runs on pipeline rank s % pp.
+        dp_bucket_bytes: size of the data-parallel gradient buckets (fp32 bytes).
     """
 
     def __init__(self, layer_list: LayerList, ctx: ParallelContext, boundaries: Sequence[int],
                  num_microbatches: int, schedule: str, optimizer: Callable, loss_fn: Callable,
                  clip_grad: float | None = None, precision: str = "fp32",
-                 loss_scaler: DynamicLossScaler | None = None, chunks: int = 1):
-        if ctx.tp != 1 or ctx.dp != 1:
-            raise NotImplementedError("the pipeline engine supports tp=1 and dp=1 so far")
+                 loss_scaler: DynamicLossScaler | None = None, chunks: int = 1,
+                 dp_bucket_bytes: int = BUCKET_BYTES):
+        if ctx.tp > 1 and not any(is_tensor_parallel(p) for p in layer_list.parameters()):
+            raise ValueError(f"tp={ctx.tp} but no parameter of the layer list is tensor-parallel: "
+                             "apply_tensor_parallel(layer_list, ctx, plan) before building the engine")
         self.schedule = get_schedule(schedule, ctx.pp, num_microbatches, num_chunks=chunks)
         validate(self.schedule)
         n_stages = self.schedule.num_stages
@@ -101,8 +129,12 @@ class PipelineEngine:
         self.loss_fn = loss_fn
         named = self.named_parameters()
         self.masters = MasterWeights([p for _, p in named])
+        carry_tp_attributes(self.masters)
         self.optimizer = optimizer([(n, m) for (n, _), m in zip(named, self.masters.master)])
-        self.step = OptimizerStep(ctx, self.masters, self.optimizer, self.ties, clip_grad, loss_scaler)
+        self.dp_grads = (DataParallelGrads(self._dp_param_sets(), ctx.dp_group, dp_bucket_bytes)
+                         if ctx.dp_group is not None else None)
+        self.step = OptimizerStep(ctx, self.masters, self.optimizer, self.ties, clip_grad, loss_scaler,
+                                  self.dp_grads)
         self.executor: Executor | None = None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -114,6 +146,19 @@ class PipelineEngine:
                     seen.add(id(p))
                     out.append((name, p))
         return out
+
+    def _dp_param_sets(self) -> dict[int, list[torch.nn.Parameter]]:
+        """Stage -> the parameters whose gradients are complete once that stage's last backward has
+        run: a parameter two local stages share (a tie within this rank) goes with the later one."""
+        done_at = {s: i for i, s in final_weight_grad_actions(self.schedule.rank_actions(self.ctx.pp_rank)).items()}
+        owner: dict[int, int] = {}
+        for s in sorted(self.stages, key=lambda s: done_at.get(s, -1)):
+            for _, p in self.stages[s].named_layer_parameters():
+                owner[id(p)] = s  # a later-finishing stage overwrites
+        sets: dict[int, list[torch.nn.Parameter]] = {s: [] for s in sorted(self.stages)}
+        for _, p in self.named_parameters():
+            sets[owner[id(p)]].append(p)
+        return sets
 
     def _next_global_batch(self, data_iter: Iterator) -> list:
         mbs = list(itertools.islice(data_iter, self.m))
@@ -129,43 +174,32 @@ class PipelineEngine:
             self.executor = Executor(self.stages, self.stage_to_rank, self.ctx.rank, self.p2p, specs, self.loss_fn)
         return self.executor
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
-        """Sum of the 1/m-scaled micro-batch losses on the last stage, shared with every stage."""
-        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for loss in losses:  # ascending micro-batch order, as single-process accumulation adds them
-            total += loss.detach().float()
-        if self.ctx.pp_group is not None:
-            dist.broadcast(total, src=self.stage_to_rank[-1], group=self.ctx.pp_group)
-        return total.item()
-
     def train_batch(self, data_iter: Iterator) -> StepStats:
-        """Run every micro-batch of one global batch and take one optimizer step."""
+        """Run every micro-batch of one global batch and take one optimizer step.
+
+        ``data_iter`` yields this data-parallel replica's micro-batches (the same on every tp and
+        pp rank of the replica); the reported loss is the mean over all replicas.
+        """
         for stage in self.stages.values():
             stage.train()
         mbs = self._next_global_batch(data_iter)
         actions = self.schedule.rank_actions(self.ctx.pp_rank)
-        losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, loss_scale=self.step.loss_scale)
+        post = self.dp_grads.start_grad_sync if self.dp_grads is not None else None
+        losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, loss_scale=self.step.loss_scale,
+                                               on_grads_final=post)
         result = self.step()
-        return StepStats(loss=self._mean_loss(losses), grad_norm=result.grad_norm,
+        return StepStats(loss=global_mean_loss(losses, self.ctx, self.stage_to_rank[-1]), grad_norm=result.grad_norm,
                          skipped=result.skipped, loss_scale=result.loss_scale)
 
     def trust_ratio_stats(self) -> list[dict] | None:
-        """Per stage min / median / max of the last step's trust ratios (LAMB, LARS), on every rank."""
-        if not hasattr(self.optimizer, "last_trust_ratios"):
-            return None
-        ratios = torch.tensor(_adapted_ratios(self.optimizer) or [float("nan")])
-        mine = torch.stack([ratios.min(), ratios.median(), ratios.max()]).float().to(self.ctx.device)
-        rows = [mine]
-        if self.ctx.pp_group is not None:
-            rows = [torch.empty_like(mine) for _ in range(self.ctx.pp)]
-            dist.all_gather(rows, mine, group=self.ctx.pp_group)
-        return [{"stage": i, "min": r[0].item(), "median": r[1].item(), "max": r[2].item()} for i, r in enumerate(rows)]
+        """Per pipeline rank min / median / max of the last step's trust ratios (LAMB, LARS), on every rank."""
+        return trust_ratio_rows(self.optimizer, self.ctx)
 
     def eval_batch(self, data_iter: Iterator) -> float:
-        """Mean loss of one global batch, forward only, no step."""
+        """Mean loss of one global batch (all data-parallel replicas), forward only, no step."""
         for stage in self.stages.values():
             stage.eval()
         mbs = self._next_global_batch(data_iter)
         actions = forward_only(self.schedule)[self.ctx.pp_rank]
         losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, grad=False)
-        return self._mean_loss(losses)
+        return global_mean_loss(losses, self.ctx, self.stage_to_rank[-1])

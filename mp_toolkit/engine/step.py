@@ -1,11 +1,17 @@
 """The optimizer step that closes a global batch, in the one order that keeps ranks in agreement.
 
-    unscale (model grads -> fp32 master grads x 1/loss_scale)
+    average gradients over data-parallel replicas (buckets posted during the schedule; wait)
+      -> unscale (model grads -> fp32 master grads x 1/loss_scale)
       -> sum tied-weight gradients over their stages
-      -> overflow consensus: inf/nan on any rank that holds the model means every rank skips
-      -> global gradient norm over all stages (tied weights counted once) -> clip
+      -> overflow consensus: inf/nan on any rank means every rank skips
+      -> global gradient norm over all stages and tensor shards (tied weights and
+         tensor-parallel-replicated ones counted once) -> clip
       -> optimizer step on the masters -> copy masters back into the model (fp16/bf16)
       -> loss scaler update
+
+The data-parallel average comes first so that every replica holds the same gradients: from
+there on each replica computes the same norm and takes the same step, with no further traffic
+between replicas. The norm is agreed over the model-parallel group (pp x tp) of the replica.
 
 DESIGN.md invariant 6: one global decision per step. A skipped step leaves every parameter and
 optimizer state unchanged on every rank.
@@ -23,6 +29,7 @@ from mp_toolkit.optim.clip import clip_by_global_norm, global_grad_norm
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler, has_inf_or_nan
 from mp_toolkit.optim.master import MasterWeights
 from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.parallel.data_parallel import DataParallelGrads
 
 
 @dataclass
@@ -43,12 +50,16 @@ def any_rank_true(flag: bool, device: torch.device) -> bool:
 
 
 class OptimizerStep:
-    """Owns the masters, the optimizer and the loss scaler of one stage."""
+    """Owns the masters, the optimizer and the loss scaler of this rank's stages.
+
+    ``dp_grads`` averages the model gradients over the data-parallel group (None when dp == 1).
+    """
 
     def __init__(self, ctx: ParallelContext, masters: MasterWeights, optimizer: torch.optim.Optimizer,
-                 ties: TiedGradients, clip_grad: float | None, scaler: DynamicLossScaler | None):
+                 ties: TiedGradients, clip_grad: float | None, scaler: DynamicLossScaler | None,
+                 dp_grads: DataParallelGrads | None = None):
         self.ctx, self.masters, self.optimizer, self.ties = ctx, masters, optimizer, ties
-        self.clip_grad, self.scaler = clip_grad, scaler
+        self.clip_grad, self.scaler, self.dp_grads = clip_grad, scaler, dp_grads
         self.counted = [masters.of(p) for p in masters.model if ties.counted_in_norm(p)]
 
     @property
@@ -57,13 +68,16 @@ class OptimizerStep:
 
     def __call__(self) -> StepResult:
         scale = self.loss_scale
+        if self.dp_grads is not None:
+            self.dp_grads.finish_grad_sync()
         self.masters.grads_to_master(1.0 / scale)
         self.ties.all_reduce(self.masters.of)
         overflow = any_rank_true(has_inf_or_nan([m.grad for m in self.masters.master if m.grad is not None]),
                                  self.ctx.device)
         norm = float("nan")
         if not overflow:
-            total = global_grad_norm(self.counted, group=self.ctx.model_group, device=self.ctx.device)
+            total = global_grad_norm(self.counted, group=self.ctx.model_group, device=self.ctx.device,
+                                     tp_group=self.ctx.tp_group)
             norm = float(total)
             if self.clip_grad is not None:
                 clip_by_global_norm(self.masters.master, total, self.clip_grad)

@@ -1,4 +1,5 @@
-"""Gradient norm over every stage of the model, and clipping by it (DESIGN.md invariant 6).
+"""Gradient norm over every stage and tensor shard of the model, and clipping by it (DESIGN.md
+invariant 6).
 
 The arithmetic is `torch.nn.utils.clip_grad_norm_`'s, spread over ranks: each rank takes the
 2-norm of each of its gradients, the per-tensor norms of all ranks are gathered in rank order
@@ -7,8 +8,16 @@ reduces that same vector the same way, so all ranks hold the same norm and, for 
 runs, the very bits `clip_grad_norm_` computes on the unsplit model. The coefficient is
 ``clamp(max_norm / (norm + 1e-6), max=1)`` in fp32, as torch's.
 
-The caller passes only the parameters this rank *counts*: a weight tied across stages is counted
-on one stage, a tensor-parallel-replicated one on tensor-parallel rank 0.
+Tensor parallelism (``tp_group`` given): a shard's norm becomes its whole tensor's norm,
+``sqrt(sum over tp ranks of ||shard||^2)`` (squares summed in fp64, one all-reduce for all
+shards), and only tensor-parallel rank 0 then reports its per-tensor norms: the other tp ranks
+hold the same whole-tensor norms of the shards and bitwise copies of the replicated tensors
+(LayerNorms, row-parallel biases, position embeddings), which must be counted once. The
+gathered vector is then the unsplit model's per-tensor norms, up to the rounding of the shards'
+sums.
+
+The caller passes only the parameters this rank *counts* for ties: a weight tied across stages
+is counted on one stage (`mp_toolkit.engine.ties`); every tp rank passes the same list.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+
+from mp_toolkit.optim.groups import allreduce_sharded_squares, is_tensor_parallel
 
 
 def _gather_norms(norms: torch.Tensor, group) -> torch.Tensor:
@@ -33,14 +44,34 @@ def _gather_norms(norms: torch.Tensor, group) -> torch.Tensor:
     return torch.cat([g[: int(c.item())] for g, c in zip(gathered, counts)])
 
 
-def global_grad_norm(counted: Iterable[torch.Tensor], group=None, device=None) -> torch.Tensor:
-    """The 2-norm of all counted gradients of every rank in ``group`` (None: this rank alone)."""
-    grads = [p.grad for p in counted if p.grad is not None]
-    device = device or (grads[0].device if grads else torch.device("cpu"))
-    if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g, 2.0).float() for g in grads]).to(device)
+def whole_tensor_norms(norms: torch.Tensor, sharded: list[bool], tp_group) -> torch.Tensor:
+    """(n,) per-tensor norms of this rank -> what it reports for the unsplit model.
+
+    Shards' squared norms are summed over ``tp_group`` (every tp rank lists the same shards in the
+    same order, as Megatron's layers guarantee); tp rank 0 returns all n whole-tensor norms, the
+    other tp ranks none, so replicated tensors are counted once.
+    """
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return norms
+    squares = norms.double().square().unsqueeze(1)  # (n, 1): fp64, so the sum adds no rounding of note
+    whole = allreduce_sharded_squares(squares, sharded, tp_group).squeeze(1).sqrt().to(norms.dtype)
+    return whole if dist.get_rank(tp_group) == 0 else whole[:0]
+
+
+def global_grad_norm(counted: Iterable[torch.Tensor], group=None, device=None, tp_group=None) -> torch.Tensor:
+    """The 2-norm of all counted gradients of every rank in ``group`` (None: this rank alone).
+
+    ``group`` is the model-parallel group (pp x tp) of this replica; ``tp_group`` this rank's
+    tensor-parallel group, or None without tensor parallelism (the pipeline-only path is bitwise
+    `clip_grad_norm_`'s).
+    """
+    params = [p for p in counted if p.grad is not None]
+    device = device or (params[0].grad.device if params else torch.device("cpu"))
+    if params:
+        norms = torch.stack([torch.linalg.vector_norm(p.grad, 2.0).float() for p in params]).to(device)
     else:
         norms = torch.zeros(0, dtype=torch.float32, device=device)
+    norms = whole_tensor_norms(norms, [is_tensor_parallel(p) for p in params], tp_group)
     if group is not None:
         norms = _gather_norms(norms, group)
     return torch.linalg.vector_norm(norms, 2.0)

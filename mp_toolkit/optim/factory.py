@@ -19,6 +19,9 @@ def build_optimizer(name: str, named_params: Sequence[tuple[str, torch.nn.Parame
 
     LAMB and LARS exclude biases and norm weights from decay and layer adaptation
     (`lamb_param_groups`); torch's optimizers get one group, as a user would write them.
+    ``tp_group`` (the tensor-parallel group, `ParallelContext.tp_group`) lets LAMB and LARS sum the
+    squared norms of tensor-parallel shards into whole-tensor trust ratios; torch's optimizers are
+    element-wise and need no group.
     """
     params = [p for _, p in named_params]
     if name == "lamb":

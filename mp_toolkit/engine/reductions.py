@@ -1,0 +1,60 @@
+"""What the engine reports, agreed over the (pp, tp, dp) grid: the global mean loss, trust ratios.
+
+Which group carries what, and why:
+
+* loss: only the last pipeline stage computes it; under tensor parallelism every tp rank of that
+  stage holds the same value (`vocab_parallel_cross_entropy` all-reduces), so a broadcast over
+  ``pp_group`` from the last stage reaches every stage of the replica; an all-reduce over
+  ``dp_group`` then averages the replicas, which saw different micro-batches.
+* trust ratios: each optimizer computes whole-tensor norms of its shards (LAMB / LARS take the
+  tp group), so every tp rank and, after the data-parallel gradient average, every dp replica
+  holds the same ratios; gathering over ``pp_group`` alone gives one row per pipeline rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mp_toolkit.parallel.context import ParallelContext
+
+
+def global_mean_loss(losses: Sequence[torch.Tensor], ctx: ParallelContext, last_stage_rank: int) -> float:
+    """The mean loss of the global batch, on every rank.
+
+    ``losses`` are this replica's micro-batch losses already divided by m (empty off the last
+    stage); their sum is the replica's mean, and the mean of the dp replicas' means is the global
+    batch's mean (every replica runs m micro-batches of the same size).
+    """
+    total = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for loss in losses:  # ascending micro-batch order, as single-process accumulation adds them
+        total += loss.detach().float()
+    if ctx.pp_group is not None:
+        dist.broadcast(total, src=last_stage_rank, group=ctx.pp_group)
+    if ctx.dp_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.dp_group)
+        total /= ctx.dp
+    return total.item()
+
+
+def _adapted_ratios(optimizer) -> list[float]:
+    """Last step's trust ratios of the tensors that layer adaptation applies to (not the 1.0s of
+    biases and norms, which ``adapt=False`` excludes)."""
+    adapted = {id(p) for g in optimizer.param_groups if g.get("adapt", True) for p in g["params"]}
+    return [float(v) for p, v in optimizer.last_trust_ratios().items() if id(p) in adapted]
+
+
+def trust_ratio_rows(optimizer, ctx: ParallelContext) -> list[dict] | None:
+    """Per pipeline rank min / median / max of the last step's trust ratios (LAMB, LARS), on every
+    rank; None for optimizers without trust ratios."""
+    if not hasattr(optimizer, "last_trust_ratios"):
+        return None
+    ratios = torch.tensor(_adapted_ratios(optimizer) or [float("nan")])
+    mine = torch.stack([ratios.min(), ratios.median(), ratios.max()]).float().to(ctx.device)
+    rows = [mine]
+    if ctx.pp_group is not None:
+        rows = [torch.empty_like(mine) for _ in range(ctx.pp)]
+        dist.all_gather(rows, mine, group=ctx.pp_group)
+    return [{"stage": i, "min": r[0].item(), "median": r[1].item(), "max": r[2].item()} for i, r in enumerate(rows)]

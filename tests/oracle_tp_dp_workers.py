@@ -1,0 +1,183 @@
+"""Rank functions of the pipeline x tensor x data parallel oracle (tests/test_oracle_tp_dp.py).
+
+Every rank trains the reference too: the unsplit gpt-tiny in one process, LAMB and
+`torch.nn.utils.clip_grad_norm_`, on the whole global batch of dp x m micro-batches (each loss
+divided by dp x m). The parallel run is built by `mp_toolkit.train.build_engine` (apply TP, cut
+stages, average over dp) from the same seed; data-parallel replica d trains on micro-batches
+d*m .. d*m + m - 1 of that global batch. Each rank compares its parameters after the last step
+and its clipped gradients of the first, gathered to full tensors with `gather_full`, against the
+reference's and returns the errors, with the losses, norms and `eval_batch`'s loss on a held-out
+batch; it also checks that the dp replicas hold bitwise equal parameters after every step and
+that the tensor-parallel-replicated ones (LayerNorms, row-parallel biases, position embedding) are
+bitwise equal over tp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from model_zoo.gpt import GPT, PRESETS, lm_loss
+from mp_toolkit.config import TrainConfig
+from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.factory import build_optimizer
+from mp_toolkit.optim.groups import is_tensor_parallel
+from mp_toolkit.parallel.context import build_context
+from mp_toolkit.parallel.tensor_parallel import gather_full
+from mp_toolkit.parallel.tp_comms import all_gather
+from tests.oracle_workers import make_batches
+
+LR, WD, CLIP, STEPS = 1e-2, 0.01, 0.4, 3  # CLIP binds: every pre-clip norm of the reference is above 0.4
+
+
+def _named(model: LayerList) -> list[tuple[str, torch.nn.Parameter]]:
+    seen, out = set(), []
+    for n, layer in zip(model.names, model.layers):
+        for path, p in layer.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((f"{n}.{path}", p))
+    return out
+
+
+def reference(cfg, batches, held_out):
+    """Unsplit model, plain accumulation over the global batch, clip_grad_norm_, LAMB.
+
+    Returns the final parameters and the first step's clipped gradients by name (tied weights
+    under both names), the per-step mean losses and pre-clip norms, the trained model's mean
+    loss on the ``held_out`` global batch, and the last step's trust ratios of adapted tensors."""
+    torch.manual_seed(0)
+    model = LayerList.from_model(GPT(cfg))
+    named = _named(model)
+    opt = build_optimizer("lamb", named, LR, WD)
+    losses, norms, first_grads = [], [], None
+    for step in batches:
+        total = torch.zeros(())
+        for x, y in step:
+            loss = lm_loss(model(x), y) / len(step)
+            loss.backward()
+            total += loss.detach()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        if first_grads is None:
+            first_grads = _by_name(model, lambda p: p.grad.clone())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total.item())
+    with torch.no_grad():
+        held_out_loss = sum(lm_loss(model(x), y) / len(held_out) for x, y in held_out).item()
+    adapted = {id(p) for g in opt.param_groups if g["adapt"] for p in g["params"]}
+    ratios = {id(p): r for p, r in opt.last_trust_ratios().items() if id(p) in adapted}
+    trust = {n: ratios[id(p)] for n, p in _by_name(model, lambda p: p).items() if id(p) in ratios}
+    return _by_name(model, lambda p: p.detach()), first_grads, losses, norms, held_out_loss, trust
+
+
+def _by_name(model: LayerList, value) -> dict:
+    return {f"{n}.{path}": value(p) for n, layer in zip(model.names, model.layers)
+            for path, p in layer.named_parameters(remove_duplicate=False)}
+
+
+def _first_step_grads(engine, ctx) -> dict:
+    """Filled, during the first step, with the full clipped gradients the optimizer is about to
+    use (LAMB overwrites them): the real step runs unchanged after the snapshot."""
+    grads: dict = {}
+    real = engine.optimizer.step
+
+    def snapshot_then_step(*args, **kwargs):
+        if not grads:
+            for name, p in engine.named_parameters():
+                grads[name] = gather_full(p, ctx.tp_group, p.grad).clone()
+        return real(*args, **kwargs)
+
+    engine.optimizer.step = snapshot_then_step
+    return grads
+
+
+def _bitwise_equal_over(group, tensors: list[torch.Tensor]) -> bool:
+    """Every rank of ``group`` holds the very same bits of ``tensors`` (True for a missing group)."""
+    if group is None or not tensors:
+        return True
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    return all(torch.equal(flat, other) for other in all_gather(flat, group))
+
+
+def _errors(full: torch.Tensor, ref: torch.Tensor) -> dict:
+    diff = (full - ref).abs()
+    scale = ref.abs().max().item()
+    return {"max_abs": diff.max().item(), "scale": scale,
+            "rel_fro": ((full - ref).norm() / ref.norm()).item() if ref.norm() > 0 else diff.max().item(),
+            "numel": ref.numel()}
+
+
+def _log_dp_calls(engine) -> list:
+    """Filled, in order, with the stages whose buckets get posted and "finish" when the step waits
+    for them; the real calls run unchanged. Posting during the schedule reads [stage, "finish"]."""
+    calls: list = []
+    dp = engine.dp_grads
+    if dp is None:
+        return calls
+    real_start, real_finish = dp.start_grad_sync, dp.finish_grad_sync
+
+    def start(key):
+        if key not in dp._started:
+            calls.append(key)
+        real_start(key)
+
+    def finish():
+        calls.append("finish")
+        real_finish()
+
+    dp.start_grad_sync, dp.finish_grad_sync = start, finish
+    return calls
+
+
+def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb):
+    from mp_toolkit.train import build_engine  # the composition the CLI runs
+
+    cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
+    *batches, held_out = make_batches(STEPS + 1, dp * m, cfg.vocab_size)
+    ref_params, ref_grads, ref_losses, ref_norms, ref_eval, ref_trust = reference(cfg, batches, held_out)
+    train_cfg = TrainConfig(model="gpt-tiny", pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,
+                            partition="uniform", optimizer="lamb", lr=LR, weight_decay=WD, clip_grad=CLIP,
+                            precision="fp32", dp_bucket_mb=bucket_mb,
+                            chunks=2 if schedule == "interleaved" else 1)
+    torch.manual_seed(0)
+    engine = build_engine(train_cfg, ctx, GPT(cfg))
+    named = engine.named_parameters()
+    replicated = [p for _, p in named if not is_tensor_parallel(p)]
+    calls = _log_dp_calls(engine)
+    grads = _first_step_grads(engine, ctx)
+    losses, norms, dp_same, tp_same = [], [], [], []
+    t0 = time.perf_counter()
+    for step in batches:
+        stats = engine.train_batch(iter(step[ctx.dp_rank * m:(ctx.dp_rank + 1) * m]))
+        losses.append(stats.loss)
+        norms.append(stats.grad_norm)
+        dp_same.append(_bitwise_equal_over(ctx.dp_group, [p for _, p in named]))
+        tp_same.append(_bitwise_equal_over(ctx.tp_group, replicated))
+    seconds = time.perf_counter() - t0
+    # trust-ratio rows (one per pipeline rank) vs the reference's ratios of this rank's tensors
+    mine = torch.tensor([ref_trust[n] for n, _ in named if n in ref_trust])
+    trust = (engine.trust_ratio_stats(), [mine.min().item(), mine.median().item(), mine.max().item()])
+    before = [p.detach().clone() for _, p in named]
+    eval_loss = engine.eval_batch(iter(held_out[ctx.dp_rank * m:(ctx.dp_rank + 1) * m]))
+    eval_changed = not all(torch.equal(a, p) for a, (_, p) in zip(before, named))
+    errors = {name: _errors(gather_full(p, ctx.tp_group), ref_params[name]) for name, p in named}
+    grad_errors = {name: _errors(g, ref_grads[name]) for name, g in grads.items()}
+    ln = [n for n, p in named if ".ln_" in n and not is_tensor_parallel(p)]
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
+            "eval": (eval_loss, ref_eval, eval_changed), "trust": trust, "errors": errors, "grad_errors": grad_errors,
+            "dp_same": dp_same, "tp_same": tp_same, "ln_checked": ln, "seconds": seconds,
+            "sharded": sorted(n for n, p in named if is_tensor_parallel(p)),
+            "stages": sorted(engine.stages), "dp_calls": calls[:len(engine.stages) + 1],  # the first step's
+            "dp_buckets": engine.dp_grads.num_buckets if engine.dp_grads is not None else 0}
+
+
+def oracle_grid(rank, world, pp, tp, dp, cases):
+    """Run each (schedule, m, tied, bucket_mb) case on the (pp, tp, dp) grid; results per case."""
+    ctx = build_context(pp, tp, dp)
+    out = [run_case(ctx, pp, tp, dp, *case) for case in cases]
+    dist.barrier()
+    return {"coords": (ctx.pp_rank, ctx.tp_rank, ctx.dp_rank), "cases": out}

@@ -1,0 +1,138 @@
+"""The oracle on the whole grid (DESIGN.md invariant 1): pipeline x tensor x data parallel training
+equals single-process training of the unsplit model on the same global batch.
+
+Setup (tests/oracle_tp_dp_workers.py): gpt-tiny, fp32, LAMB (lr 1e-2, weight decay 0.01) with
+global-norm clipping at 0.4, which binds on every step (the reference's pre-clip norms are
+0.46-1.7), 3 steps of a global batch of dp x m micro-batches of 2 x 16 tokens. Data-parallel
+replica d trains on micro-batches d*m .. d*m + m - 1; the reference accumulates all dp x m in
+order, each loss divided by dp x m. Layouts (pp, tp, dp): (1,2,1), (2,2,1), (1,2,2), (2,1,2);
+every one runs 1F1B with tied and untied embeddings and GPipe (tied); (2,1,2) also runs ZB-H1 and
+interleaved 1F1B. The dp > 1 GPipe cases use ~1 KiB gradient buckets (many all-reduces per stage).
+
+Tolerance, fp32 reduction order (TP splits matmul sums and the softmax; DP sums micro-batches in
+another order): every parameter tensor after 3 steps, and every clipped gradient of step 1,
+gathered to full shape, within 1e-5 relative error ``||got - ref|| / ||ref||`` of the reference;
+per-step mean losses, pre-clip gradient norms and `eval_batch`'s loss on a held-out global batch
+within 1e-5 relative. Measured on this machine
+(worst over all cases and ranks): gradients 5.0e-7, losses 9e-8, norms 2e-7, parameters 7.1e-6.
+The parameters' margin is the smallest: LAMB magnifies gradient rounding. The worst tensor is a
+bias (trust ratio 1, no decay) whose worst entry, 2.8e-5 of the tensor's largest, has a gradient
+near LAMB's eps = 1e-6, where m / (sqrt(v) + eps) turns a few ulps of a cancelling sum into a
+visible step; weight matrices agree to 2.1e-6 of their largest entry, elementwise. Another CPU
+(other BLAS kernels, other summation order) may move these figures.
+
+Exact, not approximate: data-parallel replicas hold bitwise equal parameters after every step,
+and tensor-parallel-replicated parameters (LayerNorms, row-parallel biases, position embedding)
+are bitwise equal over the tp ranks after every step.
+"""
+
+import time
+
+import pytest
+import torch
+
+from mp_toolkit.engine.executor import final_weight_grad_actions
+from mp_toolkit.parallel.data_parallel import make_buckets
+from mp_toolkit.schedule import get_schedule
+from tests.dist_harness import run_world
+from tests.oracle_tp_dp_workers import CLIP, oracle_grid
+
+REL = 1e-5
+TINY_BUCKET_MB = 0.001  # ~1 KiB buckets: many all-reduces per stage, checks the flatten / unflatten
+
+LAYOUTS = {  # (pp, tp, dp): cases (schedule, micro-batches per replica, tied, bucket MiB)
+    (1, 2, 1): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, 25.0)],
+    (2, 2, 1): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, 25.0)],
+    (1, 2, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, TINY_BUCKET_MB)],
+    (2, 1, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, TINY_BUCKET_MB),
+                ("zbh1", 3, False, 25.0), ("interleaved", 2, True, 25.0)],
+}
+UNIQUE_TENSORS = 2 + 4 * 12 + 2  # wte, wpe, 4 blocks of 12, ln_f; +1 for an untied LM head
+
+
+def _check_case(results, layout, case_index, case):
+    pp, tp, dp = layout
+    schedule, m, tied, bucket_mb = case
+    cases = [r["cases"][case_index] for r in results]
+    first = cases[0]
+    assert all(n > CLIP for n in first["ref_norms"]), f"clipping must bind: {first['ref_norms']}"
+    for c in cases:  # every rank reports the global batch's mean loss and the one global norm
+        assert c["losses"] == pytest.approx(c["ref_losses"], rel=REL), case
+        assert c["norms"] == pytest.approx(c["ref_norms"], rel=REL), case
+        assert c["losses"] == first["losses"] and c["norms"] == first["norms"]
+        eval_loss, ref_eval, changed = c["eval"]  # eval_batch: the held-out global batch's mean loss
+        assert eval_loss == pytest.approx(ref_eval, rel=REL) and eval_loss == first["eval"][0] and not changed
+    for r, c in zip(results, cases):  # one trust-ratio row per pipeline rank, the same on every rank
+        rows, expected = c["trust"]
+        assert rows == first["trust"][0] and [row["stage"] for row in rows] == list(range(pp))
+        got = rows[r["coords"][0]]
+        assert [got["min"], got["median"], got["max"]] == pytest.approx(expected, rel=REL), (layout, case)
+    for c in cases:
+        for name, e in c["errors"].items():
+            assert e["rel_fro"] <= REL, f"{layout} {case}: {name} relative error {e['rel_fro']:.2e}"
+        assert c["grad_errors"].keys() == c["errors"].keys()
+        for name, e in c["grad_errors"].items():
+            assert e["rel_fro"] <= REL, f"{layout} {case}: step-1 gradient of {name}: relative error {e['rel_fro']:.2e}"
+        assert all(c["dp_same"]), f"{layout} {case}: data-parallel replicas diverged: {c['dp_same']}"
+        assert all(c["tp_same"]), f"{layout} {case}: tp-replicated parameters diverged: {c['tp_same']}"
+    # one replica's pipeline ranks cover every tensor of the model; a tie split over stages is a
+    # copy at each end, a tie within one stage is one tensor (named after the embedding)
+    replica0 = [c for r, c in zip(results, cases) if r["coords"][1:] == (0, 0)]
+    names = set().union(*(c["errors"] for c in replica0))
+    both_ends = not tied or pp > 1
+    assert len(names) == UNIQUE_TENSORS + both_ends and ("lm_head.weight" in names) == both_ends, sorted(names)
+    if tp > 1:
+        sharded = set().union(*(c["sharded"] for c in replica0))
+        assert {"embed.wte.weight", "h.0.attn.qkv.weight", "h.3.mlp.fc.bias"} <= sharded
+        assert not {"h.0.ln_1.weight", "h.0.attn.proj.bias", "embed.wpe.weight"} & sharded
+        assert all(c["ln_checked"] for c in cases)  # LayerNorm weights are among the bitwise-checked
+    if dp > 1:
+        chunks = 2 if schedule == "interleaved" else 1
+        for r, c in zip(results, cases):
+            # every stage's buckets were posted during the schedule, right after its last backward
+            # (the later chunk's first under interleaving), before the step waited for them
+            final = final_weight_grad_actions(get_schedule(schedule, pp, m, num_chunks=chunks).rank_actions(r["coords"][0]))
+            assert c["dp_calls"] == [final[i] for i in sorted(final)] + ["finish"], c["dp_calls"]
+            # gpt-tiny's stages are far below 25 MiB: one bucket each; ~1 KiB buckets: several each
+            if bucket_mb == TINY_BUCKET_MB:
+                assert c["dp_buckets"] >= 3 * len(c["stages"]), c["dp_buckets"]
+            else:
+                assert c["dp_buckets"] == len(c["stages"])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda l: "pp{}-tp{}-dp{}".format(*l))
+def test_grid_matches_single_process(layout):
+    pp, tp, dp = layout
+    cases = LAYOUTS[layout]
+    t0 = time.perf_counter()
+    results = run_world(oracle_grid, pp * tp * dp, pp, tp, dp, cases, timeout_s=600)
+    wall = time.perf_counter() - t0
+    assert sorted(r["coords"] for r in results) == sorted(
+        (p, t, d) for p in range(pp) for t in range(tp) for d in range(dp))
+    for i, case in enumerate(cases):
+        _check_case(results, layout, i, case)
+    print(f"\n{layout}: {len(cases)} cases in {wall:.1f}s wall; train seconds per case (rank 0):",
+          [round(c["seconds"], 2) for c in results[0]["cases"]])
+
+
+# ---------------------------------------------------------------- single process
+
+def test_buckets_pack_consecutive_parameters_up_to_the_cap():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 100, 300, 10, 10)]
+    sizes = [[p.numel() for p in b] for b in make_buckets(params, bucket_bytes=800)]  # 200 fp32 per bucket
+    assert sizes == [[100, 100], [300], [10, 10]]  # a tensor over the cap is a bucket of its own
+    assert [[p.numel() for p in b] for b in make_buckets(params)] == [[100, 100, 300, 10, 10]]
+    with pytest.raises(ValueError, match="bucket_bytes=0"):
+        make_buckets(params, 0)
+
+
+def test_final_weight_grad_action_of_each_stage():
+    one_f_one_b = get_schedule("1f1b", 2, 3).rank_actions(0)
+    final = final_weight_grad_actions(one_f_one_b)
+    assert list(final.values()) == [0] and str(one_f_one_b[max(final)]) == "0B2"
+    zb = get_schedule("zbh1", 2, 3).rank_actions(1)
+    (index, stage), = final_weight_grad_actions(zb).items()
+    assert stage == 1 and str(zb[index]) == "1W2"  # I actions leave weight gradients alone
+    inter = get_schedule("interleaved", 2, 2, num_chunks=2).rank_actions(0)
+    order = [inter[i] for i in sorted(final_weight_grad_actions(inter))]
+    assert [a.stage for a in order] == [2, 0]  # the later chunk's backward ends first
