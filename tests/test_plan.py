@@ -1,0 +1,221 @@
+"""The memory-capped solver against brute force, the planner's figures, `mpt plan` and `mpt simulate`."""
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from mp_toolkit.partition import PartitionError
+from mp_toolkit.partition.memory import MemoryCapError, StageMemory, min_max_memory, min_memory_cut
+from mp_toolkit.partition.planner import PlanRequest, make_plan
+
+
+def all_cuts(n, p):
+    for inner in itertools.combinations(range(1, n), p - 1):
+        yield [0, *inner, n]
+
+
+def brute_force(times, memory, p, cap):
+    """(best boundaries, smallest feasible cap) by enumeration, with the solver's tie rules."""
+    n = len(times)
+    best, leanest = None, None
+    for b in all_cuts(n, p):
+        mems = [memory(j, b[j], b[j + 1]) for j in range(p)]
+        leanest = max(mems) if leanest is None else min(leanest, max(mems))
+        if max(mems) > cap:
+            continue
+        key = (sorted((sum(times[b[j]:b[j + 1]]) for j in range(p)), reverse=True), b)
+        if best is None or key < best:
+            best = key
+    return (best[1] if best else None), leanest
+
+
+def random_instance(rng):
+    n = rng.randint(1, 8)
+    p = rng.randint(1, n)
+    ints = rng.random() < 0.5
+    times = [rng.randint(0, 9) if ints else rng.choice([0.0, rng.uniform(0, 5)]) for _ in range(n)]
+    memory = StageMemory(static=[rng.randint(0, 20) for _ in range(n)],
+                         activation=[rng.randint(0, 10) for _ in range(n)],
+                         inflight=[rng.randint(1, 5) for _ in range(p)],
+                         workspace=[rng.randint(0, 15) for _ in range(n)] if rng.random() < 0.5 else (),
+                         fixed=rng.randint(0, 3))
+    return times, memory, p, rng.randint(5, 120)
+
+
+def test_memory_solver_equals_brute_force_on_random_instances():
+    rng = random.Random(0)
+    infeasible = feasible = 0
+    for _ in range(400):
+        times, memory, p, cap = random_instance(rng)
+        want, leanest = brute_force(times, memory, p, cap)
+        if want is None:
+            infeasible += 1
+            with pytest.raises(MemoryCapError) as e:
+                min_max_memory(times, memory, p, cap)
+            assert e.value.needed == leanest
+            b = e.value.boundaries
+            assert max(memory(j, b[j], b[j + 1]) for j in range(p)) == leanest
+        else:
+            feasible += 1
+            assert min_max_memory(times, memory, p, cap) == want, (times, memory, p, cap)
+        assert min_memory_cut(memory, len(times), p)[0] == leanest
+    assert infeasible > 40 and feasible > 40  # both branches exercised
+
+
+def test_stage_memory_depends_on_stage_index():
+    """1F1B: stage 0 keeps p micro-batches, the last one; the cap pushes layers to the end."""
+    mem = StageMemory(static=[1] * 4, activation=[10] * 4, inflight=[2, 1])
+    assert mem(0, 0, 2) == 2 + 2 * 20 and mem(1, 2, 4) == 2 + 20
+    assert min_max_memory([1, 1, 1, 1], mem, 2, cap=1000) == [0, 2, 4]
+    assert min_max_memory([1, 1, 1, 1], mem, 2, cap=35) == [0, 1, 4]
+
+
+def plan(**kw):
+    defaults = dict(model="gpt-small-cpu", pp=2, micro_batch=4, microbatches=4, seq_len=64, tflops=0.1)
+    return make_plan(PlanRequest(**{**defaults, **kw}))
+
+
+def test_plan_json_has_exactly_the_documented_fields():
+    p = plan(method="flops").to_json()
+    assert set(p) == {"pp", "tp", "dp", "schedule", "method", "layers", "stages", "max_stage_time_ms",
+                      "bubble_fraction", "step_time_ms", "tokens_per_s"}
+    assert set(p["layers"][0]) == {"name", "params", "flops_fwd", "activation_bytes"}
+    assert set(p["stages"][0]) == {"index", "first_layer", "last_layer", "params", "time_ms", "memory_bytes"}
+    names = [layer["name"] for layer in p["layers"]]
+    assert names == ["embed", "h.0", "h.1", "h.2", "h.3", "ln_f", "lm_head"]
+    first, last = p["stages"]
+    assert first["first_layer"] == 0 and last["last_layer"] == len(names) - 1
+    assert last["first_layer"] == first["last_layer"] + 1
+    assert sum(s["params"] for s in p["stages"]) == sum(layer["params"] for layer in p["layers"])
+    assert p["max_stage_time_ms"] == max(s["time_ms"] for s in p["stages"])
+    tokens = 4 * 4 * 64
+    assert p["tokens_per_s"] == pytest.approx(tokens / (p["step_time_ms"] / 1e3))
+
+
+def test_flops_cut_moves_blocks_away_from_the_lm_head():
+    """gpt-small-cpu's LM head (vocab 4096, width 128) costs more FLOPs than all four blocks."""
+    by_flops, by_params = plan(method="flops"), plan(method="parameters")
+    assert by_flops.max_stage_time_ms < by_params.max_stage_time_ms
+    assert by_flops.boundaries[1] > by_params.boundaries[1]
+
+
+def test_type_regex_balances_matching_layers():
+    p = plan(method="type:gptblock", pp=2)
+    blocks = [[c.kind for c in p.layers[a:b]].count("GPTBlock") for a, b in zip(p.boundaries, p.boundaries[1:])]
+    assert blocks == [2, 2]
+    with pytest.raises(PartitionError, match="matches no layer class"):
+        plan(method="type:Conv")
+
+
+def test_memory_method_is_optimal_among_cuts_that_fit(tmp_path):
+    """Blocks dominate this model; under 1F1B stage 0 keeps two micro-batches, so a cap moves
+    blocks to stage 1 at the price of a slower stage."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512, "n_embd": 128, "n_layer": 6,
+                                  "n_head": 4, "n_positions": 128}))
+    kw = dict(model=str(config), seq_len=128)
+    loose = plan(method="memory", memory_gb=10.0, **kw)
+    assert loose.boundaries == plan(method="flops", **kw).boundaries  # a cap that binds nothing
+    with pytest.raises(PartitionError, match="use --memory-gb") as e:
+        plan(method="memory", memory_gb=0.001, **kw)
+    smallest = float(str(e.value).split("use --memory-gb ")[1].split()[0])
+    capped = plan(method="memory", memory_gb=smallest, **kw)  # the suggested cap is feasible
+    assert all(s.memory_bytes <= smallest * 1e9 for s in capped.stages)
+    assert capped.boundaries != loose.boundaries  # and binding: the fastest cut does not fit it
+    assert capped.max_stage_time_ms > loose.max_stage_time_ms
+    assert not capped.warnings
+
+
+def test_gpipe_keeps_every_microbatch_and_1f1b_fewer():
+    g, o = plan(method="uniform", schedule="gpipe"), plan(method="uniform", schedule="1f1b")
+    assert g.stages[0].memory_bytes > o.stages[0].memory_bytes
+    # GPipe's last stage also holds all 4 micro-batches, 1F1B's only one
+    act = sum(c.activation_bytes for c in o.layers[o.boundaries[1]:])
+    assert g.stages[1].memory_bytes - o.stages[1].memory_bytes == 3 * act
+    assert g.bubble_fraction == pytest.approx(o.bubble_fraction, abs=0.05)
+
+
+def test_over_cap_stage_is_warned():
+    p = plan(method="uniform", memory_gb=0.01)
+    assert p.warnings and all("over the --memory-gb 0.01 cap" in w for w in p.warnings)
+
+
+def test_interleaved_and_zbh1_plans():
+    inter = plan(method="uniform", schedule="interleaved", chunks=2, microbatches=4)
+    assert len(inter.stages) == 4
+    zb = plan(method="uniform", schedule="zbh1")
+    one = plan(method="uniform", schedule="1f1b")
+    assert zb.bubble_fraction < one.bubble_fraction
+
+
+def mpt(*args):
+    return subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_mpt_plan_prints_table_and_writes_json_and_gantt(tmp_path):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.svg"
+    r = mpt("plan", "--model", "gpt-tiny", "--pp", "2", "--micro-batch", "2", "--microbatches", "4",
+            "--seq-len", "16", "--method", "memory", "--memory-gb", "1", "--tflops", "0.05",
+            "--json", str(out), "--gantt", str(png))
+    assert r.returncode == 0, r.stderr
+    assert "bubble fraction" in r.stdout and "tokens/s" in r.stdout and "embed" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["method"] == "memory" and len(data["stages"]) == 2
+    assert png.read_text().lstrip().startswith("<?xml")
+
+
+def test_mpt_plan_reads_hf_configs(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, vocab_size=512)
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    r = mpt("plan", "--model", str(tmp_path / "config.json"), "--pp", "2", "--seq-len", "32", "--method", "flops",
+            "--tflops", "1", "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    assert "embed_tokens.." in r.stdout and "..lm_head" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pp", "9"], "exceeds the model's 7 layers"),
+    (["--tp", "3"], "--tp 3 does not divide the model's attention heads (4)"),
+    (["--schedule", "interleaved", "--chunks", "4", "--pp", "2"], "exceeds the model's 7 layers"),
+    (["--schedule", "roundrobin"], "invalid choice"),
+    (["--method", "random"], "unknown --method 'random'"),
+    (["--model", "/nonexistent/config.json"], "unknown model"),
+    (["--method", "memory"], "needs --memory-gb"),
+    (["--method", "memory", "--memory-gb", "0.0001"], "is too small: even the leanest cut puts"),
+    (["--micro-batch", "0"], "--micro-batch 0 must be a positive integer"),
+    (["--gantt", "out.pdf"], "must end in .png or .svg"),
+])
+def test_mpt_plan_bad_input_is_one_line_exit_2(args, message):
+    base = ["plan", "--model", "gpt-tiny", "--pp", "2", "--seq-len", "16", "--tflops", "0.05"]
+    r = mpt(*base, *args)
+    assert r.returncode == 2
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_mpt_plan_unreadable_config(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_bytes(b"\xff\xfe{")
+    r = mpt("plan", "--model", str(bad), "--pp", "2")
+    assert r.returncode == 2 and "cannot read" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_mpt_simulate_matches_the_closed_form(tmp_path):
+    out = tmp_path / "sim.json"
+    r = mpt("simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json", str(out),
+            "--gantt", str(tmp_path / "sim.png"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["bubble_fraction"] == pytest.approx(3 / (8 + 3))
+    assert data["peak_inflight"] == [4, 3, 2, 1]
+    assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
+    r = mpt("simulate", "--schedule", "interleaved", "--pp", "2", "--microbatches", "4", "--chunks", "2")
+    assert r.returncode == 0 and f"bubble fraction {1 / (2 * 4 + 1):.4f}" in r.stdout
+    r = mpt("simulate", "--schedule", "gpipe", "--pp", "0", "--microbatches", "4")
+    assert r.returncode == 2 and "--pp 0 must be at least 1" in r.stderr
