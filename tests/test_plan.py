@@ -218,4 +218,4 @@ def test_mpt_simulate_matches_the_closed_form(tmp_path):
     r = mpt("simulate", "--schedule", "interleaved", "--pp", "2", "--microbatches", "4", "--chunks", "2")
     assert r.returncode == 0 and f"bubble fraction {1 / (2 * 4 + 1):.4f}" in r.stdout
     r = mpt("simulate", "--schedule", "gpipe", "--pp", "0", "--microbatches", "4")
-    assert r.returncode == 2 and "--pp 0 must be at least 1" in r.stderr
+    assert r.returncode == 2 and "--pp 0 must be between 1 and 1024" in r.stderr

@@ -81,8 +81,25 @@ class ModelShape:
         return self.kv_heads or self.heads
 
 
+MAX_LAYERS = 10_000
+"""More blocks than any model trained so far; beyond it a plan would not fit in memory."""
+
+
 def shape_from_hf_config(d: dict, source: str = "config") -> ModelShape:
     """A `ModelShape` from a HuggingFace ``config.json`` dict of the GPT-2, BERT or Llama families."""
+    shape = _read_shape(d, source)
+    if shape.num_layers > MAX_LAYERS:
+        raise CostModelError(f"{source}: {shape.num_layers} layers is more than the planner handles "
+                             f"(at most {MAX_LAYERS})")
+    if not shape.head_dim and shape.hidden % shape.heads:
+        raise CostModelError(f"{source}: hidden size {shape.hidden} is not divisible by {shape.heads} heads")
+    if shape.heads % shape.kvh:
+        raise CostModelError(f"{source}: {shape.heads} attention heads are not a multiple of {shape.kvh} "
+                             f"key/value heads")
+    return shape
+
+
+def _read_shape(d: dict, source: str) -> ModelShape:
     mt = d.get("model_type")
     if mt not in HF_MODEL_TYPES:
         raise CostModelError(f"{source}: model_type {mt!r} is not supported: choose a config of "

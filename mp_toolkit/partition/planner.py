@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -24,6 +25,8 @@ from .memory import MemoryCapError, StageMemory, min_max_memory
 from .solvers import PartitionError, min_max, uniform
 
 PLAN_METHODS = ("uniform", "parameters", "flops", "time", "type:REGEX", "memory")
+MAX_MICROBATCHES = 65536
+"""The simulator keeps every action of a step; beyond this a plan would take minutes."""
 GB = 1e9
 
 
@@ -282,14 +285,17 @@ def check_request(req: PlanRequest, shape: ModelShape) -> None:
         v = getattr(req, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PartitionError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+    if req.microbatches > MAX_MICROBATCHES:
+        raise PartitionError(f"--microbatches {req.microbatches} is more than the planner simulates "
+                             f"(at most {MAX_MICROBATCHES})")
     if req.schedule not in ("gpipe", "1f1b", "interleaved", "zbh1"):
         raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of gpipe, 1f1b, interleaved, zbh1")
     if not (req.method in PLAN_METHODS[:4] or req.method == "memory" or req.method.startswith("type:")):
         raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
     if req.dtype not in ACT_BYTES:
         raise PartitionError(f"unknown --dtype {req.dtype!r}: choose one of {', '.join(ACT_BYTES)}")
-    if req.memory_gb is not None and not req.memory_gb > 0:
-        raise PartitionError(f"--memory-gb {req.memory_gb:g} must be positive")
+    if req.memory_gb is not None and not (math.isfinite(req.memory_gb) and req.memory_gb > 0):
+        raise PartitionError(f"--memory-gb {req.memory_gb:g} must be a positive finite number")
     n_layers = len(layer_costs(shape, 1, 1))
     stages = req.pp * req.chunks
     if stages > n_layers:
@@ -308,8 +314,8 @@ def check_request(req: PlanRequest, shape: ModelShape) -> None:
                                      f"choose a tp that divides {value}")
     if shape.positions and req.seq_len > shape.positions:
         raise PartitionError(f"--seq-len {req.seq_len} exceeds the model's {shape.positions} positions")
-    for name in ("tflops", "p2p_gbps", "mem_gbps"):
+    for name in ("tflops", "p2p_gbps", "mem_gbps", "p2p_latency_us"):
         v = getattr(req, name)
-        if v is not None and not v > 0:
-            raise PartitionError(f"--{name.replace('_', '-')} {v:g} must be positive")
+        if v is not None and not (math.isfinite(v) and (v > 0 or (name == "p2p_latency_us" and v == 0))):
+            raise PartitionError(f"--{name.replace('_', '-')} {v:g} must be a positive finite number")
 

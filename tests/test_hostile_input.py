@@ -1,0 +1,142 @@
+"""Hostile arguments and configs end with exit code 2 and one line, never a traceback (issue 9, item 5).
+
+Property-based: hypothesis draws numbers out of range, wrong types, unicode, huge values and
+empty files for `mpt plan`, `mpt simulate`, `mpt train` (only values that fail validation, so
+no training starts) and DeepSpeed JSON configs.
+"""
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mp_toolkit.cli import main
+from mp_toolkit.config import ConfigError
+from mp_toolkit.ds_config import read_ds_config
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+junk_text = st.one_of(
+    st.text(min_size=0, max_size=12),
+    st.sampled_from(["", "-1", "0", "1e400", "nan", "inf", "-inf", "１２", "0x10", "3.5", "None", "🙂", "9" * 40]),
+)
+def _parses(text: str, kind) -> bool:
+    try:
+        value = kind(text)
+    except ValueError:
+        return False
+    return value > 0 and value != float("inf")  # a usable positive number
+
+
+not_positive = st.one_of(st.integers(max_value=0), junk_text.filter(lambda s: not _parses(s, int)))
+bad_int = st.one_of(not_positive, st.integers(min_value=10**9, max_value=10**30))  # huge: beyond any model
+bad_float = st.one_of(st.sampled_from(["nan", "-1", "0", "-inf", "inf", "abc", "", "1e400"]),
+                      st.text(max_size=6).filter(lambda s: not _parses(s, float)))
+
+
+def one_line_exit_2(capsys, argv) -> None:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, (argv, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+PLAN = ["plan", "--model", "gpt-tiny", "--pp", "2", "--seq-len", "16", "--tflops", "0.05"]
+
+
+@SETTINGS
+@given(flag=st.sampled_from(["--pp", "--tp", "--dp", "--micro-batch", "--microbatches", "--seq-len", "--chunks"]),
+       value=not_positive)
+def test_plan_bad_integers(capsys, flag, value):
+    one_line_exit_2(capsys, PLAN + [flag, value])
+
+
+@SETTINGS
+@given(flag=st.sampled_from(["--pp", "--tp", "--microbatches", "--seq-len", "--chunks"]),
+       value=st.integers(min_value=10**9, max_value=10**30))
+def test_plan_huge_integers_the_model_cannot_take(capsys, flag, value):
+    extra = ["--schedule", "interleaved"] if flag == "--chunks" else []
+    one_line_exit_2(capsys, PLAN + extra + [flag, value])
+
+
+@SETTINGS
+@given(flag=st.sampled_from(["--memory-gb", "--tflops", "--p2p-gbps", "--mem-gbps"]), value=bad_float)
+def test_plan_bad_floats(capsys, flag, value):
+    extra = ["--method", "memory"] if flag != "--memory-gb" else ["--method", "memory"]
+    if flag != "--memory-gb":
+        extra += ["--memory-gb", "1"]
+    one_line_exit_2(capsys, PLAN + extra + [flag, value])
+
+
+@SETTINGS
+@given(flag=st.sampled_from(["--method", "--schedule", "--dtype", "--optimizer", "--model"]), value=junk_text)
+def test_plan_bad_names(capsys, flag, value):
+    one_line_exit_2(capsys, PLAN + [flag, value + "\u2603"])
+
+
+@SETTINGS
+@given(flag=st.sampled_from(["--pp", "--microbatches", "--chunks"]), value=bad_int)
+def test_simulate_bad_numbers(capsys, flag, value):
+    one_line_exit_2(capsys, ["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", flag, value])
+
+
+TRAIN = ["train", "--model", "gpt-tiny", "--pp", "1", "--data", "synthetic", "--steps", "1", "--no-progress"]
+
+
+@SETTINGS
+@given(flag=st.sampled_from(["--pp", "--tp", "--dp", "--microbatches", "--micro-batch", "--seq-len", "--steps"]),
+       value=not_positive)
+def test_train_bad_integers(capsys, flag, value):
+    one_line_exit_2(capsys, TRAIN + [flag, value])
+
+
+@SETTINGS
+@given(flag=st.sampled_from(["--lr", "--weight-decay", "--min-lr", "--loss-scale", "--min-loss-scale"]),
+       value=st.sampled_from(["-1", "nan", "-inf", "abc", "", "1e400x"]))
+def test_train_bad_floats(capsys, flag, value):
+    one_line_exit_2(capsys, TRAIN + [flag, value])
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(min_value=-10**20, max_value=10**20),
+              st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8)),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=10,
+)
+DS_KEYS = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+           "fp16", "bf16", "optimizer", "scheduler", "pipeline", "zero_optimization", "steps_per_print"]
+
+
+@SETTINGS
+@given(config=st.dictionaries(st.sampled_from(DS_KEYS) | st.text(max_size=8), json_values, max_size=6),
+       dp=st.integers(min_value=1, max_value=8))
+def test_ds_config_random_json_is_accepted_or_refused_cleanly(config, dp):
+    try:
+        settings_ = read_ds_config(config, dp=dp)
+    except ConfigError as e:
+        assert len(str(e).splitlines()) == 1
+    else:
+        assert settings_.train_micro_batch_size_per_gpu >= 1
+
+
+@pytest.mark.parametrize("content", [b"", b"   ", b"{", b"[]", b"null", b"\xff\xfe\x00", b'{"train_batch_size": "8"}',
+                                     b'{"train_batch_size": 8, "train_batch_size": 16}'])
+def test_ds_config_files_that_are_not_configs(tmp_path, content):
+    path = tmp_path / "ds_config.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        read_ds_config(str(path))
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_plan_config_file_that_is_empty_or_huge(tmp_path, capsys):
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    one_line_exit_2(capsys, ["plan", "--model", str(empty), "--pp", "2"])
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({"model_type": "gpt2", "n_embd": 10**12, "n_head": 7, "n_layer": 10**9}))
+    one_line_exit_2(capsys, ["plan", "--model", str(huge), "--pp", "2", "--tflops", "1"])
