@@ -3,8 +3,12 @@
     mpt train --model gpt-small-cpu --pp 2 --schedule 1f1b --microbatches 4 --steps 100 \\
               --metrics runs/demo/metrics.jsonl --plot runs/demo/loss.png
     mpt train --model gpt-tiny --pp 2 --tp 2 --dp 2     # starts pp*tp*dp = 8 ranks itself
+    mpt train --model bert-tiny --seq-len 64 --pp 2 --save-dir runs/bert --save-every 20
+    mpt train --model bert-tiny --seq-len 64 --pp 1 --tp 2 --save-dir runs/bert --resume latest
+    mpt train --config recipes/gpt_pretrain/ds_config.json --steps 50   # a DeepSpeed config; flags override it
     torchrun --nproc_per_node 2 -m mp_toolkit.cli train --model gpt-tiny --pp 2
     torchrun --nproc_per_node 4 -m mp_toolkit.cli train --model gpt-tiny --pp 1 --tp 2 --dp 2
+    deepspeed --num_gpus 2 recipes/gpt_pretrain/train.py --deepspeed_config recipes/gpt_pretrain/ds_config.json
 
 A wrong value ends with one line on stderr that names it and what would work, exit code 2.
 """
@@ -12,6 +16,9 @@ A wrong value ends with one line on stderr that names it and what would work, ex
 from __future__ import annotations
 
 import argparse
+import math
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -32,47 +39,105 @@ def _positive_float_or_none(text: str) -> float | None:
     return float(text)
 
 
+class _Unset:
+    """Default of every `train` flag, so a flag given on the command line (which overrides the
+    DeepSpeed config) can be told from one left out."""
+
+    def __repr__(self) -> str:
+        return "(default)"
+
+
+_UNSET = _Unset()
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+_FLAG_NAMES = {"timeout_s": "--timeout", "progress": "--no-progress", "bias_correction": "--no-bias-correction"}
+_SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_decay", "min_lr")
+_OPTIMIZER_FIELDS = ("betas", "eps", "min_trust", "max_trust", "bias_correction", "momentum", "trust_coefficient")
+# The DeepSpeed key each TrainConfig field comes from, to name it when its value fails a check.
+_DS_KEYS = {"pp": "pipeline.stages", "partition": "pipeline.partition_method", "schedule": "pipeline.schedule",
+            "chunks": "pipeline.chunks", "micro_batch": "train_micro_batch_size_per_gpu",
+            "microbatches": "gradient_accumulation_steps", "clip_grad": "gradient_clipping",
+            "lr": "optimizer.params.lr (or scheduler.params)", "weight_decay": "optimizer.params.weight_decay",
+            "eps": "optimizer.params.eps", "betas": "optimizer.params.betas", "min_trust": "optimizer.params.min_coeff",
+            "max_trust": "optimizer.params.max_coeff", "momentum": "optimizer.params.momentum",
+            "trust_coefficient": "optimizer.params.trust_coefficient", "min_lr": "scheduler.params",
+            "warmup_steps": "scheduler.params.warmup_num_steps", "loss_scale": "fp16.loss_scale",
+            "min_loss_scale": "fp16.min_loss_scale", "hysteresis": "fp16.hysteresis",
+            "loss_scale_window": "fp16.loss_scale_window", "initial_scale_power": "fp16.initial_scale_power"}
+
+
+def flag_name(field: str) -> str:
+    return _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mpt", description="Pipeline model-parallel training for Transformers.")
+    # the deepspeed launcher passes --local_rank=N first; LOCAL_RANK in the environment says the same
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    d = TrainConfig()
-    t = sub.add_parser("train", help="train a model over a pp x tp x dp grid of ranks")
-    t.add_argument("--model", default=d.model, help="preset (gpt-tiny, gpt-small-cpu, gpt2, ...) or GPT-2 config.json")
-    t.add_argument("--pp", type=int, default=d.pp, help="pipeline stages")
-    t.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks per stage (Megatron TP_PLAN)")
-    t.add_argument("--dp", type=int, default=d.dp, help="data-parallel replicas (the global batch is dp x microbatches)")
-    t.add_argument("--dp-bucket-mb", type=float, default=d.dp_bucket_mb, help="MiB of gradients per data-parallel all-reduce")
-    t.add_argument("--schedule", default=d.schedule, type=str.lower, choices=SCHEDULES)
-    t.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
-    t.add_argument("--partition", default=d.partition, help="uniform, parameters, or boundaries like 0,3,7")
-    t.add_argument("--microbatches", type=int, default=d.microbatches, help="micro-batches per step and replica")
-    t.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per micro-batch")
-    t.add_argument("--seq-len", type=int, default=d.seq_len)
-    t.add_argument("--steps", type=int, default=d.steps)
-    t.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
-    t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    t.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    t.add_argument("--lr-decay", default=d.lr_decay, type=str.lower, choices=LR_DECAYS)
-    t.add_argument("--min-lr", type=float, default=d.min_lr)
-    t.add_argument("--precision", default=d.precision, type=str.lower, choices=PRECISIONS)
-    t.add_argument("--loss-scale", type=float, default=d.loss_scale, help="fp16 static scale; 0 = dynamic")
-    t.add_argument("--initial-scale-power", type=int, default=d.initial_scale_power)
-    t.add_argument("--loss-scale-window", type=int, default=d.loss_scale_window)
-    t.add_argument("--hysteresis", type=int, default=d.hysteresis)
-    t.add_argument("--min-loss-scale", type=float, default=d.min_loss_scale)
-    t.add_argument("--clip-grad", type=_positive_float_or_none, default=d.clip_grad, help="max global grad norm, or none")
-    t.add_argument("--seed", type=int, default=d.seed)
-    t.add_argument("--data", default=d.data, help="stdlib, synthetic, or a local text/JSON-lines file or folder")
-    t.add_argument("--metrics", type=Path, default=None, help="write one JSON object per step here")
-    t.add_argument("--plot", type=Path, default=None, help="write the loss curve PNG here")
-    t.add_argument("--cache-dir", type=Path, default=d.cache_dir, help="tokenizer cache")
-    t.add_argument("--threads", type=int, default=None, help="torch threads per rank")
-    t.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds any communication may wait")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_train_parser(sub)
     _add_plan_parser(sub)
     _add_simulate_parser(sub)
     return parser
+
+
+def _add_train_parser(sub) -> None:
+    d = TrainConfig()
+    t = sub.add_parser("train", help="train a model over a pp x tp x dp grid of ranks")
+
+    def opt(*flags, **kw):
+        t.add_argument(*flags, default=_UNSET, **kw)
+
+    opt("--config", "--deepspeed_config", "--deepspeed-config", dest="ds_config", type=Path,
+        help="a DeepSpeed JSON config (batch, fp16/bf16, optimizer, scheduler, pipeline); flags given here override it")
+    t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    opt("--model", help=f"preset (gpt-tiny, gpt-small-cpu, gpt2, ..., bert-tiny, bert-base, bert-large) or a "
+                        f"GPT-2 / BERT config.json (default {d.model})")
+    opt("--pp", type=int, help=f"pipeline stages (default {d.pp})")
+    opt("--tp", type=int, help="tensor-parallel ranks per stage (Megatron TP_PLAN)")
+    opt("--dp", type=int, help="data-parallel replicas (the global batch is dp x microbatches); under a launcher "
+                               "with --config, world size / (pp x tp) as DeepSpeed computes it")
+    opt("--dp-bucket-mb", type=float, help="MiB of gradients per data-parallel all-reduce")
+    opt("--schedule", type=str.lower, choices=SCHEDULES)
+    opt("--chunks", type=int, help="model chunks per rank (interleaved; default 2)")
+    opt("--partition", help="uniform, parameters, or boundaries like 0,3,7")
+    opt("--microbatches", type=int, help="micro-batches per step and replica")
+    opt("--micro-batch", type=int, help="sequences per micro-batch")
+    opt("--seq-len", type=int)
+    opt("--steps", type=int, help="optimizer steps in all (a resumed run continues up to this step)")
+    opt("--optimizer", type=str.lower, choices=OPTIMIZERS)
+    opt("--lr", type=float, help="peak learning rate (replaces a DeepSpeed config's scheduler by warm-up/decay)")
+    opt("--weight-decay", type=float)
+    opt("--betas", type=float, nargs=2, metavar=("BETA1", "BETA2"), help="Adam / AdamW / LAMB (default 0.9 0.999)")
+    opt("--eps", type=float, help="optimizer epsilon (default: the optimizer's own)")
+    opt("--min-trust", type=float, help="LAMB: lower clamp of the trust ratio (DeepSpeed's min_coeff)")
+    opt("--max-trust", type=float, help="LAMB: upper clamp of the trust ratio (DeepSpeed's max_coeff)")
+    opt("--no-bias-correction", dest="bias_correction", action="store_const", const=False, help="LAMB without bias correction")
+    opt("--momentum", type=float, help="SGD / LARS (default 0.9), RMSprop (default 0)")
+    opt("--trust-coefficient", type=float, help="LARS eta (default 0.001)")
+    opt("--warmup-steps", type=int)
+    opt("--lr-decay", type=str.lower, choices=LR_DECAYS)
+    opt("--min-lr", type=float)
+    opt("--precision", type=str.lower, choices=PRECISIONS)
+    opt("--loss-scale", type=float, help="fp16 static scale; 0 = dynamic")
+    opt("--initial-scale-power", type=int)
+    opt("--loss-scale-window", type=int)
+    opt("--hysteresis", type=int)
+    opt("--consecutive-hysteresis", action="store_const", const=True, help="fp16: refill hysteresis on every clean step")
+    opt("--min-loss-scale", type=float)
+    opt("--clip-grad", type=_positive_float_or_none, help=f"max global grad norm, or none (default {d.clip_grad})")
+    opt("--seed", type=int)
+    opt("--data", help="stdlib, synthetic, or a local text/JSON-lines file or folder")
+    opt("--metrics", type=Path, help="write one JSON object per step here")
+    opt("--plot", type=Path, help="write the loss curve PNG here")
+    opt("--cache-dir", type=Path, help="tokenizer cache")
+    opt("--threads", type=int, help="torch threads per rank")
+    opt("--timeout", dest="timeout_s", type=float, metavar="SECONDS", help="seconds any communication may wait")
+    opt("--no-progress", dest="progress", action="store_const", const=False, help="no progress bar")
+    opt("--save-dir", type=Path, help="checkpoint root: layout-independent checkpoints (resume on any pp/tp/dp)")
+    opt("--save-every", type=int, help="save every N steps (and after the last); default: after the last only")
+    opt("--keep", type=int, help=f"checkpoints kept in --save-dir (default {d.keep}; 0 keeps all)")
+    opt("--resume", nargs="?", const="latest", metavar="DIR|latest",
+        help="resume from --save-dir's latest checkpoint (fresh start when none), or from DIR")
 
 
 def _add_plan_parser(sub) -> None:
@@ -113,20 +178,74 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--gantt", type=Path, default=None, help=".png or .svg")
 
 
-def train_config(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        model=args.model, pp=args.pp, tp=args.tp, dp=args.dp, dp_bucket_mb=args.dp_bucket_mb, schedule=args.schedule,
-        chunks=_chunks(args), partition=args.partition,
-        microbatches=args.microbatches, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        steps=args.steps, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, min_lr=args.min_lr,
-        precision=args.precision, loss_scale=args.loss_scale, initial_scale_power=args.initial_scale_power,
-        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        min_loss_scale=args.min_loss_scale, clip_grad=args.clip_grad,
-        seed=args.seed, data=args.data, metrics=args.metrics, plot=args.plot,
-        cache_dir=args.cache_dir, threads=args.threads, timeout_s=args.timeout,
-        progress=not args.no_progress,
-    )
+def train_config(args: argparse.Namespace, world_size: int | None = None) -> tuple[TrainConfig, list[str]]:
+    """(TrainConfig, log lines): TrainConfig's defaults, then the DeepSpeed config's values, then every
+    flag given on the command line. ``world_size`` (a launcher's) gives DeepSpeed's dp = world / (pp x tp)."""
+    given, from_file, notes = _sources(args, world_size)
+    return _merge(given, from_file), notes
+
+
+def _sources(args: argparse.Namespace, world_size: int | None) -> tuple[dict, dict, list[str]]:
+    """(fields given on the command line, fields the DeepSpeed config sets and no flag overrides, log lines)."""
+    given = {k: v for k, v in vars(args).items() if k in _FIELDS and v is not _UNSET}
+    if "betas" in given:
+        given["betas"] = tuple(given["betas"])
+    if given.get("keep") == 0:
+        given["keep"] = None
+    if args.ds_config is _UNSET:
+        return given, {}, []
+    return (given, *_ds_overrides(args.ds_config, given, world_size))
+
+
+def _merge(given: dict, from_file: dict) -> TrainConfig:
+    merged = {**from_file, **given}
+    merged.setdefault("chunks", 2 if merged.get("schedule", TrainConfig.schedule) == "interleaved" else 1)
+    return TrainConfig(**merged)
+
+
+def _pipeline_stages(path: Path) -> int | None:
+    """``pipeline.stages`` of a DeepSpeed config, peeked before the full read (which needs dp, and so pp)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        stages = doc["pipeline"]["stages"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # read_ds_config reports what is wrong
+    return stages if type(stages) is int and stages > 0 else None
+
+
+def _ds_overrides(path: Path, given: dict, world_size: int | None) -> tuple[dict, list[str]]:
+    from mp_toolkit.ds_config import read_ds_config
+
+    dp = given.get("dp")
+    if dp is None:
+        dp = 1
+        if world_size is not None:  # DeepSpeed's data-parallel size: what pp x tp leave of the world
+            model_parallel = (given.get("pp") or _pipeline_stages(path) or TrainConfig.pp) * given.get("tp", 1)
+            dp = world_size // model_parallel if model_parallel and world_size % model_parallel == 0 else 1
+    settings = read_ds_config(path, dp=dp)
+    base = {**settings.train_config_overrides(), "dp": dp}
+    notes = []
+    if "optimizer" in given and given["optimizer"] != base.get("optimizer"):
+        for k in _OPTIMIZER_FIELDS:  # the config's Lamb coefficients mean nothing to another optimizer
+            base.pop(k, None)
+    if given.keys() & set(_SCHEDULE_FIELDS) and base.pop("lr_schedule", None) is not None:
+        notes.append(f"{path}: the scheduler block is replaced by warm-up/decay of "
+                     f"{', '.join(flag_name(k) for k in _SCHEDULE_FIELDS if k in given)} from the command line")
+    overridden = [flag_name(k) for k in sorted(given) if k in base and given[k] != base[k]]
+    line = f"{path}: {len(base)} settings from the DeepSpeed config (dp {dp})"
+    notes.insert(0, line + (f"; overridden on the command line: {', '.join(overridden)}" if overridden else ""))
+    if settings.ignored_message():
+        notes.append(settings.ignored_message())
+    return {k: v for k, v in base.items() if k not in given}, notes
+
+
+def _blame(error: ConfigError, from_file: dict, source) -> ConfigError:
+    """A check failed on a value the DeepSpeed config set: name its key too."""
+    text = str(error)
+    for field in from_file.keys() & _DS_KEYS.keys():
+        if text.startswith(flag_name(field) + " "):
+            return ConfigError(f"{text} (from {_DS_KEYS[field]} in {source})")
+    return error
 
 
 def _train(argv: list[str], args: argparse.Namespace) -> int:
@@ -134,9 +253,16 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
     from mp_toolkit.parallel.context import GridError, check_grid
     from mp_toolkit.train import run_training, validate
 
-    cfg = train_config(args)
     env = launcher_env()
-    validate(cfg)  # no process group needed: every rank fails the same way before any talks
+    given, from_file, notes = _sources(args, env.world_size if env is not None else None)
+    cfg = _merge(given, from_file)
+    try:
+        validate(cfg)  # no process group needed: every rank fails the same way before any talks
+    except ConfigError as e:
+        raise _blame(e, from_file, args.ds_config) from None
+    if (env.rank == 0) if env is not None else cfg.world_size == 1:  # once, by the process that trains rank 0
+        for line in notes:
+            print(line, flush=True)
     if env is None:  # no launcher: start the pp*tp*dp ranks ourselves
         for path in (cfg.metrics, cfg.plot):
             if path is not None:
@@ -182,10 +308,13 @@ def _simulate(args: argparse.Namespace) -> int:
     from mp_toolkit.partition.report import write_json
     from mp_toolkit.schedule import simulate_report
 
-    for name in ("pp", "microbatches"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} {getattr(args, name)} must be at least 1")
-    if not (args.cost_f > 0 and args.cost_b > 0):
+    from mp_toolkit.partition.planner import MAX_MICROBATCHES
+
+    for name, top in (("pp", 1024), ("microbatches", MAX_MICROBATCHES), ("chunks", 64)):
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= top:
+            raise ConfigError(f"--{name} {value} must be between 1 and {top}")
+    if not (math.isfinite(args.cost_f) and math.isfinite(args.cost_b) and args.cost_f > 0 and args.cost_b > 0):
         raise ConfigError(f"--cost-f {args.cost_f:g} and --cost-b {args.cost_b:g} must be positive")
     _check_output(args.gantt)
     report = simulate_report(args.schedule, args.pp, args.microbatches, _chunks(args),
@@ -206,7 +335,9 @@ def _check_output(gantt: Path | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     from mp_toolkit.partition import PartitionError
     from mp_toolkit.partition.cost import CostModelError
+    from mp_toolkit.checkpoint import CheckpointError
     from mp_toolkit.schedule import ScheduleError
+    from mp_toolkit.train_state import PeerFailed
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -220,8 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     except (PartitionError, CostModelError, ScheduleError) as e:
         sys.stderr.write(f"mpt {args.command}: error: {str(e).splitlines()[0]}\n")
         return 2
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         sys.stderr.write(f"mpt {args.command}: error: {e}\n")
+        return 2
+    except PeerFailed:  # another rank failed and reported why
         return 2
     return 2
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # mp_toolkit.optim.lr imports this module
+    from mp_toolkit.optim.lr import DeepSpeedSchedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 PRECISIONS = ("fp32", "fp16", "bf16", "auto")
@@ -21,7 +25,8 @@ class TrainConfig:
     """One `mpt train` run."""
 
     model: str = "gpt-small-cpu"
-    """Preset name (gpt-tiny, gpt-small-cpu, gpt2, ...) or a path to a GPT-2 config.json."""
+    """Preset name (gpt-tiny, gpt-small-cpu, gpt2, ..., bert-tiny, bert-base, bert-large) or a path
+    to a GPT-2 or BERT config.json (``"model_type": "bert"`` selects BERT pre-training: MLM + NSP)."""
     pp: int = 2
     """Pipeline stages (ranks along the slowest grid axis)."""
     tp: int = 1
@@ -52,12 +57,31 @@ class TrainConfig:
     """Peak learning rate."""
     weight_decay: float = 0.01
     """Weight decay (decoupled for AdamW, LAMB and LARS; L2 for torch's others)."""
+    betas: tuple[float, float] | None = None
+    """Adam, AdamW and LAMB moment decay rates (DeepSpeed's optimizer.params.betas); None: (0.9, 0.999)."""
+    eps: float | None = None
+    """Denominator epsilon of Adam, AdamW, LAMB, LARS, Adagrad, RMSprop; None: each optimizer's own
+    default (1e-8, LAMB 1e-6, Adagrad 1e-10)."""
+    min_trust: float | None = None
+    """LAMB: lower clamp of the trust ratio (DeepSpeed's min_coeff); None: no clamp."""
+    max_trust: float | None = None
+    """LAMB: upper clamp of the trust ratio (DeepSpeed's max_coeff); None: no clamp."""
+    bias_correction: bool = True
+    """LAMB: bias-correct the moment estimates (Adam and AdamW always do)."""
+    momentum: float | None = None
+    """Momentum of SGD and LARS (None: 0.9) and RMSprop (None: 0)."""
+    trust_coefficient: float | None = None
+    """LARS: the trust coefficient eta of the layer-wise rate; None: 0.001."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
     lr_decay: str = "none"
     """After warm-up: none (constant), linear or cosine decay to min_lr at the last step."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
+    lr_schedule: DeepSpeedSchedule | None = None
+    """An exact DeepSpeed schedule (WarmupLR, WarmupDecayLR, WarmupCosineLR from a DeepSpeed config)
+    that replaces lr / warmup_steps / lr_decay / min_lr; it advances only on applied steps (not on
+    steps skipped for fp16 overflow), as DeepSpeed's engine does. None: WarmupDecay of those fields."""
     precision: str = "fp32"
     """fp32, fp16 (fp32 masters, dynamic loss scaling), bf16 (fp32 masters, no scaling), or auto:
     bf16 where this device multiplies bf16 fast (CUDA, AMX / AVX512-BF16 CPUs), else fp32."""
@@ -69,6 +93,8 @@ class TrainConfig:
     """fp16: clean steps before the scale doubles."""
     hysteresis: int = 2
     """fp16: overflows tolerated before the scale halves."""
+    consecutive_hysteresis: bool = False
+    """fp16: refill the hysteresis on every clean step, not only when the scale grows."""
     min_loss_scale: float = 1.0
     """fp16: the scale never drops below this."""
     clip_grad: float | None = 1.0
@@ -89,6 +115,15 @@ class TrainConfig:
     """Bound on every collective and point-to-point wait."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    save_dir: Path | None = None
+    """Checkpoint root (`mp_toolkit.checkpoint`): layout-independent, resumable on any (pp, tp, dp)."""
+    save_every: int = 0
+    """Save every this many steps (and after the last step); 0: only after the last step."""
+    keep: int | None = 3
+    """Checkpoints kept in save_dir (the newest); None keeps every one."""
+    resume: str | None = None
+    """Resume from a checkpoint: "latest" (save_dir's, or a fresh start when it holds none), a
+    checkpoint root (its latest) or one step directory."""
 
     @property
     def world_size(self) -> int:

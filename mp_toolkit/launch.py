@@ -1,7 +1,8 @@
 """Launching: the only module that reads the launcher's environment.
 
 `torchrun` and the `deepspeed` launcher set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT. Run without a launcher, `mpt train` starts the ranks itself on this machine with
+MASTER_PORT (torchrun also LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE; the ranks on this node).
+The deepspeed launcher also passes ``--local_rank=N``, which the CLI accepts and ignores. Run without a launcher, `mpt train` starts the ranks itself on this machine with
 exactly those variables (`spawn_local`), so both paths run the same training code.
 """
 
@@ -40,7 +41,7 @@ def launcher_env() -> LaunchEnv | None:
     return LaunchEnv(
         rank=int(os.environ["RANK"]), world_size=world,
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))),
     )
 
 
@@ -64,11 +65,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_local(argv: list[str], nprocs: int, poll_s: float = 0.2) -> int:
+def spawn_local(argv: list[str], nprocs: int, poll_s: float = 0.2, grace_s: float = 5.0) -> int:
     """Run ``python -m mp_toolkit.cli <argv>`` as ``nprocs`` ranks on this machine.
 
-    Returns the first non-zero exit code (0 when all succeed). When one rank fails, the others are
-    terminated, so no process is left behind; Ctrl-C stops them all.
+    Returns the first non-zero exit code (0 when all succeed). When one rank fails, the others get
+    ``grace_s`` to exit on their own (ranks that agreed on a failure all stop, and the one reporting
+    it must finish its line), then are terminated, so no process is left behind; Ctrl-C stops them all.
     """
     port = free_port()
     procs = []
@@ -76,7 +78,7 @@ def spawn_local(argv: list[str], nprocs: int, poll_s: float = 0.2) -> int:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "-m", "mp_toolkit.cli", *argv], env=env))
-    code = 0
+    code, deadline = 0, None
     try:
         while procs:
             for p in list(procs):
@@ -85,8 +87,10 @@ def spawn_local(argv: list[str], nprocs: int, poll_s: float = 0.2) -> int:
                     continue
                 procs.remove(p)
                 if rc != 0 and code == 0:
-                    code = rc
-                    _terminate(procs)
+                    code, deadline = rc, time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                _terminate(procs)
+                procs = []
             time.sleep(poll_s)
     except KeyboardInterrupt:
         code = 130

@@ -1,9 +1,16 @@
 """Optimizers by name. Every one runs through the same master-weight, overflow and clipping path
-(`mp_toolkit.engine.step`); LAMB and LARS are ours, the others torch's."""
+(`mp_toolkit.engine.step`); LAMB and LARS are ours, the others torch's.
+
+The hyper-parameters beyond lr and weight decay (betas, eps, LAMB's trust clamp and bias
+correction, momentum, LARS's trust coefficient) are DeepSpeed's ``optimizer.params``; None
+leaves each optimizer's own default, so a run that sets none of them is unchanged.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -13,29 +20,95 @@ from mp_toolkit.optim.lamb import LAMB
 from mp_toolkit.optim.lars import LARS
 
 
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """The optional hyper-parameters (None: the optimizer's default); see TrainConfig's fields."""
+
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
+    min_trust: float | None = None
+    max_trust: float | None = None
+    bias_correction: bool = True
+    momentum: float | None = None
+    trust_coefficient: float | None = None
+
+    @classmethod
+    def of(cls, cfg) -> "OptimizerOptions":
+        """The options a TrainConfig holds."""
+        return cls(betas=cfg.betas, eps=cfg.eps, min_trust=cfg.min_trust, max_trust=cfg.max_trust,
+                   bias_correction=cfg.bias_correction, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient)
+
+
+# Which optimizers read each option (the others would silently ignore it: refused instead).
+_TAKES = {
+    "betas": ("adamw", "adam", "lamb"),
+    "eps": ("adamw", "adam", "lamb", "lars", "adagrad", "rmsprop"),
+    "min_trust": ("lamb",),
+    "max_trust": ("lamb",),
+    "momentum": ("sgd", "lars", "rmsprop"),
+    "trust_coefficient": ("lars",),
+}
+
+
+def check_optimizer_options(name: str, opts: OptimizerOptions) -> None:
+    """ValueError (one line naming the flag) for an option ``name`` does not read or a value out of range."""
+    for key, users in _TAKES.items():
+        if getattr(opts, key) is not None and name not in users:
+            raise ValueError(f"--{key.replace('_', '-')} is not an option of --optimizer {name}: "
+                             f"it applies to {', '.join(users)}")
+    if not opts.bias_correction and name != "lamb":
+        raise ValueError(f"--no-bias-correction applies to --optimizer lamb only ({name} always corrects or has no moments)")
+    if opts.betas is not None and not (len(opts.betas) == 2 and all(0 <= b < 1 for b in opts.betas)):
+        raise ValueError(f"--betas {' '.join(map(str, opts.betas))} must be two numbers in [0, 1), such as 0.9 0.999")
+    for key in ("eps", "trust_coefficient"):
+        value = getattr(opts, key)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"--{key.replace('_', '-')} {value} must be a positive finite number")
+    for key in ("min_trust", "max_trust"):
+        value = getattr(opts, key)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"--{key.replace('_', '-')} {value} must be a non-negative finite number")
+    if opts.min_trust is not None and opts.max_trust is not None and opts.min_trust > opts.max_trust:
+        raise ValueError(f"--min-trust {opts.min_trust} exceeds --max-trust {opts.max_trust}: the trust clamp is empty")
+    if opts.momentum is not None and not 0 <= opts.momentum < 1:
+        raise ValueError(f"--momentum {opts.momentum} must be in [0, 1)")
+
+
+def _given(**kwargs) -> dict:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 def build_optimizer(name: str, named_params: Sequence[tuple[str, torch.nn.Parameter]], lr: float,
-                    weight_decay: float = 0.0, tp_group=None) -> torch.optim.Optimizer:
+                    weight_decay: float = 0.0, tp_group=None,
+                    options: OptimizerOptions = OptimizerOptions()) -> torch.optim.Optimizer:
     """One optimizer over ``named_params`` (names as in the unsplit LayerList).
 
     LAMB and LARS exclude biases and norm weights from decay and layer adaptation
     (`lamb_param_groups`); torch's optimizers get one group, as a user would write them.
     ``tp_group`` (the tensor-parallel group, `ParallelContext.tp_group`) lets LAMB and LARS sum the
     squared norms of tensor-parallel shards into whole-tensor trust ratios; torch's optimizers are
-    element-wise and need no group.
+    element-wise and need no group. ``options`` are checked by `check_optimizer_options`.
     """
+    check_optimizer_options(name, options)
+    o = options
     params = [p for _, p in named_params]
     if name == "lamb":
-        return LAMB(lamb_param_groups(named_params, weight_decay), lr=lr, tp_group=tp_group)
+        return LAMB(lamb_param_groups(named_params, weight_decay), lr=lr, tp_group=tp_group,
+                    bias_correction=o.bias_correction,
+                    **_given(betas=o.betas, eps=o.eps, min_trust=o.min_trust, max_trust=o.max_trust))
     if name == "lars":
-        return LARS(lamb_param_groups(named_params, weight_decay), lr=lr, tp_group=tp_group)
+        return LARS(lamb_param_groups(named_params, weight_decay), lr=lr, tp_group=tp_group,
+                    **_given(momentum=o.momentum, eps=o.eps, trust_coefficient=o.trust_coefficient))
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True, **_given(betas=o.betas, eps=o.eps))
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=True, **_given(betas=o.betas, eps=o.eps))
     if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay, foreach=True, **_given(eps=o.eps))
     if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        return torch.optim.RMSprop(params, lr=lr, weight_decay=weight_decay, foreach=True,
+                                   **_given(eps=o.eps, momentum=o.momentum))
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, foreach=True)
+        momentum = 0.9 if o.momentum is None else o.momentum
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=True)
     raise ValueError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")

@@ -1,0 +1,105 @@
+"""Rank 0's per-step record of `mpt train`: JSON lines, progress bar, loss plot, summary line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mp_toolkit.config import TrainConfig
+
+
+class MetricsLog:
+    """Rank 0's per-step record: JSON lines, progress bar, loss plot.
+
+    A run resumed at ``start_step`` keeps the metrics file's rows up to that step (a later save that
+    was lost is trained again, so its rows are replaced) and appends the new ones.
+    """
+
+    def __init__(self, cfg: TrainConfig, enabled: bool, start_step: int = 0):
+        self.cfg, self.enabled, self.rows, self.earlier = cfg, enabled, [], []
+        self.file = None
+        if enabled and cfg.metrics:
+            if start_step > 0 and Path(cfg.metrics).is_file():
+                kept = [line for line in Path(cfg.metrics).read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= start_step]
+                self.earlier = [json.loads(line) for line in kept]
+                Path(cfg.metrics).write_text("".join(line + "\n" for line in kept))
+            self.file = open(cfg.metrics, "a" if start_step > 0 else "w")
+        self.bar = None
+        if enabled and cfg.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.steps, initial=start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
+
+    def note(self, text: str) -> None:
+        """A line for the user (rank 0), kept clear of the progress bar."""
+        if not self.enabled:
+            return
+        if self.bar:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def step(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        if self.bar:
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+        if not self.rows:
+            return
+        if self.cfg.plot:
+            plot_losses(self.earlier + self.rows, self.cfg.plot)
+        first, last = self.rows[0], self.rows[-1]
+        timed = self.rows[1:] or self.rows  # the first step includes the one-time shape pass
+        tok_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
+        skipped = sum(bool(r.get("skipped")) for r in self.rows)
+        print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(self.rows)} steps, "
+              f"{tok_s:.0f} tokens/s, {skipped} skipped, loss scale {last['loss_scale']:g}")
+        for t in last.get("trust_ratio", []):
+            print(f"  stage {t['stage']} trust ratio min {t['min']:.4g} median {t['median']:.4g} max {t['max']:.4g}")
+        if self.cfg.metrics:
+            print(f"metrics: {self.cfg.metrics}")
+        if self.cfg.plot:
+            print(f"loss plot: {self.cfg.plot}")
+
+
+def gather_ints(value: int, device: torch.device | None = None) -> list[int]:
+    """``value`` of every rank, in rank order (a plain list on one process); ``device`` is where the
+    backend communicates (CUDA under NCCL)."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    if not dist.is_initialized():
+        return [value]
+    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [int(r.item()) for r in rows]
+
+
+def plot_losses(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

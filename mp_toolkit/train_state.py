@@ -1,0 +1,360 @@
+"""Saving and resuming a training run through `mp_toolkit.checkpoint` (DESIGN.md invariant 8).
+
+Every rank calls `save_state` after the same step; phases are separated by an agreement (an
+all-reduce that doubles as the barrier and tells every rank whether any rank failed), and each
+rank touches only its own files::
+
+    1. rank 0: begin(root, step)                   -> root/.tmp-step-XXXXXXXX/
+    2. each layer, by exactly one rank (tp_rank 0 and dp_rank 0 of the stage that holds it):
+         layers/<layer>.safetensors   FULL fp32 tensors (the masters; tp shards all-gathered
+                                      by gather_full over the stage's tp group)
+         optim/<layer>.safetensors    optimizer state by parameter name, sharded state gathered
+                                      the same way, scalars (a step count) by name
+       every rank: rng/rank-XXXXX.safetensors
+    3. rank 0: commit(root, step, manifest, keep)  -> root/step-XXXXXXXX/, then `latest`
+
+A weight tied across stages (GPT's embedding and LM head, BERT's word embedding and MLM decoder)
+is saved once, under its first member in layer order (``embed.wte.weight``), and loaded into every
+member. The manifest (``meta``) holds: the TrainConfig, the model config, the layout, progress
+(steps taken, steps applied), the data position, the loss-scaler state, the lr schedule position
+and the param-group hyper-parameters.
+
+`load_state` runs on any (pp, tp, dp) layout: each rank reads the layers it holds, shards them for
+its tp rank (`shard_full`), loads the optimizer state by name (any grouping), restores the data
+position, the scaler and the step. RNG state is restored only on the identical layout; elsewhere
+every rank reseeds from (seed, step), the same on every rank as at a fresh start, and says so.
+
+Data position: every replica consumes m micro-batches per step, so a step at global position
+s reads samples [s G, (s + 1) G) of the epoch's order (G = dp x m x micro_batch; `MicroBatches`
+hands replica r the samples r, r + dp, ...). The manifest stores that position in samples; a
+layout with the same micro_batch x dp product per micro-batch round resumes exactly the same
+stream. Another micro_batch x dp resumes the same stream as long as the samples consumed in the
+current epoch divide evenly; epochs whose length differs between the layouts (the remainder each
+layout drops) are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mp_toolkit.checkpoint import (
+    CheckpointError, begin, capture_rng, commit, latest_step, load_optimizer_state_by_name, open_checkpoint,
+    optimizer_state_by_name, param_groups_by_name, restore_rng, write_layer_shard, write_optimizer_shard,
+    write_rng_shard,
+)
+from mp_toolkit.config import ConfigError, TrainConfig
+from mp_toolkit.optim.groups import is_tensor_parallel
+from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.parallel.tensor_parallel import gather_full, shard_full
+
+RUN_CONTROL = ("steps", "metrics", "plot", "progress", "threads", "timeout_s", "save_dir", "save_every", "keep",
+               "resume", "cache_dir")
+"""TrainConfig fields that steer the run rather than the training: not reported as changed on resume."""
+
+
+class PeerFailed(Exception):
+    """Another rank failed and reports the error itself; this rank only exits (code 2)."""
+
+
+def agree(error: Exception | None, ctx: ParallelContext) -> None:
+    """A barrier that also agrees on failure: when any rank passes an error, every rank raises. The
+    lowest failing rank raises its own error (so one line is printed), the others `PeerFailed`."""
+    flag = torch.tensor([ctx.rank if error is not None else ctx.world_size], dtype=torch.int64, device=ctx.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    first = int(flag.item())
+    if first == ctx.world_size:
+        return
+    if first == ctx.rank:
+        raise error
+    raise PeerFailed(f"rank {first} failed")
+
+
+def _one_line(e: Exception, root) -> CheckpointError:
+    if isinstance(e, OSError):
+        return CheckpointError(f"{e.filename or root}: {e.strerror or e}")
+    return e if isinstance(e, CheckpointError) else CheckpointError(str(e))
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The unsplit model's layer names and, for each tied parameter, the name it is saved under."""
+
+    layers: tuple[str, ...]
+    canonical_of: dict[str, str]
+
+    @classmethod
+    def of(cls, model) -> "ModelNames":
+        layers = tuple(name for name, _ in model.named_layers())
+        canonical = {}
+        for group in (model.tie_groups() if hasattr(model, "tie_groups") else ()):
+            members = sorted(group, key=lambda m: layers.index(m[0]))  # the first in layer order owns it
+            first = f"{members[0][0]}.{members[0][1]}"
+            canonical.update({f"{layer}.{path}": first for layer, path in members})
+        return cls(layers, canonical)
+
+    def canonical(self, name: str) -> str:
+        return self.canonical_of.get(name, name)
+
+    def layer_of(self, name: str) -> str:
+        """The layer a parameter name belongs to (the longest layer-name prefix: h.1 never takes h.10.x)."""
+        return max((layer for layer in self.layers if name.startswith(layer + ".")), key=len)
+
+
+@dataclass
+class Progress:
+    """How far training got: ``step`` optimizer steps taken, ``applied`` of them not skipped for
+    fp16 overflow (a DeepSpeed lr schedule advances on those only)."""
+
+    step: int = 0
+    applied: int = 0
+
+
+def config_json(cfg: TrainConfig) -> dict:
+    """TrainConfig as JSON values: paths as strings, tuples as lists, a DeepSpeed schedule as its fields."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            v = {"type": type(v).__name__, **dataclasses.asdict(v)}
+        elif isinstance(v, Path):
+            v = str(v)
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+def layout_of(engine, ctx: ParallelContext, cfg: TrainConfig) -> dict:
+    return {"pp": ctx.pp, "tp": ctx.tp, "dp": ctx.dp, "chunks": cfg.chunks, "schedule": cfg.schedule,
+            "boundaries": list(engine.boundaries), "world_size": ctx.world_size}
+
+
+def _gather_state(master: torch.Tensor, value: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """A state tensor laid out like its sharded parameter (exp_avg, ...) is gathered; others (a 0-d step) not."""
+    if is_tensor_parallel(master) and value.shape == master.shape:
+        return gather_full(master, ctx.tp_group, tensor=value)
+    return value
+
+
+def write_shards(tmp: Path, engine, ctx: ParallelContext, names: ModelNames) -> Exception | None:
+    """Phase 2 on this rank: its layers' model and optimizer shards (when it is their writer) and its
+    RNG shard. A failed write is returned, not raised, so the tp peers' gathers still pair up."""
+    error = None
+
+    def attempt(write, *args):
+        nonlocal error
+        if error is None:
+            try:
+                write(*args)
+            except (CheckpointError, OSError) as e:
+                error = _one_line(e, tmp)
+
+    if ctx.dp_rank == 0:  # every replica holds the same weights: replica 0 saves them
+        masters = {n: engine.masters.of(p) for n, p in engine.named_parameters()}
+        states, scalars = optimizer_state_by_name(engine.optimizer, list(masters.items()))
+        by_layer: dict[str, list[str]] = {}
+        for n in masters:
+            if names.canonical(n) == n:  # a tie's later members are saved by its first
+                by_layer.setdefault(names.layer_of(n), []).append(n)
+        for index in sorted(engine.stages):
+            for layer in engine.stages[index].names:
+                own = by_layer.get(layer, [])
+                full = {n: gather_full(masters[n], ctx.tp_group) for n in own}  # collective over tp
+                optim = {n: {k: _gather_state(masters[n], v, ctx) for k, v in sorted(states[n].items())}
+                         for n in own if n in states}
+                if ctx.tp_rank == 0:
+                    attempt(write_layer_shard, tmp, layer, full)
+                    attempt(write_optimizer_shard, tmp, layer, optim, {n: scalars[n] for n in own if n in scalars})
+    attempt(write_rng_shard, tmp, ctx.rank, capture_rng())
+    return error
+
+
+def _data_state(data, dp: int) -> dict:
+    per_round = data.micro_batch_size * dp  # samples one micro-batch round of every replica reads
+    return {"epoch": data.epoch, "position": data.position, "micro_batch": data.micro_batch_size, "dp": dp,
+            "samples": data.position * per_round, "samples_per_epoch": data.batches_per_epoch * per_round}
+
+
+def manifest(cfg: TrainConfig, engine, ctx: ParallelContext, data, progress: Progress, spec, lr: float) -> dict:
+    """Rank 0's description of the run at this step (the store adds step, files and hashes)."""
+    named = [(n, engine.masters.of(p)) for n, p in engine.named_parameters()]
+    scaler = engine.step.scaler
+    return {
+        "config": config_json(cfg), "model": spec.to_json(), "layout": layout_of(engine, ctx, cfg),
+        "progress": dataclasses.asdict(progress), "data": _data_state(data, ctx.dp),
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "lr_schedule": {"kind": type(cfg.lr_schedule).__name__ if cfg.lr_schedule is not None else "WarmupDecay",
+                        "position": progress.applied + 1 if cfg.lr_schedule is not None else progress.step + 1,
+                        "last_lr": lr},
+        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in param_groups_by_name(engine.optimizer, named)],
+    }
+
+
+def save_state(root: Path, meta: dict | None, engine, ctx: ParallelContext, names: ModelNames, step: int,
+               keep: int | None) -> None:
+    """Write one checkpoint of this step; every rank calls it, rank 0 passes ``meta`` (`manifest`)."""
+    error, tmp = None, None
+    try:
+        tmp = begin(root, step, create=ctx.rank == 0)
+    except (CheckpointError, OSError) as e:
+        error = _one_line(e, root)
+    agree(error, ctx)  # the directory exists before anyone writes into it
+    agree(write_shards(tmp, engine, ctx, names), ctx)  # every shard is written before the commit
+    error = None
+    if ctx.rank == 0:
+        try:
+            commit(root, step, tmp, meta, keep=keep)
+        except (CheckpointError, OSError) as e:
+            error = _one_line(e, root)
+    agree(error, ctx)
+
+
+def find_checkpoint(cfg: TrainConfig) -> Path | None:
+    """What ``--resume`` names: None for "latest" when the save dir holds no committed checkpoint."""
+    if cfg.resume == "latest":
+        return cfg.save_dir if latest_step(cfg.save_dir) is not None else None
+    return Path(cfg.resume)
+
+
+def reseed(seed: int, step: int) -> None:
+    """Every generator from (seed, step): the same on every rank, as a fresh start seeds them."""
+    s = (seed * 1_000_003 + step) % 2**63
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+
+
+def data_position(saved: dict, data, dp: int) -> tuple[dict, str | None]:
+    """(this replica's ``MicroBatches`` state, a note when epochs differ) resuming the saved sample stream."""
+    if (saved["micro_batch"], saved["dp"]) == (data.micro_batch_size, dp):
+        return {"epoch": saved["epoch"], "position": saved["position"]}, None
+    per_round = data.micro_batch_size * dp
+    in_epoch = saved["samples"] - saved["epoch"] * saved["samples_per_epoch"]
+    if in_epoch % per_round:
+        raise ConfigError(f"the checkpoint stopped {in_epoch} samples into epoch {saved['epoch']}, not a multiple of "
+                          f"--micro-batch {data.micro_batch_size} x --dp {dp} = {per_round}: resume with a micro-batch x "
+                          f"dp that divides it (saved: {saved['micro_batch']} x {saved['dp']})")
+    note = None
+    if saved["samples_per_epoch"] != data.batches_per_epoch * per_round:
+        note = (f"an epoch holds {data.batches_per_epoch * per_round} samples on this layout, {saved['samples_per_epoch']} "
+                "on the saved one: this epoch continues the same stream, later ones drop another remainder")
+    return {"epoch": saved["epoch"], "position": saved["epoch"] * data.batches_per_epoch + in_epoch // per_round}, note
+
+
+def _check_model(meta: dict, spec, path) -> None:
+    saved = meta.get("model", {})
+    mine = spec.to_json()
+    if saved == mine:
+        return
+    if saved.get("family") != mine["family"]:
+        raise ConfigError(f"{path} holds a {saved.get('family')} model, --model is a {mine['family']}: resume with "
+                          "the model it was saved from")
+    diff = [f"{k} {saved['config'].get(k)} vs {v}" for k, v in mine["config"].items() if saved["config"].get(k) != v]
+    raise ConfigError(f"{path} was saved from another {mine['family']} config ({', '.join(diff[:4])}): resume with "
+                      "the model it was saved from")
+
+
+def _full_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
+    """The unsplit shape of a (possibly tensor-parallel) parameter, without communication."""
+    shape = list(p.shape)
+    if is_tensor_parallel(p):
+        shape[p.partition_dim] *= tp
+    return tuple(shape)
+
+
+def _load_weights(ck, engine, ctx: ParallelContext, names: ModelNames) -> None:
+    """Model and optimizer state of this rank's parameters from the layers that hold them."""
+    layers: dict[str, tuple] = {}
+
+    def read(layer):
+        if layer not in layers:
+            layers[layer] = (ck.read_layer(layer), *ck.read_optimizer(layer))
+        return layers[layer]
+
+    local = engine.named_parameters()
+    states, scalars = {}, {}
+    with torch.no_grad():
+        for n, p in local:
+            c = names.canonical(n)
+            tensors, opt_t, opt_s = read(names.layer_of(c))
+            if c not in tensors:
+                raise CheckpointError(f"{ck.path}: layer {names.layer_of(c)} has no {c} (saved from another model?)")
+            master = engine.masters.of(p)
+            if tensors[c].shape != _full_shape(p, ctx.tp):
+                raise CheckpointError(f"{ck.path}: {c} has shape {tuple(tensors[c].shape)}, this model's is "
+                                      f"{_full_shape(p, ctx.tp)} (saved from another model?)")
+            master.copy_(shard_full(tensors[c], p, ctx.tp_rank, ctx.tp))
+            if c in opt_t:
+                full_shape = tensors[c].shape
+                states[n] = {k: shard_full(v, p, ctx.tp_rank, ctx.tp) if v.shape == full_shape else v
+                             for k, v in opt_t[c].items()}
+            if c in opt_s:
+                scalars[n] = opt_s[c]
+    engine.masters.copy_back()
+    named = [(n, engine.masters.of(p)) for n, p in local]
+    # strict unless nothing was saved: a run whose every step was skipped has no state yet
+    load_optimizer_state_by_name(engine.optimizer, named, states, scalars, strict=bool(states or scalars))
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `load_state` restored, and what rank 0 should say about it."""
+
+    progress: Progress
+    path: Path
+    notes: tuple[str, ...]
+
+
+def _load(path, cfg: TrainConfig, engine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
+    ck = open_checkpoint(path)
+    meta = ck.manifest
+    _check_model(meta, spec, ck.path)
+    _load_weights(ck, engine, ctx, names)
+    notes = []
+    scaler = engine.step.scaler
+    if scaler is not None and meta.get("loss_scaler") is not None:
+        scaler.load_state_dict(meta["loss_scaler"])
+    state, note = data_position(meta["data"], data, ctx.dp)
+    data.load_state_dict(state)
+    notes += [note] if note else []
+    saved_layout = meta.get("layout", {})
+    if saved_layout == layout_of(engine, ctx, cfg):
+        restore_rng(ck.read_rng(ctx.rank))
+    else:
+        reseed(cfg.seed, ck.step)
+        changed = [f"{k} {saved_layout.get(k)} -> {v}" for k, v in layout_of(engine, ctx, cfg).items()
+                   if saved_layout.get(k) != v]
+        notes.append(f"layout changed ({', '.join(changed)}): random generators reseeded from --seed and the step")
+    saved_cfg, mine = meta.get("config", {}), config_json(cfg)
+    changed = [f"{k} {saved_cfg.get(k)!r} -> {v!r}" for k, v in mine.items()
+               if k not in RUN_CONTROL and k not in ("pp", "tp", "dp", "chunks", "schedule", "partition")
+               and saved_cfg.get(k) != v]
+    if changed:
+        notes.append(f"settings changed since the save: {', '.join(changed)}")
+    progress = meta.get("progress", {})
+    return Resumed(Progress(step=ck.step, applied=int(progress.get("applied", ck.step))), ck.path, tuple(notes))
+
+
+def load_state(path, cfg: TrainConfig, engine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
+    """Restore a checkpoint into this rank's engine, data iterator and generators (every rank calls it).
+    A refused file or an impossible resume raises on every rank (`agree`)."""
+    from mp_toolkit.data import DataError
+
+    error, out = None, None
+    try:
+        out = _load(path, cfg, engine, ctx, names, data, spec)
+    except (CheckpointError, ConfigError) as e:
+        error = e
+    except DataError as e:
+        error = ConfigError(str(e))
+    agree(error, ctx)
+    return out
