@@ -25,13 +25,13 @@ absent. Files are strict JSON without duplicate keys (DeepSpeed's base64 form is
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mp_toolkit.config import SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.ds_json import Block, load_json, show
 from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 OPTIMIZER_TYPES = ("Adam", "AdamW", "Lamb", "Lars")
@@ -174,7 +174,8 @@ class DeepSpeedSettings:
         return {k: v for k, v in self._overrides().items() if k in _TRAIN_FIELDS}
 
     def pending_overrides(self) -> dict[str, Any]:
-        """What the config sets that TrainConfig has no field for yet (betas, eps, lr_schedule, ...)."""
+        """What the config sets that TrainConfig has no field for: empty today (every mapped key has
+        one); kept so a newer reader can hand over settings before TrainConfig grows them."""
         return {k: v for k, v in self._overrides().items() if k not in _TRAIN_FIELDS}
 
     def ignored_message(self) -> str | None:
@@ -184,109 +185,7 @@ class DeepSpeedSettings:
         return f"{self.source}: keys not used by mp_toolkit: {', '.join(self.ignored)}"
 
 
-def _show(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (dict, list, str, bool, int, float, type(None))) else repr(value)
-    if value == "auto":
-        text += " (a HuggingFace Trainer placeholder: write the value itself)"
-    return text if len(text) < 80 else text[:77] + "..."
-
-
-class _Block:
-    """One JSON object at a dotted path: typed getters whose errors name the key and the file, and a
-    record of the keys they read."""
-
-    def __init__(self, where: str, path: str, data: Any):
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where}: {path or 'the config'} must be a JSON object, got {_show(data)}")
-        self.where, self.path, self.data, self.used = where, path, data, set()
-
-    def key(self, k: str) -> str:
-        return f"{self.path}.{k}" if self.path else k
-
-    def fail(self, k: str, message: str) -> ConfigError:
-        return ConfigError(f"{self.where}: {self.key(k)} {message}")
-
-    def get(self, k: str, default: Any = None) -> Any:
-        """The value at ``k``; absent and JSON null both give ``default``."""
-        self.used.add(k)
-        v = self.data.get(k)
-        return default if v is None else v
-
-    def _typed(self, k: str, default: Any, ok, need: str) -> Any:
-        v = self.get(k, default)
-        if v is not None and not ok(v):
-            raise self.fail(k, f"{_show(v)} must be {need}")
-        return v
-
-    def integer(self, k: str, default: int | None, lowest: int = 1) -> int | None:
-        need = "a positive integer" if lowest == 1 else f"an integer >= {lowest}"
-        return self._typed(k, default, lambda v: type(v) is int and v >= lowest, need)
-
-    def number(self, k: str, default: float | None, positive: bool = False) -> float | None:
-        ok = lambda v: type(v) in (int, float) and math.isfinite(v) and (v > 0 if positive else v >= 0)  # noqa: E731
-        v = self._typed(k, default, ok, f"a {'positive' if positive else 'non-negative'} finite number")
-        return None if v is None else float(v)
-
-    def boolean(self, k: str, default: bool) -> bool:
-        return self._typed(k, default, lambda v: isinstance(v, bool), "true or false")
-
-    def string(self, k: str, default: str | None = None) -> str | None:
-        return self._typed(k, default, lambda v: isinstance(v, str), "a string")
-
-    def block(self, k: str) -> _Block | None:
-        v = self.get(k)
-        return None if v is None else _Block(self.where, self.key(k), v)
-
-    def only(self, k: str, allowed: bool, why: str) -> None:
-        """A boolean option of which mp_toolkit implements one value."""
-        if k in self.data and self.boolean(k, allowed) != allowed:
-            raise self.fail(k, f"{json.dumps(not allowed)} is not supported: {why}")
-
-    def finish(self, ignored: list[str], known: tuple[str, ...] | frozenset = (), strict: str | None = None) -> None:
-        """Record the keys not read: ``known`` ones as ignored; others fail when ``strict`` names the
-        accepted keys, else are ignored as unknown."""
-        for k in self.data:
-            if k in self.used:
-                continue
-            if k in known:
-                ignored.append(self.key(k))
-            elif strict is not None:
-                raise self.fail(k, f"is not a known key here (DeepSpeed rejects it too): use {strict}")
-            else:
-                ignored.append(f"{self.key(k)} (unknown)")
-
-
-def _load(source: str | Path | dict) -> tuple[str, Any]:
-    if isinstance(source, dict):
-        return "DeepSpeed config (dict)", source
-    if not isinstance(source, (str, Path)):
-        raise ConfigError(f"a DeepSpeed config is a file path or a dict, got {type(source).__name__}")
-    where = str(source)
-    try:
-        text = Path(source).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such DeepSpeed config file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: cannot read the DeepSpeed config: {getattr(e, 'strerror', None) or e}") from None
-    if not text.strip():
-        raise ConfigError(f"{where}: the DeepSpeed config is empty: write a JSON object such as "
-                          '{"train_batch_size": 32}')
-
-    def no_duplicates(pairs):
-        seen = {}
-        for k, v in pairs:
-            if k in seen:
-                raise ConfigError(f"{where}: key {k!r} appears twice in one object (DeepSpeed rejects that too)")
-            seen[k] = v
-        return seen
-
-    try:
-        return where, json.loads(text, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-
-
-def _batch(root: _Block, dp: int) -> tuple[int, int, int]:
+def _batch(root: Block, dp: int) -> tuple[int, int, int]:
     """DeepSpeed's rule: any two of the three batch keys give the third; one alone takes 1 accumulation step."""
     tb = root.integer("train_batch_size", None)
     mb = root.integer("train_micro_batch_size_per_gpu", None)
@@ -318,7 +217,7 @@ def _batch(root: _Block, dp: int) -> tuple[int, int, int]:
     return tb, tb // divisor, 1 if ga is None else ga
 
 
-def _fp16(block: _Block | None, ignored: list[str]) -> FP16Settings:
+def _fp16(block: Block | None, ignored: list[str]) -> FP16Settings:
     if block is None:
         return FP16Settings()
     d = FP16Settings()
@@ -334,7 +233,7 @@ def _fp16(block: _Block | None, ignored: list[str]) -> FP16Settings:
     return fp
 
 
-def _precision(root: _Block, ignored: list[str]) -> tuple[str, FP16Settings]:
+def _precision(root: Block, ignored: list[str]) -> tuple[str, FP16Settings]:
     if "bf16" in root.data and "bfloat16" in root.data:
         raise root.fail("bfloat16", "and bf16 are both given: keep only bf16 (bfloat16 is its legacy name)")
     fp16 = _fp16(root.block("fp16"), ignored)
@@ -349,15 +248,15 @@ def _precision(root: _Block, ignored: list[str]) -> tuple[str, FP16Settings]:
     return ("fp16" if fp16.enabled else "bf16" if bf16_on else "fp32"), fp16
 
 
-def _betas(params: _Block) -> tuple[float, float]:
+def _betas(params: Block) -> tuple[float, float]:
     v = params.get("betas", [0.9, 0.999])
     if not (isinstance(v, list) and len(v) == 2 and all(
             isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)):
-        raise params.fail("betas", f"{_show(v)} must be two numbers in [0, 1), such as [0.9, 0.999]")
+        raise params.fail("betas", f"{show(v)} must be two numbers in [0, 1), such as [0.9, 0.999]")
     return float(v[0]), float(v[1])
 
 
-def _optimizer(root: _Block, ignored: list[str]) -> OptimizerSettings | None:
+def _optimizer(root: Block, ignored: list[str]) -> OptimizerSettings | None:
     block = root.block("optimizer")
     if block is None:
         return None
@@ -365,9 +264,9 @@ def _optimizer(root: _Block, ignored: list[str]) -> OptimizerSettings | None:
     kind = block.string("type")
     name = kind.lower() if kind and kind.lower() in (t.lower() for t in OPTIMIZER_TYPES) else None
     if name is None:
-        what = "is missing" if kind is None else f"{_show(kind)} is not supported by mp_toolkit"
+        what = "is missing" if kind is None else f"{show(kind)} is not supported by mp_toolkit"
         raise block.fail("type", f"{what}: use one of {supported} (case-insensitive)")
-    params = block.block("params") or _Block(root.where, block.key("params"), {})
+    params = block.block("params") or Block(root.where, block.key("params"), {})
     block.finish(ignored, known=("legacy_fusion",))
     common = dict(lr=params.number("lr", 1e-3, positive=True), weight_decay=params.number("weight_decay", 0.0),
                   eps=params.number("eps", 1e-8))
@@ -399,20 +298,20 @@ def _optimizer(root: _Block, ignored: list[str]) -> OptimizerSettings | None:
     return OptimizerSettings(type=kind, name=name, momentum=momentum, trust_coefficient=trust, **common)
 
 
-def _scheduler(root: _Block, optimizer: OptimizerSettings | None, ignored: list[str]) -> DeepSpeedSchedule | None:
+def _scheduler(root: Block, optimizer: OptimizerSettings | None, ignored: list[str]) -> DeepSpeedSchedule | None:
     block = root.block("scheduler")
     if block is None:
         return None
     kind = block.string("type")
     if kind not in SCHEDULER_TYPES:
-        what = "is missing" if kind is None else f"{_show(kind)} is not supported by mp_toolkit"
+        what = "is missing" if kind is None else f"{show(kind)} is not supported by mp_toolkit"
         raise block.fail("type", f"{what}: use one of {', '.join(SCHEDULER_TYPES)} (case-sensitive, as in DeepSpeed)")
-    p = block.block("params") or _Block(root.where, block.key("params"), {})
+    p = block.block("params") or Block(root.where, block.key("params"), {})
     block.finish(ignored)
 
     warmup_type = p.string("warmup_type", "log")
     if warmup_type not in ("log", "linear"):
-        raise p.fail("warmup_type", f"{_show(warmup_type)} must be \"log\" or \"linear\"")
+        raise p.fail("warmup_type", f"{show(warmup_type)} must be \"log\" or \"linear\"")
     warmup = dict(warmup_num_steps=p.integer("warmup_num_steps", 1000), warmup_type=warmup_type)
     lows = dict(warmup_min_lr=p.number("warmup_min_lr", 0.0)) if kind != "WarmupCosineLR" else {}
     if kind == "WarmupCosineLR":
@@ -438,13 +337,13 @@ def _scheduler(root: _Block, optimizer: OptimizerSettings | None, ignored: list[
     return schedule
 
 
-def _required(p: _Block, k: str, kind: str) -> int:
+def _required(p: Block, k: str, kind: str) -> int:
     if k not in p.data:
         raise p.fail(k, f"is required by {kind}: the scheduler iteration at which the decay ends")
     return p.integer(k, None)
 
 
-def _pipeline(root: _Block, ignored: list[str]) -> tuple[int | None, str | None, str | None, int | None]:
+def _pipeline(root: Block, ignored: list[str]) -> tuple[int | None, str | None, str | None, int | None]:
     block = root.block("pipeline")
     if block is None:
         return None, None, None, None
@@ -457,12 +356,12 @@ def _pipeline(root: _Block, ignored: list[str]) -> tuple[int | None, str | None,
         elif all(part.strip().isdigit() for part in partition.split(",")):
             partition = ",".join(part.strip() for part in partition.split(","))
         else:
-            raise block.fail("partition_method", f"{_show(partition)} is not supported by mp_toolkit: use parameters, "
+            raise block.fail("partition_method", f"{show(partition)} is not supported by mp_toolkit: use parameters, "
                                                  "uniform or explicit boundaries such as \"0,3,7\"")
     schedule = block.string("schedule")
     if schedule is not None:
         if schedule.lower() not in _SCHEDULE_NAMES:
-            raise block.fail("schedule", f"{_show(schedule)} is not a schedule: use one of {', '.join(SCHEDULES)}")
+            raise block.fail("schedule", f"{show(schedule)} is not a schedule: use one of {', '.join(SCHEDULES)}")
         schedule = _SCHEDULE_NAMES[schedule.lower()]
     chunks = block.integer("chunks", None)
     if "micro_batches" in block.data:
@@ -471,7 +370,7 @@ def _pipeline(root: _Block, ignored: list[str]) -> tuple[int | None, str | None,
     return stages, partition, schedule, chunks
 
 
-def _refused(root: _Block, ignored: list[str]) -> None:
+def _refused(root: Block, ignored: list[str]) -> None:
     """ZeRO and torch autocast: accepted only when off, then listed as ignored."""
     zero = root.get("zero_optimization")
     if zero is not None:  # DeepSpeed's legacy form is a bool: true means stage 1
@@ -495,8 +394,8 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1) -> DeepSpeedSettin
     """
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ConfigError(f"dp {dp!r} must be a positive integer (the data-parallel degree)")
-    where, data = _load(source)
-    root = _Block(where, "", data)
+    where, data = load_json(source)
+    root = Block(where, "", data)
     ignored: list[str] = []
     tb, mb, ga = _batch(root, dp)
     clip = root.number("gradient_clipping", 0.0)
