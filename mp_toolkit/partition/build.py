@@ -7,6 +7,8 @@ unsharded layers are measured and their times divided by T (ideal scaling of the
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mp_toolkit.layers import LayerList
@@ -62,15 +64,19 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
     inputs, labels = batch(req.micro_batch, req.seq_len)
     release_free_memory()
     before = rss_bytes()
-    timings = measure_layers(layers, inputs, loss_fn, labels)
+    timings = measure_layers(layers, inputs, loss_fn, labels)  # times first, with the default allocator
     release_free_memory()
     residue = max(0, rss_bytes() - before)  # what computing leaves resident: kernel scratch, caches
+    named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in layers.named_parameters()]
+    build = lambda nps: build_optimizer(req.optimizer, nps, 1e-3, 0.01)  # noqa: E731
+    step_s, _ = measure_optimizer_step(build, named)
+    # then bytes, with large blocks mapped one by one so that RSS follows the live tensors
+    sized = measure_layers(layers, inputs, loss_fn, labels, warmup=1, repeats=1, memory=True)
+    timings = [replace(t, workspace_bytes=m.workspace_bytes) for t, m in zip(timings, sized)]
+    _, transient = measure_optimizer_step(build, named, repeats=1)
     if req.tp > 1:
         timings = [LayerTiming(t.name, t.forward_s / req.tp, t.backward_s / req.tp, t.activation_bytes // req.tp,
                                t.workspace_bytes // req.tp) for t in timings]
-    named = [(n, p.float() if p.dtype != torch.float32 else p) for n, p in layers.named_parameters()]
-    named = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in named]
-    step_s, transient = measure_optimizer_step(lambda nps: build_optimizer(req.optimizer, nps, 1e-3, 0.01), named)
     counts = layers.layer_parameter_counts()
     total = sum(p.numel() for _, p in named) or 1
     return (timings, [step_s * c / total / req.tp for c in counts],

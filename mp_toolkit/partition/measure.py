@@ -49,14 +49,18 @@ def _as_inputs(x) -> tuple:
 
 
 def measure_layers(layer_list: LayerList, inputs, loss_fn: Callable | None = None, labels=None,
-                   warmup: int = 2, repeats: int = 5) -> list[LayerTiming]:
+                   warmup: int = 2, repeats: int = 5, memory: bool = False) -> list[LayerTiming]:
     """Time every layer of ``layer_list`` (already in its compute dtype) on ``inputs``.
 
     ``loss_fn(output, labels)`` is applied after the last layer (and timed with it).
+    ``memory=True`` also measures each layer's transient peak; it maps large blocks one by one
+    for the rest of the process (`map_large_blocks`), which slows CPU kernels by 20-30%, so take
+    the times from a run without it.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
-    map_large_blocks()
+    if memory:
+        map_large_blocks()
     x = inputs
     out: list[LayerTiming] = []
     last = len(layer_list) - 1
@@ -79,7 +83,8 @@ def measure_layers(layer_list: LayerList, inputs, loss_fn: Callable | None = Non
                 torch.autograd.backward(roots, grads)
             t2 = time.perf_counter()
             grads = sum(p.grad.nbytes for p in layer.parameters() if p.grad is not None)
-            peak = max(peak, peak_rss_bytes() - before - grads) if r >= warmup else peak
+            if memory and r >= warmup:
+                peak = max(peak, peak_rss_bytes() - before - grads)
             for p in layer.parameters():
                 p.grad = None
             if r >= warmup:
@@ -87,7 +92,8 @@ def measure_layers(layer_list: LayerList, inputs, loss_fn: Callable | None = Non
                 bwd.append(t2 - t1)
                 kept = sum(seen.values())
             del roots, grads, loss
-        out.append(LayerTiming(name, statistics.median(fwd), statistics.median(bwd), kept, max(0, peak - kept)))
+        out.append(LayerTiming(name, statistics.median(fwd), statistics.median(bwd), kept,
+                               max(0, peak - kept) if memory else 0))
         x = tuple(t.detach() for t in y) if isinstance(y, tuple) else y.detach()
     return out
 
