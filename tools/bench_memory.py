@@ -1,0 +1,139 @@
+"""Per-rank peak memory of GPipe, 1F1B, ZB-H1 and interleaved 1F1B in our PipelineEngine, beside the
+planner's prediction (issue 8, item 2); DeepSpeed's and torch.distributed.pipelining's 1F1B on the
+same cut for comparison.
+
+The workload is `tools/bench_pipeline.py`'s (GPT 8 x 256, vocabulary 8192 untied, 8 micro-batches
+of 4 x 128, 2 stages, one thread per rank, AdamW, no clipping). For each schedule the planner
+(`make_plan(PlanRequest(..., method="parameters", schedule=...))`) gives the cut -- our default,
+the one `mpt train` uses -- and each stage's ``memory_bytes``, from its formulas and, unless
+``--no-measure``, from layers measured on this machine (``measure=True``). The engine then
+trains that very cut on 2 gloo ranks, and each rank reports its peak resident memory measured
+with `mp_toolkit.memstats`: large blocks mapped on their own (``map_large_blocks``), torch's
+one-time costs paid (``warm_runtime``), the baseline ``rss_bytes()`` taken before the model is
+built, ``reset_peak()`` after the first step, ``peak_rss_bytes()`` after the last. A rank that
+holds two stages (interleaved) is compared with the sum of their predictions.
+
+    python tools/bench_memory.py                # ~3 minutes on 2 quiet cores
+    python tools/bench_memory.py --precision bf16 --no-measure --ours-only
+
+Prints a table and, last, one JSON line. Peak RSS is what the kernel saw, so other processes do
+not change it; the timings of ``--measure`` do not enter the memory figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peers import Workload  # noqa: E402
+from ranks import RunError, run_ranks  # noqa: E402
+
+MB = 1e6
+SCHEDULES = [("GPipe", "gpipe", 1), ("1F1B", "1f1b", 1), ("ZBH1", "zbh1", 1), ("Interleaved1F1B x2", "interleaved", 2)]
+
+
+def predict(w: Workload, config: Path, schedule: str, chunks: int, measure: bool):
+    from mp_toolkit.partition.planner import PlanRequest, make_plan
+
+    torch.set_num_threads(w.threads)
+    return make_plan(PlanRequest(model=str(config), pp=w.pp, micro_batch=w.micro_batch, microbatches=w.microbatches,
+                                 seq_len=w.seq_len, method="parameters", dtype=w.precision, optimizer="adamw",
+                                 schedule=schedule, chunks=chunks, measure=measure))
+
+
+def per_rank(plan, pp: int) -> list[int]:
+    """Predicted bytes per rank: the sum of its stages (stage s runs on rank s % pp)."""
+    out = [0] * pp
+    for s in plan.stages:
+        out[s.index % pp] += s.memory_bytes
+    return out
+
+
+def measure(w: Workload, spec: dict, steps: int, timeout: float) -> list[dict]:
+    full = {**spec, "workload": w.__dict__, "warmup": 1, "steps": steps, "memory": True}
+    return run_ranks(full, w.pp, timeout_s=timeout, threads=w.threads)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--steps", type=int, default=2, help="steps after the first (the peak is taken over them)")
+    ap.add_argument("--no-measure", action="store_true", help="only the planner's formula prediction")
+    ap.add_argument("--ours-only", action="store_true", help="skip the DeepSpeed and torch rows")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    args = ap.parse_args()
+    w = Workload(precision=args.precision)
+    rows, errors = [], {}
+    with tempfile.TemporaryDirectory() as d:
+        config = Path(d, "config.json")
+        config.write_text(json.dumps(w.gpt_config().to_dict()))
+        cut_1f1b = None
+        for label, schedule, chunks in SCHEDULES:
+            formula = predict(w, config, schedule, chunks, measure=False)
+            measured_plan = None if args.no_measure else predict(w, config, schedule, chunks, measure=True)
+            cut = list(formula.boundaries)
+            cut_1f1b = cut if schedule == "1f1b" else cut_1f1b
+            spec = {"peer": "mpt", "schedule": schedule, "chunks": chunks, "boundaries": cut}
+            try:
+                got = measure(w, spec, args.steps, args.timeout)
+            except RunError as e:
+                errors[label] = str(e)
+                print(f"mpt {label}: FAILED\n{e}", flush=True)
+                continue
+            pf = per_rank(formula, w.pp)
+            pm = per_rank(measured_plan, w.pp) if measured_plan else [None] * w.pp
+            for r in got:
+                rank = r["rank"]
+                rows.append({"peer": f"mpt {label}", "rank": rank, "cut": cut,
+                             "stages": [s.index for s in formula.stages if s.index % w.pp == rank],
+                             "pred_formula_bytes": pf[rank], "pred_measured_bytes": pm[rank],
+                             "measured_bytes": r["peak_bytes"]})
+            print(f"mpt {label:20s} cut {cut}: measured " +
+                  " / ".join(f"{r['peak_bytes'] / MB:.1f}" for r in got) + " MB", flush=True)
+        if not args.ours_only:
+            others = (("deepspeed 1F1B (TrainSchedule)", {"peer": "deepspeed", "partition": "parameters"}),
+                      ("torch Schedule1F1B", {"peer": "torch", "schedule": "1f1b", "boundaries": cut_1f1b}),
+                      ("torch ScheduleGPipe", {"peer": "torch", "schedule": "gpipe", "boundaries": cut_1f1b}))
+            for label, spec in others:
+                try:
+                    got = measure(w, spec, args.steps, args.timeout)
+                except RunError as e:
+                    errors[label] = str(e)
+                    print(f"{label}: FAILED\n{e}", flush=True)
+                    continue
+                for r in got:
+                    rows.append({"peer": label, "rank": r["rank"], "cut": r["boundaries"], "stages": [r["rank"]],
+                                 "pred_formula_bytes": None, "pred_measured_bytes": None,
+                                 "measured_bytes": r["peak_bytes"]})
+                print(f"{label:24s} cut {got[0]['boundaries']}: measured " +
+                      " / ".join(f"{r['peak_bytes'] / MB:.1f}" for r in got) + " MB", flush=True)
+    print_table(rows, w)
+    print(json.dumps({"bench": "memory", "date": time.strftime("%Y-%m-%d"), "nproc": os.cpu_count(),
+                      "torch": torch.__version__, "workload": w.__dict__, "rows": rows, "errors": errors}))
+
+
+def print_table(rows: list[dict], w: Workload) -> None:
+    print(f"\npeak resident memory per rank above its pre-model baseline, MB; {w.n_layer} x {w.n_embd}, vocab "
+          f"{w.vocab} (untied), {w.microbatches} micro-batches of {w.micro_batch} x {w.seq_len}, {w.precision}, AdamW")
+    print(f"{'peer':32s} {'rank':>4s} {'stages':>7s} {'predicted':>10s} {'(measured':>10s} {'measured':>9s} "
+          f"{'error':>7s} {'error)':>7s}")
+    fmt = lambda b: f"{b / MB:10.1f}" if b is not None else f"{'-':>10s}"  # noqa: E731
+    err = lambda p, m: f"{p / m - 1:+7.1%}" if p is not None and m else f"{'-':>7s}"  # noqa: E731
+    for r in rows:
+        got = r["measured_bytes"]
+        print(f"{r['peer']:32s} {r['rank']:4d} {','.join(map(str, r['stages'])):>7s} {fmt(r['pred_formula_bytes'])} "
+              f"{fmt(r['pred_measured_bytes'])} {got / MB:9.1f} "
+              f"{err(r['pred_formula_bytes'], got)} {err(r['pred_measured_bytes'], got)}")
+    print("predicted: the planner's formulas; (measured: the planner with layers measured here); error = predicted / "
+          "measured - 1")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""The peers of ``tools/bench_pipeline.py`` and ``tools/bench_memory.py``: one GPT workload trained by
+
+* ``mpt``:       mp_toolkit's PipelineEngine (any schedule, any cut);
+* ``deepspeed``: DeepSpeed's ``PipelineModule`` + ``deepspeed.initialize`` -> ``PipelineEngine.train_batch``;
+* ``torch``:     ``torch.distributed.pipelining`` (``PipelineStage`` built by hand, ``Schedule1F1B`` /
+                 ``ScheduleGPipe``);
+* ``single``:    one process, plain gradient accumulation over the same micro-batches.
+
+Every peer is the real library. All build the same weights: ``torch.manual_seed(seed)`` then
+``model_zoo.gpt.GPT`` (untied embedding and LM head, so no peer needs tied-weight machinery),
+whose ordered layers each peer wraps its own way. All use torch's AdamW (foreach), no gradient
+clipping, the mean loss over the micro-batches, and the same global batches. Under bf16 every
+peer computes in bf16, accumulates the micro-batch gradients in bf16 and steps fp32 master
+weights (DeepSpeed's BF16_Optimizer, which ZeRO stage 0 + pipeline selects; our MasterWeights;
+`Fp32Masters` below for the torch and single peers).
+
+One process per rank, started by ``tools/ranks.py``; each writes ``rank{R}.json`` (step times,
+losses, parameter count, boundaries, and memory or profile figures when asked)::
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python tools/peers.py '{"peer": "mpt", ...}'
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model_zoo.gpt import GPT, GPTConfig, lm_loss
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The benchmarked training job (issue 8 defaults)."""
+
+    n_layer: int = 8
+    n_embd: int = 256
+    n_head: int = 8
+    seq_len: int = 128
+    vocab: int = 8192
+    micro_batch: int = 4
+    microbatches: int = 8
+    pp: int = 2
+    threads: int = 1
+    precision: str = "fp32"
+    seed: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(vocab_size=self.vocab, n_positions=self.seq_len, n_embd=self.n_embd, n_layer=self.n_layer,
+                         n_head=self.n_head, tie_word_embeddings=False)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.microbatches * self.micro_batch * self.seq_len
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Workload":
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def global_batch(w: Workload, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of global batch ``step``: (m * b, T) int64 each, the same for every peer."""
+    g = torch.Generator().manual_seed(1000 * w.seed + step)
+    ids = torch.randint(0, w.vocab, (w.microbatches * w.micro_batch, w.seq_len + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def split(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """m micro-batches of consecutive rows, as torch.distributed.pipelining splits a batch."""
+    return list(zip(torch.tensor_split(x, m), torch.tensor_split(y, m)))
+
+
+def fp32_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """lm_loss on fp32 logits (what our executor does under bf16; a no-op cast in fp32)."""
+    return lm_loss(logits.float(), labels)
+
+
+def adamw(w: Workload, params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(list(params), lr=w.lr, weight_decay=w.weight_decay, foreach=True)
+
+
+class Fp32Masters:
+    """AdamW over fp32 copies of bf16 parameters (the identity in fp32), for the torch and single peers."""
+
+    def __init__(self, w: Workload, params):
+        self.model = list(params)
+        self.separate = any(p.dtype != torch.float32 for p in self.model)
+        self.master = [nn.Parameter(p.detach().float().clone()) for p in self.model] if self.separate else self.model
+        self.optimizer = adamw(w, self.master)
+
+    def step(self) -> None:
+        if self.separate:
+            for p, m in zip(self.model, self.master):
+                m.grad, p.grad = p.grad.float(), None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.separate:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model, self.master)
+
+
+def build_gpt(w: Workload) -> GPT:
+    torch.manual_seed(w.seed)
+    return GPT(w.gpt_config())
+
+
+def _timeout(spec: dict) -> timedelta:
+    return timedelta(seconds=max(30.0, spec.get("timeout_s", 600.0) / 2))
+
+
+# --- the peers: each has .step(x, y) -> mean loss or None (ranks without the loss), .params, .boundaries
+
+
+class MptPeer:
+    """mp_toolkit's PipelineEngine; boundaries from the spec or our default ("parameters")."""
+
+    def __init__(self, w: Workload, spec: dict):
+        from mp_toolkit.engine.pipeline import PipelineEngine
+        from mp_toolkit.launch import init_distributed, launcher_env
+        from mp_toolkit.layers import LayerList
+        from mp_toolkit.parallel.context import build_context
+        from mp_toolkit.train import plan_boundaries
+
+        device = init_distributed(launcher_env(), _timeout(spec).total_seconds())
+        ctx = build_context(w.pp, device=device)
+        chunks = spec.get("chunks", 1)
+        layers = LayerList.from_model(build_gpt(w))
+        self.boundaries = spec.get("boundaries") or plan_boundaries(layers, w.pp, "parameters", chunks)
+        self.engine = PipelineEngine(layers, ctx, self.boundaries, w.microbatches, spec["schedule"],
+                                     optimizer=lambda named: adamw(w, (p for _, p in named)), loss_fn=lm_loss,
+                                     clip_grad=None, precision=w.precision, chunks=chunks)
+        del layers  # the stages keep this rank's layers; the rest of the model is freed
+        self.params = sum(p.numel() for _, p in self.engine.named_parameters())
+        self.dtype = str(self.engine.named_parameters()[0][1].dtype)
+        self.m = w.microbatches
+
+    def step(self, x, y):
+        return self.engine.train_batch(iter(split(x, y, self.m))).loss
+
+
+class DeepSpeedPeer:
+    """DeepSpeed's pipeline engine over the same layers; DeepSpeed's own partition_method."""
+
+    def __init__(self, w: Workload, spec: dict):
+        import deepspeed
+        from deepspeed.pipe import PipelineModule
+
+        deepspeed.init_distributed(dist_backend="gloo", timeout=_timeout(spec))
+        model = build_gpt(w)
+        module = PipelineModule(layers=[m for _, m in model.named_layers()], num_stages=w.pp, loss_fn=fp32_loss,
+                                partition_method=spec["partition"], activation_checkpoint_interval=0)
+        del model
+        params = [p for p in module.parameters() if p.requires_grad]
+        config = {"train_batch_size": w.microbatches * w.micro_batch, "train_micro_batch_size_per_gpu": w.micro_batch,
+                  "gradient_accumulation_steps": w.microbatches, "gradient_clipping": 0.0,
+                  "steps_per_print": 10**9, "wall_clock_breakdown": False,
+                  "bf16": {"enabled": w.precision == "bf16"}, "zero_optimization": {"stage": 0}}
+        self.engine, *_ = deepspeed.initialize(model=module, optimizer=adamw(w, params), model_parameters=params,
+                                               config=config)
+        torch.set_num_threads(w.threads)  # whatever DeepSpeed's set-up chose, the same threads as the others
+        self.boundaries = [int(b) for b in module.parts]
+        self.params = sum(p.numel() for p in module.parameters())
+        self.dtype = str(next(self.engine.module.parameters()).dtype)  # what it computes in
+        self.m = w.microbatches
+
+    def step(self, x, y):
+        return float(self.engine.train_batch(data_iter=iter(split(x, y, self.m))))
+
+
+class TorchPipePeer:
+    """torch.distributed.pipelining: this rank's layers as an nn.Sequential in a PipelineStage."""
+
+    def __init__(self, w: Workload, spec: dict):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_timeout(spec))
+        layers = [m for _, m in build_gpt(w).named_layers()]
+        self.boundaries = spec["boundaries"]
+        a, b = self.boundaries[rank], self.boundaries[rank + 1]
+        sub = nn.Sequential(*layers[a:b]).to(DTYPES[w.precision])
+        del layers
+        stage = PipelineStage(sub, rank, world, torch.device("cpu"))
+        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[spec["schedule"]]
+        # scale_grads=True: gradients of the mean loss over the micro-batches, as the other peers
+        self.schedule = schedule(stage, w.microbatches, loss_fn=fp32_loss, scale_grads=True)
+        self.masters = Fp32Masters(w, sub.parameters())
+        self.params = sum(p.numel() for p in sub.parameters())
+        self.dtype = str(next(sub.parameters()).dtype)
+        self.rank, self.last = rank, world - 1
+
+    def step(self, x, y):
+        losses: list = []
+        if self.rank == 0:
+            self.schedule.step(x, return_outputs=False)
+        elif self.rank == self.last:
+            self.schedule.step(target=y, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        self.masters.step()
+        return float(torch.stack([l.detach().float() for l in losses]).mean()) if losses else None
+
+
+class SinglePeer:
+    """One process: forward + backward of each micro-batch (loss / m), then one AdamW step."""
+
+    def __init__(self, w: Workload, spec: dict):
+        self.model = build_gpt(w).to(DTYPES[w.precision])
+        self.masters = Fp32Masters(w, self.model.parameters())
+        self.params = self.model.num_parameters()
+        self.dtype = str(next(self.model.parameters()).dtype)
+        self.boundaries = [0, len(self.model.named_layers())]
+        self.m = w.microbatches
+
+    def step(self, x, y):
+        total = 0.0
+        for xk, yk in split(x, y, self.m):
+            loss = fp32_loss(self.model(xk), yk) / self.m
+            loss.backward()
+            total += loss.item()
+        self.masters.step()
+        return total
+
+
+PEERS = {"mpt": MptPeer, "deepspeed": DeepSpeedPeer, "torch": TorchPipePeer, "single": SinglePeer}
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def train(spec: dict) -> dict:
+    """Build the peer, run ``warmup + steps`` global batches; each timed from a barrier to this
+    rank's end of the step (the step's time is the slowest rank's, taken by the parent), and its
+    process CPU time (every thread; waiting costs none, so other load barely changes it)."""
+    w = Workload.from_dict(spec["workload"])
+    torch.set_num_threads(w.threads)
+    memory = spec.get("memory", False)
+    if memory or spec.get("map_large_blocks"):
+        from mp_toolkit import memstats
+
+        memstats.map_large_blocks()  # RSS then follows live tensors (slows CPU kernels: memory runs only)
+    if memory:
+        memstats.warm_runtime()
+    n_steps = spec["warmup"] + spec["steps"]
+    profiler = None
+    if spec.get("profile"):
+        import pipeline_profile
+
+        profiler = pipeline_profile.Profiler(spec)  # wraps our engine's functions before it is built
+        n_steps += 1  # one more step under torch.profiler, not timed
+    batches = [global_batch(w, i) for i in range(n_steps)]
+    base = memstats.rss_bytes() if memory else 0
+    peer = PEERS[spec["peer"]](w, spec)
+    if memory:
+        memstats.release_free_memory()
+    if profiler is not None:
+        profiler.attach(peer)
+    times, cpu, losses = [], [], []
+    for i, (x, y) in enumerate(batches):
+        _barrier()
+        with profiler.step(i >= spec["warmup"], op_profile=i == n_steps - 1) if profiler else nullcontext():
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = peer.step(x, y)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if i < spec["warmup"] + spec["steps"]:
+            times.append(dt)
+            cpu.append(dc)
+            losses.append(loss)
+        if memory and i == 0:  # steady state: later steps' peak (the first adds one-time set-up)
+            memstats.release_free_memory()
+            memstats.reset_peak()
+    _barrier()
+    out = {"rank": int(os.environ.get("RANK", 0)), "times": times, "cpu_times": cpu, "losses": losses,
+           "params": peer.params, "dtype": peer.dtype, "boundaries": list(peer.boundaries),
+           "threads": torch.get_num_threads(), "workload": asdict(w)}
+    if memory:
+        out["peak_bytes"] = memstats.peak_rss_bytes() - base
+    if profiler is not None:
+        out["profile"] = profiler.report(peer)
+    return out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    try:
+        result = train(spec)
+        rank = result["rank"]
+        Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
