@@ -5,12 +5,17 @@
     mpt train --model gpt-tiny --pp 2 --tp 2 --dp 2     # starts pp*tp*dp = 8 ranks itself
     mpt train --model bert-tiny --seq-len 64 --pp 2 --save-dir runs/bert --save-every 20
     mpt train --model bert-tiny --seq-len 64 --pp 1 --tp 2 --save-dir runs/bert --resume latest
+    mpt train --model gpt-tiny --pp 2 --save-dir runs/x --save-every 20 --restarts 3   # restarts dead ranks
     mpt train --config recipes/gpt_pretrain/ds_config.json --steps 50   # a DeepSpeed config; flags override it
     torchrun --nproc_per_node 2 -m mp_toolkit.cli train --model gpt-tiny --pp 2
     torchrun --nproc_per_node 4 -m mp_toolkit.cli train --model gpt-tiny --pp 1 --tp 2 --dp 2
+    torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \\
+             --save-dir runs/x --save-every 20 --resume auto
     deepspeed --num_gpus 2 recipes/gpt_pretrain/train.py --deepspeed_config recipes/gpt_pretrain/ds_config.json
 
-A wrong value ends with one line on stderr that names it and what would work, exit code 2.
+A wrong value ends with one line on stderr that names it and what would work, exit code 2. `mpt train`
+exits 3 after --max-skips consecutive non-finite steps, 1 when a rank died (the line names it), and
+128 + N when it started the ranks itself and one died of signal N (RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -136,8 +141,12 @@ def _add_train_parser(sub) -> None:
     opt("--save-dir", type=Path, help="checkpoint root: layout-independent checkpoints (resume on any pp/tp/dp)")
     opt("--save-every", type=int, help="save every N steps (and after the last); default: after the last only")
     opt("--keep", type=int, help=f"checkpoints kept in --save-dir (default {d.keep}; 0 keeps all)")
-    opt("--resume", nargs="?", const="latest", metavar="DIR|latest",
-        help="resume from --save-dir's latest checkpoint (fresh start when none), or from DIR")
+    opt("--resume", nargs="?", const="latest", metavar="DIR|latest|auto",
+        help="resume from --save-dir's latest checkpoint (latest or auto: a fresh start when none), or from DIR")
+    opt("--restarts", type=int, help="without a launcher: restart the ranks up to N times after one dies, resuming "
+                                     "from the latest checkpoint (needs --save-dir and --save-every)")
+    opt("--max-skips", type=int, help=f"stop after N consecutive steps skipped for non-finite loss or gradients "
+                                      f"(default {d.max_skips})")
 
 
 def _add_plan_parser(sub) -> None:
@@ -249,9 +258,9 @@ def _blame(error: ConfigError, from_file: dict, source) -> ConfigError:
 
 
 def _train(argv: list[str], args: argparse.Namespace) -> int:
-    from mp_toolkit.launch import LaunchEnv, launcher_env, spawn_local
+    from mp_toolkit.launch import LaunchEnv, launcher_env, local_faults, spawn_local
     from mp_toolkit.parallel.context import GridError, check_grid
-    from mp_toolkit.train import run_training, validate
+    from mp_toolkit.train import validate
 
     env = launcher_env()
     given, from_file, notes = _sources(args, env.world_size if env is not None else None)
@@ -267,15 +276,33 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
         for path in (cfg.metrics, cfg.plot):
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-        if cfg.world_size == 1:
-            run_training(cfg, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1))
-            return 0
-        return spawn_local(argv, cfg.world_size)
+        if cfg.world_size == 1 and not cfg.restarts:
+            return _run(cfg, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, faults=local_faults()))
+        return spawn_local(argv, cfg.world_size, restarts=cfg.restarts, save_dir=cfg.save_dir)
+    if cfg.restarts and not env.started_by_mpt:
+        raise ConfigError(f"--restarts {cfg.restarts} is for mpt train starting the ranks itself; under a launcher "
+                          "restart with it (torchrun --max-restarts N) and pass --resume auto")
     try:
         check_grid(env.world_size, cfg.pp, cfg.tp, cfg.dp)
     except GridError as e:
         raise ConfigError(f"the launcher started {env.world_size} processes: {e}") from None
-    run_training(cfg, env)
+    return _run(cfg, env)
+
+
+def _run(cfg: TrainConfig, env) -> int:
+    """Train this rank; a lost peer (exit 1) and a diverged run (exit 3, said once by rank 0) end in one line."""
+    from mp_toolkit.launch import EXIT_DIVERGED, PeerLost
+    from mp_toolkit.train import Diverged, run_training
+
+    try:
+        run_training(cfg, env)
+    except Diverged as e:
+        if env.rank == 0:
+            sys.stderr.write(f"mpt train: error: {e}\n")
+        return EXIT_DIVERGED
+    except PeerLost as e:
+        sys.stderr.write(f"mpt train: error: {e}\n")
+        return 1
     return 0
 
 

@@ -122,8 +122,17 @@ class TrainConfig:
     keep: int | None = 3
     """Checkpoints kept in save_dir (the newest); None keeps every one."""
     resume: str | None = None
-    """Resume from a checkpoint: "latest" (save_dir's, or a fresh start when it holds none), a
-    checkpoint root (its latest) or one step directory."""
+    """Resume from a checkpoint: "latest" or "auto" (save_dir's latest, or a fresh start when it holds
+    none: "auto" is the spelling for restart loops such as torchrun --max-restarts), a checkpoint
+    root (its latest) or one step directory."""
+    restarts: int = 0
+    """When mpt starts the ranks itself: start them again up to this many times after a rank dies,
+    resuming from save_dir's latest checkpoint (needs save_dir and save_every). Under torchrun use
+    its --max-restarts with resume "auto"."""
+    max_skips: int = 20
+    """Stop (exit 3) after this many consecutive skipped steps whose gradients or loss were not finite
+    (fp32 / bf16; fp16 once the loss scale is at min_loss_scale or static). No checkpoint is written
+    at such a step, so the last good one stays the latest."""
 
     @property
     def world_size(self) -> int:

@@ -4,23 +4,92 @@
 MASTER_PORT (torchrun also LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE; the ranks on this node).
 The deepspeed launcher also passes ``--local_rank=N``, which the CLI accepts and ignores. Run without a launcher, `mpt train` starts the ranks itself on this machine with
 exactly those variables (`spawn_local`), so both paths run the same training code.
+
+When a rank dies (RELIABILITY.md)::
+
+    gloo            a dead peer's sockets close: the others' collective or p2p call fails at once;
+                    a hung (stopped) peer: every wait ends after --timeout (init_process_group)
+    each survivor   one line naming the lost rank(s) when they ran on this host (pid table, `Peers`)
+    spawn_local     the watchdog sees the child die, names it and its step (each rank reports its
+                    phase through a pipe, `RankStatus`), stops the others; --restarts N starts the
+                    ranks again with --resume auto
+    torchrun        its elastic agent stops the other workers; --max-restarts N restarts them (use
+                    --resume auto); `init_distributed` keeps each restart's rendezvous keys apart
+
+    torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \\
+             --save-dir runs/x --save-every 50 --resume auto
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+EXIT_CONFIG = 2
+"""A value, a layout or a checkpoint was refused (one line said why): a restart would fail the same way."""
+EXIT_DIVERGED = 3
+"""--max-skips consecutive steps were skipped for non-finite values: a restart would repeat them."""
+NOT_RESTARTED = (EXIT_CONFIG, EXIT_DIVERGED, 130)
+
+
+class PeerLost(RuntimeError):
+    """A collective or point-to-point call failed because another rank died or stopped answering."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Test-only fault injection, read from ``MPT_FAULTS`` (JSON; never set by the CLI)::
+
+        {"kill": {"rank": 1, "step": 5, "in": "step"},          # SIGKILL itself at the start of step 5
+         "nonfinite": [{"rank": 0, "steps": [3, 4], "kind": "grad"}]}   # inf gradients on rank 0
+
+    ``"in": "save"`` kills inside the save of that step, after this rank wrote its shards and before
+    the commit. A kill happens on the first attempt only (a restart must get past it); ``kind``
+    ``"loss"`` multiplies the last stage's output by inf instead (that rank must hold the last stage).
+    """
+
+    kill: tuple[int, int, str] | None = None
+    nonfinite: tuple[tuple[int, int, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Faults":
+        from mp_toolkit.config import ConfigError
+
+        if not text:
+            return cls()
+        try:
+            doc = json.loads(text)
+            kill = doc.get("kill")
+            kill = (int(kill["rank"]), int(kill["step"]), str(kill.get("in", "step"))) if kill else None
+            bad = [(int(f["rank"]), int(s), str(f.get("kind", "grad"))) for f in doc.get("nonfinite", [])
+                   for s in f["steps"]]
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ConfigError(f"MPT_FAULTS {text!r} is not the documented JSON ({e})") from None
+        if (kill and kill[2] not in ("step", "save")) or any(k not in ("grad", "loss") for *_, k in bad):
+            raise ConfigError(f"MPT_FAULTS {text!r}: kill.in is step or save, nonfinite kind is grad or loss")
+        return cls(kill, tuple(bad))
+
+    def kill_here(self, env: "LaunchEnv", step: int, where: str) -> None:
+        if env.attempt == 0 and self.kill == (env.rank, step, where):
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def nonfinite_at(self, rank: int, step: int) -> str | None:
+        return next((kind for r, s, kind in self.nonfinite if (r, s) == (rank, step)), None)
 
 
 @dataclass(frozen=True)
@@ -31,6 +100,16 @@ class LaunchEnv:
     world_size: int
     local_rank: int
     local_world_size: int
+    attempt: int = 0
+    """Restarts before this one (spawn_local's MPT_RESTART_COUNT, torchrun's TORCHELASTIC_RESTART_COUNT)."""
+    status_fd: int | None = None
+    """Write end of the pipe to spawn_local's watchdog; None under another launcher."""
+    faults: Faults = field(default_factory=Faults)
+    """Test-only fault injection (``MPT_FAULTS``)."""
+
+    @property
+    def started_by_mpt(self) -> bool:
+        return self.status_fd is not None
 
 
 def launcher_env() -> LaunchEnv | None:
@@ -38,15 +117,29 @@ def launcher_env() -> LaunchEnv | None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     world = int(os.environ["WORLD_SIZE"])
+    fd = os.environ.get("MPT_STATUS_FD")
     return LaunchEnv(
         rank=int(os.environ["RANK"]), world_size=world,
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))),
+        attempt=int(os.environ.get("MPT_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))),
+        status_fd=int(fd) if fd else None, faults=Faults.parse(os.environ.get("MPT_FAULTS")),
     )
 
 
+def local_faults() -> Faults:
+    """``MPT_FAULTS`` for a one-process run (no launcher environment)."""
+    return Faults.parse(os.environ.get("MPT_FAULTS"))
+
+
 def init_distributed(env: LaunchEnv, timeout_s: float) -> torch.device:
-    """Join the default process group: NCCL when CUDA is available, else gloo. Returns the device."""
+    """Join the default process group: NCCL when CUDA is available, else gloo. Returns the device.
+
+    ``timeout_s`` bounds every gloo collective and point-to-point wait (and NCCL's watchdog).
+    Under torchrun's agent store each restart gets its own key prefix: torch 2.13's agent reuses one
+    store across restarts, and a restarted rank otherwise reads the dead attempt's gloo addresses
+    ("Gloo connectFullMesh failed ... Connection refused", observed with --max-restarts).
+    """
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
@@ -54,9 +147,98 @@ def init_distributed(env: LaunchEnv, timeout_s: float) -> torch.device:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if env.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                                   is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"mpt/attempt_{env.attempt}", client)
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout, store=store)
     return device
+
+
+class RankStatus:
+    """What this rank is doing ("during start-up", "during step 5", "while saving step 4"), for the
+    lines that report a failure; under spawn_local each change also goes down the pipe to the watchdog."""
+
+    def __init__(self, env: LaunchEnv):
+        self.fd, self.phase = env.status_fd, "during start-up"
+        if self.fd is not None:
+            _die_with_parent()
+
+    def set(self, phase: str) -> None:
+        self.phase = phase
+        if self.fd is not None:
+            try:
+                os.write(self.fd, (phase + "\n").encode())
+            except BrokenPipeError:  # the mpt launcher is gone: nobody will stop or restart this rank
+                sys.stderr.write("mpt train: error: the mpt launcher of this rank is gone, stopping\n")
+                os._exit(1)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this rank when the mpt launcher dies, even by SIGKILL (prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # elsewhere the pipe's EPIPE at the next step stops the rank
+
+
+@dataclass(frozen=True)
+class Peers:
+    """(host id, pid) of every rank, exchanged once after the process group forms, so that a survivor
+    can tell which ranks on its host are gone when a call fails."""
+
+    rank: int
+    table: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def exchange(cls, rank: int, world_size: int, device: torch.device) -> "Peers":
+        mine = torch.tensor([_host_id(), os.getpid()], dtype=torch.int64, device=device)
+        rows = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(rows, mine)
+        return cls(rank, tuple((int(r[0]), int(r[1])) for r in rows))
+
+    def lost(self, wait_s: float = 3.0) -> list[tuple[int, int]]:
+        """(rank, pid) of this host's ranks whose process has ended; waits a little, as a peer's
+        sockets close a moment before its process is gone."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = [(r, pid) for r, (host, pid) in enumerate(self.table)
+                    if r != self.rank and host == _host_id() and not _running(pid)]
+            if gone or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.1)
+
+
+def _host_id() -> int:
+    return zlib.crc32(socket.gethostname().encode())
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie is dead, only not yet reaped
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """A failed gloo / NCCL call (a peer died, closed its connection or timed out)."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("gloo" in text or "nccl" in text or isinstance(e, dist.DistError))
+
+
+def comm_failure_line(e: BaseException, peers: Peers | None, rank: int, phase: str) -> str:
+    """One line for a survivor: which rank it lost (when known), during what, and the backend's words."""
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    detail = detail.split("] ", 1)[-1].split(". This is typically")[0]  # drop the C++ source location
+    gone = peers.lost() if peers is not None else []
+    if gone:
+        who = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
+        return f"rank {rank} lost {who} {phase} ({detail}); stopping"
+    return (f"rank {rank}: communication with another rank failed {phase} ({detail}); the rank that "
+            "stopped is named by its launcher")
 
 
 def free_port() -> int:
@@ -65,38 +247,110 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_local(argv: list[str], nprocs: int, poll_s: float = 0.2, grace_s: float = 5.0) -> int:
-    """Run ``python -m mp_toolkit.cli <argv>`` as ``nprocs`` ranks on this machine.
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen
+    status: int  # read end of the rank's status pipe (non-blocking)
+    phase: str = "during start-up"
+    pending: bytes = b""
 
-    Returns the first non-zero exit code (0 when all succeed). When one rank fails, the others get
-    ``grace_s`` to exit on their own (ranks that agreed on a failure all stop, and the one reporting
-    it must finish its line), then are terminated, so no process is left behind; Ctrl-C stops them all.
+    def read_status(self) -> None:
+        try:
+            while chunk := os.read(self.status, 4096):
+                *lines, self.pending = (self.pending + chunk).split(b"\n")
+                if lines:
+                    self.phase = lines[-1].decode()
+        except BlockingIOError:
+            pass
+
+
+def spawn_local(argv: list[str], nprocs: int, restarts: int = 0, save_dir: Path | None = None,
+                poll_s: float = 0.1, grace_s: float = 5.0) -> int:
+    """Run ``python -m mp_toolkit.cli <argv>`` as ``nprocs`` ranks on this machine; restart them up to
+    ``restarts`` times after a rank dies, resuming from ``save_dir``'s latest checkpoint (--resume auto).
+
+    Returns 0 when every rank succeeds, else the failing rank's exit code (128 + N for signal N).
+    When one rank fails the others get ``grace_s`` to exit on their own (ranks that agreed on a
+    failure all stop, and the one reporting it must finish its line), then are terminated, so no
+    process is left behind; Ctrl-C stops them all. A failure that a restart would repeat (a refused
+    value or checkpoint, exit 2; --max-skips, exit 3) is not restarted.
     """
+    from mp_toolkit.checkpoint import CheckpointError, latest_step
+
+    for attempt in range(restarts + 1):
+        code, line = _run_ranks(argv, nprocs, attempt, poll_s, grace_s)
+        if code == 0:
+            return 0
+        if line:
+            sys.stderr.write(f"mpt train: {line}\n")
+        if code in NOT_RESTARTED or attempt == restarts:
+            return code
+        try:
+            step = latest_step(save_dir) if save_dir is not None else None
+        except CheckpointError as e:
+            sys.stderr.write(f"mpt train: error: cannot restart: {e}\n")
+            return EXIT_CONFIG
+        if step is not None:
+            argv = [*argv, "--resume", "auto"]  # the last --resume wins
+        where = f"step-{step:08d} in {save_dir}" if step is not None else "the start (no checkpoint yet)"
+        sys.stderr.write(f"mpt train: restart {attempt + 1} of {restarts}: resuming from {where}\n")
+        sys.stderr.flush()
+    return 1
+
+
+def _run_ranks(argv: list[str], nprocs: int, attempt: int, poll_s: float, grace_s: float) -> tuple[int, str | None]:
+    """One attempt: (exit code, the watchdog's line or None)."""
     port = free_port()
-    procs = []
-    for rank in range(nprocs):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "mp_toolkit.cli", *argv], env=env))
-    code, deadline = 0, None
+    ranks: list[_Rank] = []
     try:
-        while procs:
-            for p in list(procs):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                procs.remove(p)
-                if rc != 0 and code == 0:
-                    code, deadline = rc, time.monotonic() + grace_s
-            if deadline is not None and time.monotonic() > deadline:
-                _terminate(procs)
-                procs = []
-            time.sleep(poll_s)
+        for rank in range(nprocs):
+            read, write = os.pipe()
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       MPT_STATUS_FD=str(write), MPT_RESTART_COUNT=str(attempt))
+            try:
+                proc = subprocess.Popen([sys.executable, "-m", "mp_toolkit.cli", *argv], env=env, pass_fds=(write,))
+            finally:
+                os.close(write)
+            os.set_blocking(read, False)
+            ranks.append(_Rank(rank, proc, read))
+        return _watch(ranks, poll_s, grace_s)
     except KeyboardInterrupt:
-        code = 130
+        return 130, None
     finally:
-        _terminate(procs)
-    return code
+        _terminate([r.proc for r in ranks])
+        for r in ranks:
+            os.close(r.status)
+
+
+def _watch(ranks: list[_Rank], poll_s: float, grace_s: float) -> tuple[int, str | None]:
+    exits: list[tuple[_Rank, int]] = []  # in the order seen
+    deadline = None
+    while len(exits) < len(ranks):
+        for r in ranks:
+            r.read_status()
+            if r.proc.returncode is None and r.proc.poll() is not None:
+                r.read_status()  # what it said last, before it died
+                exits.append((r, r.proc.returncode))
+                if r.proc.returncode != 0 and deadline is None:
+                    deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    failed = [(r, rc) for r, rc in exits if rc != 0]
+    if not failed:
+        return 0, None
+    # the root cause: a rank killed by a signal (the others then fail talking to it), else the first failure
+    cause, rc = next(((r, rc) for r, rc in failed if rc < 0), failed[0])
+    others = ", ".join(str(r.rank) for r in ranks if r is not cause)
+    stopping = f"; stopping ranks {others}" if others else ""
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.valid_signals() else "?"
+        return 128 - rc, f"rank {cause.rank} died (signal {-rc}, {name}) {cause.phase}{stopping}"
+    if rc in NOT_RESTARTED:
+        return rc, None  # the rank said why in its own line
+    return rc, f"rank {cause.rank} failed (exit code {rc}) {cause.phase}{stopping}"
 
 
 def _terminate(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:

@@ -16,7 +16,9 @@ class MetricsLog:
     """Rank 0's per-step record: JSON lines, progress bar, loss plot.
 
     A run resumed at ``start_step`` keeps the metrics file's rows up to that step (a later save that
-    was lost is trained again, so its rows are replaced) and appends the new ones.
+    was lost is trained again, so its rows are replaced) and appends the new ones; a torn last line
+    (the run was killed while writing it) is dropped. Each row carries ``time``, the Unix time at the
+    end of its step (tools/chaos.py measures recoveries with it).
     """
 
     def __init__(self, cfg: TrainConfig, enabled: bool, start_step: int = 0):
@@ -24,10 +26,10 @@ class MetricsLog:
         self.file = None
         if enabled and cfg.metrics:
             if start_step > 0 and Path(cfg.metrics).is_file():
-                kept = [line for line in Path(cfg.metrics).read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] <= start_step]
-                self.earlier = [json.loads(line) for line in kept]
-                Path(cfg.metrics).write_text("".join(line + "\n" for line in kept))
+                kept = [(line, row) for line in Path(cfg.metrics).read_text().splitlines()
+                        if (row := _row(line)) is not None and row["step"] <= start_step]
+                self.earlier = [row for _, row in kept]
+                Path(cfg.metrics).write_text("".join(line + "\n" for line, _ in kept))
             self.file = open(cfg.metrics, "a" if start_step > 0 else "w")
         self.bar = None
         if enabled and cfg.progress:
@@ -77,6 +79,15 @@ class MetricsLog:
             print(f"metrics: {self.cfg.metrics}")
         if self.cfg.plot:
             print(f"loss plot: {self.cfg.plot}")
+
+
+def _row(line: str) -> dict | None:
+    """One metrics row, or None for a blank or torn line."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
 
 def gather_ints(value: int, device: torch.device | None = None) -> list[int]:

@@ -7,6 +7,13 @@ Entry point (each rank)::
     deepspeed --num_gpus 8 recipes/bert_pretrain/train.py --deepspeed_config recipes/bert_pretrain/ds_config.json
     mpt train --model bert-tiny --seq-len 64 --pp 2 --save-dir runs/bert --save-every 50   # starts the ranks itself
     mpt train --model bert-tiny --seq-len 64 --pp 1 --tp 2 --save-dir runs/bert --resume latest  # another layout
+    mpt train --model gpt-tiny --pp 2 --save-dir runs/x --save-every 20 --restarts 3   # survives dead ranks
+    torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \
+             --save-dir runs/x --save-every 20 --resume auto
+
+A step whose loss or gradients are not finite on any rank is skipped by every rank, in every
+precision, and logged; --max-skips such steps in a row stop the run (exit 3) and no checkpoint is
+written at such a step, so `latest` stays on the last good one (RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import dataclasses
 import math
 import os
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,9 +31,12 @@ import torch.distributed as dist
 
 from mp_toolkit.config import ConfigError, TrainConfig, parse_boundaries
 from mp_toolkit.engine.pipeline import PipelineEngine
-from mp_toolkit.launch import LaunchEnv, init_distributed
+from mp_toolkit.checkpoint import latest_step
+from mp_toolkit.launch import (
+    LaunchEnv, PeerLost, Peers, RankStatus, comm_failure_line, init_distributed, is_comm_failure,
+)
 from mp_toolkit.layers import LayerList
-from mp_toolkit.memstats import map_large_blocks, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes, warm_runtime
+from mp_toolkit.memstats import peak_rss_bytes, release_free_memory, reset_peak, rss_bytes, warm_runtime
 from mp_toolkit.metrics_log import MetricsLog, gather_ints
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer, check_optimizer_options
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
@@ -37,7 +49,11 @@ from mp_toolkit.schedule import get_schedule
 from mp_toolkit.train_models import TP_PLANS, ModelSpec, family_of, loss_function, micro_batches, resolve_model
 from mp_toolkit.train_state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
 
-__all__ = ["MetricsLog", "build_engine", "plan_boundaries", "run_training", "validate"]
+__all__ = ["Diverged", "MetricsLog", "build_engine", "plan_boundaries", "run_training", "validate"]
+
+
+class Diverged(Exception):
+    """--max-skips consecutive steps were skipped for non-finite values (every rank raises it; exit 3)."""
 
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
@@ -79,8 +95,9 @@ def _validate_numbers(cfg: TrainConfig) -> None:
         raise ConfigError(f"--dp-bucket-mb {cfg.dp_bucket_mb} must be a positive finite number")
     if cfg.clip_grad is not None and not (cfg.clip_grad > 0 and math.isfinite(cfg.clip_grad)):
         raise ConfigError(f"--clip-grad {cfg.clip_grad} must be a positive finite number (or none)")
-    for name in ("warmup_steps", "loss_scale_window", "hysteresis", "initial_scale_power", "save_every"):
-        if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power", "save_every") else 1):
+    for name in ("warmup_steps", "loss_scale_window", "hysteresis", "initial_scale_power", "save_every", "restarts",
+                 "max_skips"):
+        if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}: the decay must end at or below the peak")
@@ -97,12 +114,16 @@ def _validate_paths(cfg: TrainConfig) -> None:
             raise ConfigError(f"--data {cfg.data!r} is not a readable file or folder (or use stdlib / synthetic)")
     if cfg.keep is not None and cfg.keep < 1:
         raise ConfigError(f"--keep {cfg.keep} must be at least 1 (0 keeps every checkpoint)")
-    if cfg.resume == "latest" and cfg.save_dir is None:
-        raise ConfigError("--resume latest needs --save-dir (the checkpoint root it resumes from), or give --resume DIR")
-    if cfg.resume not in (None, "latest") and not Path(cfg.resume).is_dir():
+    if cfg.resume in ("latest", "auto") and cfg.save_dir is None:
+        raise ConfigError(f"--resume {cfg.resume} needs --save-dir (the checkpoint root it resumes from), "
+                          "or give --resume DIR")
+    if cfg.resume not in (None, "latest", "auto") and not Path(cfg.resume).is_dir():
         raise ConfigError(f"--resume {cfg.resume}: no such checkpoint directory")
     if cfg.save_every and cfg.save_dir is None:
         raise ConfigError(f"--save-every {cfg.save_every} needs --save-dir")
+    if cfg.restarts and (cfg.save_dir is None or not cfg.save_every):
+        raise ConfigError(f"--restarts {cfg.restarts} needs --save-dir and --save-every N: a restart resumes from "
+                          "the latest checkpoint, and without one it would start over")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -176,13 +197,24 @@ def lr_at(cfg: TrainConfig, progress: Progress, step: int) -> float:
 
 
 def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
-    """Train on this rank; returns the per-step rows on rank 0 (empty elsewhere)."""
+    """Train on this rank; returns the per-step rows on rank 0 (empty elsewhere). A collective or
+    point-to-point call that fails because a peer died or stopped answering (bounded by
+    --timeout) becomes `PeerLost`, whose line names the lost rank when it ran on this host."""
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
-    device = init_distributed(env, cfg.timeout_s)
+    status = RankStatus(env)  # under spawn_local: the watchdog hears each step
+    peers, lost = None, False
     try:
-        return _train(cfg, env, device)
+        device = init_distributed(env, cfg.timeout_s)
+        if env.world_size > 1:
+            peers = Peers.exchange(env.rank, env.world_size, device)
+        return _train(cfg, env, device, status)
+    except RuntimeError as e:
+        if isinstance(e, PeerLost) or not is_comm_failure(e):
+            raise
+        lost = True  # no teardown: the group is broken and the process exits now
+        raise PeerLost(comm_failure_line(e, peers, env.rank, status.phase)) from None
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and not lost:
             dist.destroy_process_group()
 
 
@@ -191,7 +223,7 @@ def _resume(cfg: TrainConfig, engine, ctx, names, data, spec, log_rank0: bool) -
     path = find_checkpoint(cfg) if cfg.resume else None
     if path is None:
         if cfg.resume and log_rank0:
-            print(f"--resume latest: {cfg.save_dir} holds no committed checkpoint yet, starting from step 0")
+            print(f"--resume {cfg.resume}: {cfg.save_dir} holds no committed checkpoint yet, starting from step 0")
         return Progress()
     resumed = load_state(path, cfg, engine, ctx, names, data, spec)
     if log_rank0:
@@ -201,7 +233,100 @@ def _resume(cfg: TrainConfig, engine, ctx, names, data, spec, log_rank0: bool) -
     return resumed.progress
 
 
-def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device) -> list[dict]:
+@contextmanager
+def injected_nonfinite(engine: PipelineEngine, kind: str | None):
+    """Test hook (``MPT_FAULTS``, `mp_toolkit.launch.Faults`): for one step make this rank's gradients
+    ("grad": the first parameter's gradient becomes inf) or its loss ("loss": the last stage's output
+    times inf) non-finite. Nothing happens when ``kind`` is None."""
+    handle = None
+    if kind == "grad":
+        handle = engine.named_parameters()[0][1].register_hook(lambda g: torch.full_like(g, float("inf")))
+    elif kind == "loss":
+        last = engine.schedule.num_stages - 1
+        if last not in engine.stages:
+            raise ConfigError(f"MPT_FAULTS: a non-finite loss needs the rank of the last stage ({last}), "
+                              f"this one holds stages {sorted(engine.stages)}")
+        times_inf = lambda t: t * float("inf") if t.is_floating_point() else t
+        handle = engine.stages[last].register_forward_hook(
+            lambda module, args, out: tuple(map(times_inf, out)) if isinstance(out, tuple) else times_inf(out))
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@dataclass
+class SkipStreak:
+    """Consecutive skipped steps that count toward --max-skips: every skip in fp32 / bf16; in fp16 only
+    those the scaler cannot answer by lowering the scale (a static scale, or one at --min-loss-scale)."""
+
+    limit: int
+    count: int = 0
+    first: int = 0
+
+    def update(self, step: int, stats, scaler: DynamicLossScaler | None) -> bool:
+        """Whether this step counts (and so may not be checkpointed)."""
+        counts = stats.skipped and (scaler is None or scaler.static or stats.loss_scale <= scaler.min_loss_scale)
+        self.first = step if counts and not self.count else self.first
+        self.count = self.count + 1 if counts else 0
+        return counts
+
+    def line(self, step: int, stats, cfg: TrainConfig, scaler: DynamicLossScaler | None) -> str:
+        what = f"non-finite {stats.nonfinite or 'values'} on some rank"
+        if self.count:
+            return (f"step {step} skipped on every rank: {what} in {cfg.precision}; parameters and optimizer state "
+                    f"unchanged ({self.count} in a row, --max-skips {self.limit})")
+        return f"step {step} skipped on every rank: fp16 overflow ({what}), loss scale {stats.loss_scale:g} -> {scaler.scale:g}"
+
+    def stop_message(self, step: int, stats, cfg: TrainConfig) -> str:
+        latest = latest_step(cfg.save_dir) if cfg.save_dir is not None else None
+        kept = (f"the last good checkpoint is {cfg.save_dir / f'step-{latest:08d}'}" if latest is not None
+                else "no checkpoint was written")
+        return (f"{self.count} consecutive steps skipped (steps {self.first}-{step}): non-finite "
+                f"{stats.nonfinite or 'values'} on some rank in {cfg.precision}; stopping, {kept} (lower --lr, check "
+                f"the data, or raise --max-skips above {self.limit})")
+
+
+@dataclass
+class SaveSchedule:
+    """Checkpoints every --save-every steps and after the last one, but never at a step that counts
+    toward --max-skips: that save waits for the next applied step, so `latest` stays on a good one."""
+
+    cfg: TrainConfig
+    deferred: bool = False
+
+    def now(self, step: int, counted: bool, log: MetricsLog) -> bool:
+        cfg = self.cfg
+        due = cfg.save_dir is not None and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0))
+        if not (due or self.deferred):
+            return False
+        if counted and due:
+            log.note(f"no checkpoint at step {step}: it was skipped; the next applied step saves")
+        self.deferred = counted
+        return not counted
+
+
+def _one_step(cfg: TrainConfig, env: LaunchEnv, engine: PipelineEngine, data, progress: Progress,
+              step: int) -> tuple:
+    """Train step ``step`` (advancing ``progress``); returns (StepStats, its metrics row)."""
+    lr = lr_at(cfg, progress, step)
+    set_lr(engine.optimizer, lr)
+    t0 = time.perf_counter()
+    with injected_nonfinite(engine, env.faults.nonfinite_at(env.rank, step)):
+        stats = engine.train_batch(data)
+    dt = time.perf_counter() - t0
+    progress.step, progress.applied = step, progress.applied + (not stats.skipped)
+    row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
+           "tokens_per_s": cfg.tokens_per_step / dt, "step_time_s": dt,
+           "loss_scale": stats.loss_scale, "skipped": stats.skipped, "time": time.time()}
+    trust = engine.trust_ratio_stats()
+    if trust is not None:
+        row["trust_ratio"] = trust
+    return stats, row
+
+
+def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankStatus) -> list[dict]:
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))
     rank0 = env.rank == 0
     spec = model_spec(cfg)
@@ -210,7 +335,9 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device) -> list[dict]
               f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}, dp {cfg.dp}", flush=True)
     ctx = build_context(cfg.pp, cfg.tp, cfg.dp, device=device)
     data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
-    map_large_blocks()  # RSS then follows live tensors: freed blocks go back to the system
+    # Peak memory is reported as RSS above this baseline. It follows live tensors closely only when
+    # large blocks are mapped one by one (MALLOC_MMAP_THRESHOLD_=65536, as tools/bench_plan_accuracy.py
+    # sets for its memory runs); forcing that here would cost 20-30% of the step time on CPU.
     warm_runtime()  # torch's one-time costs (lazy imports, kernel set-up) before the baseline
     base_rss = rss_bytes()  # what the model, its activations and optimizer add is measured from here
     torch.manual_seed(cfg.seed)  # every rank builds the same full model, then keeps its shard of its stage
@@ -226,28 +353,30 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device) -> list[dict]
     release_free_memory()
     reset_peak()
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
+    scaler, streak, saves = engine.step.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
     first = progress.step + 1
     for step in range(first, cfg.steps + 1):
-        lr = lr_at(cfg, progress, step)
-        set_lr(engine.optimizer, lr)
-        t0 = time.perf_counter()
-        stats = engine.train_batch(data)
-        dt = time.perf_counter() - t0
-        progress.step, progress.applied = step, progress.applied + (not stats.skipped)
-        row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
-               "tokens_per_s": cfg.tokens_per_step / dt, "step_time_s": dt,
-               "loss_scale": stats.loss_scale, "skipped": stats.skipped}
-        trust = engine.trust_ratio_stats()
-        if trust is not None:
-            row["trust_ratio"] = trust
+        status.set(f"during step {step}")
+        env.faults.kill_here(env, step, "step")
+        stats, row = _one_step(cfg, env, engine, data, progress, step)
         if step == cfg.steps:
             row["peak_memory_bytes"] = gather_ints(peak_rss_bytes() - base_rss, ctx.device)
         if step == first:  # steady state: later steps' peak (the first adds one-time shape agreement)
             reset_peak()
         log.step(row)
-        if cfg.save_dir is not None and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
-            meta = manifest(cfg, engine, ctx, data, progress, spec, lr) if rank0 else None
-            save_state(cfg.save_dir, meta, engine, ctx, names, step, cfg.keep)
+        counted = streak.update(step, stats, scaler)
+        if stats.skipped:
+            log.note(streak.line(step, stats, cfg, scaler))
+        if saves.now(step, counted, log):
+            status.set(f"while saving step {step}")
+            meta = manifest(cfg, engine, ctx, data, progress, spec, row["lr"]) if rank0 else None
+            save_state(cfg.save_dir, meta, engine, ctx, names, step, cfg.keep,
+                       after_shards=lambda: env.faults.kill_here(env, step, "save"))
             log.note(f"saved step {step} to {cfg.save_dir}")
+        if streak.count >= cfg.max_skips:
+            log.close()
+            raise Diverged(streak.stop_message(step, stats, cfg))
+    if saves.deferred:
+        log.note(f"the run ended on a skipped step: no checkpoint of step {cfg.steps}, `latest` stays where it was")
     log.close()
     return log.rows

@@ -55,7 +55,7 @@ from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import gather_full, shard_full
 
 RUN_CONTROL = ("steps", "metrics", "plot", "progress", "threads", "timeout_s", "save_dir", "save_every", "keep",
-               "resume", "cache_dir")
+               "resume", "cache_dir", "restarts", "max_skips")
 """TrainConfig fields that steer the run rather than the training: not reported as changed on resume."""
 
 
@@ -200,15 +200,19 @@ def manifest(cfg: TrainConfig, engine, ctx: ParallelContext, data, progress: Pro
 
 
 def save_state(root: Path, meta: dict | None, engine, ctx: ParallelContext, names: ModelNames, step: int,
-               keep: int | None) -> None:
-    """Write one checkpoint of this step; every rank calls it, rank 0 passes ``meta`` (`manifest`)."""
+               keep: int | None, after_shards=None) -> None:
+    """Write one checkpoint of this step; every rank calls it, rank 0 passes ``meta`` (`manifest`).
+    ``after_shards()`` runs once this rank's shards are written, before the commit (a test's fault hook)."""
     error, tmp = None, None
     try:
         tmp = begin(root, step, create=ctx.rank == 0)
     except (CheckpointError, OSError) as e:
         error = _one_line(e, root)
     agree(error, ctx)  # the directory exists before anyone writes into it
-    agree(write_shards(tmp, engine, ctx, names), ctx)  # every shard is written before the commit
+    error = write_shards(tmp, engine, ctx, names)
+    if after_shards is not None:
+        after_shards()
+    agree(error, ctx)  # every shard is written before the commit
     error = None
     if ctx.rank == 0:
         try:
@@ -219,8 +223,8 @@ def save_state(root: Path, meta: dict | None, engine, ctx: ParallelContext, name
 
 
 def find_checkpoint(cfg: TrainConfig) -> Path | None:
-    """What ``--resume`` names: None for "latest" when the save dir holds no committed checkpoint."""
-    if cfg.resume == "latest":
+    """What ``--resume`` names: None for "latest" / "auto" when the save dir holds no committed checkpoint."""
+    if cfg.resume in ("latest", "auto"):
         return cfg.save_dir if latest_step(cfg.save_dir) is not None else None
     return Path(cfg.resume)
 

@@ -79,6 +79,8 @@ class StepStats:
     """True when inf/nan gradients on any rank made every rank skip the step."""
     loss_scale: float = 1.0
     """The loss scale this batch used."""
+    nonfinite: str = ""
+    """What was not finite on some rank when skipped: "gradients", "loss" or "loss and gradients"."""
 
 
 class PipelineEngine:
@@ -187,9 +189,9 @@ class PipelineEngine:
         post = self.dp_grads.start_grad_sync if self.dp_grads is not None else None
         losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, loss_scale=self.step.loss_scale,
                                                on_grads_final=post)
-        result = self.step()
+        result = self.step(nonfinite_loss=bool(losses) and not bool(torch.stack(losses).isfinite().all()))
         return StepStats(loss=global_mean_loss(losses, self.ctx, self.stage_to_rank[-1]), grad_norm=result.grad_norm,
-                         skipped=result.skipped, loss_scale=result.loss_scale)
+                         skipped=result.skipped, loss_scale=result.loss_scale, nonfinite=result.nonfinite)
 
     def trust_ratio_stats(self) -> list[dict] | None:
         """Per pipeline rank min / median / max of the last step's trust ratios (LAMB, LARS), on every rank."""

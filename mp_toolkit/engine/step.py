@@ -3,7 +3,8 @@
     average gradients over data-parallel replicas (buckets posted during the schedule; wait)
       -> unscale (model grads -> fp32 master grads x 1/loss_scale)
       -> sum tied-weight gradients over their stages
-      -> overflow consensus: inf/nan on any rank means every rank skips
+      -> overflow consensus: inf/nan in a gradient or the loss on any rank means every rank skips
+         (in every precision: fp16's scaler then lowers the scale; fp32 / bf16 just skip)
       -> global gradient norm over all stages and tensor shards (tied weights and
          tensor-parallel-replicated ones counted once) -> clip
       -> optimizer step on the masters -> copy masters back into the model (fp16/bf16)
@@ -34,19 +35,23 @@ from mp_toolkit.parallel.data_parallel import DataParallelGrads
 
 @dataclass
 class StepResult:
-    """What the step decided: pre-clip global norm, whether it was skipped, the scale it used."""
+    """What the step decided: pre-clip global norm, whether it was skipped, the scale it used, and
+    what was not finite on some rank ("gradients", "loss", "loss and gradients"; "" when all was)."""
 
     grad_norm: float
     skipped: bool
     loss_scale: float
+    nonfinite: str = ""
 
 
-def any_rank_true(flag: bool, device: torch.device) -> bool:
-    """MAX all-reduce of a flag over every rank (a no-op in one process)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+def any_rank_true(flag, device: torch.device):
+    """MAX all-reduce of a flag (or a tuple of flags, in one call) over every rank (a no-op in one process)."""
+    flags = flag if isinstance(flag, tuple) else (flag,)
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    out = tuple(bool(v > 0) for v in t.tolist())
+    return out if isinstance(flag, tuple) else out[0]
 
 
 class OptimizerStep:
@@ -66,14 +71,17 @@ class OptimizerStep:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def __call__(self) -> StepResult:
+    def __call__(self, nonfinite_loss: bool = False) -> StepResult:
+        """Close the batch; ``nonfinite_loss``: this rank's micro-batch losses were not all finite."""
         scale = self.loss_scale
         if self.dp_grads is not None:
             self.dp_grads.finish_grad_sync()
         self.masters.grads_to_master(1.0 / scale)
         self.ties.all_reduce(self.masters.of)
-        overflow = any_rank_true(has_inf_or_nan([m.grad for m in self.masters.master if m.grad is not None]),
-                                 self.ctx.device)
+        bad_grads, bad_loss = any_rank_true(
+            (has_inf_or_nan([m.grad for m in self.masters.master if m.grad is not None]), nonfinite_loss),
+            self.ctx.device)
+        overflow = bad_grads or bad_loss
         norm = float("nan")
         if not overflow:
             total = global_grad_norm(self.counted, group=self.ctx.model_group, device=self.ctx.device,
@@ -86,4 +94,5 @@ class OptimizerStep:
         self.masters.zero_grad()
         if self.scaler is not None:
             self.scaler.update(overflow)
-        return StepResult(grad_norm=norm, skipped=overflow, loss_scale=scale)
+        what = " and ".join(w for w, bad in (("loss", bad_loss), ("gradients", bad_grads)) if bad)
+        return StepResult(grad_norm=norm, skipped=overflow, loss_scale=scale, nonfinite=what)

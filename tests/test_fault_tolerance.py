@@ -1,0 +1,262 @@
+"""Issue 9: no hangs, no lost steps, clear errors (RELIABILITY.md).
+
+Every job is real processes (`mpt train` starting its ranks, torchrun, or bare ranks) on gpt-tiny,
+synthetic data, fp32, two pipeline stages. Faults come from the test-only ``MPT_FAULTS`` hook
+(`mp_toolkit.launch.Faults`: a rank SIGKILLs itself at a step or inside a save; a rank's gradients or
+loss turn non-finite) or from outside (SIGSTOP, SIGKILL of the launcher). Each test asserts that no
+process of its job survives, and kills any in its finally.
+"""
+
+import math
+import shutil
+import signal
+import time
+
+import pytest
+
+from tests.fault_workers import Job, bare_ranks, differing, mpt_job, rank_pid, rows, tensors, torchrun_job
+from mp_toolkit.checkpoint import open_checkpoint
+from mp_toolkit.cli import main
+from mp_toolkit.launch import Faults, LaunchEnv
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler
+from mp_toolkit.train import SkipStreak
+
+
+def finish(job: Job, timeout: float) -> int:
+    """The job's exit code, after asserting that none of its processes outlived it."""
+    try:
+        code = job.wait(timeout)
+        assert job.survivors() == [], job.stderr
+        return code
+    finally:
+        job.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: 8 steps saved every 2; (its checkpoint root, its metrics rows)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    job = mpt_job(tmp, "--save-dir", str(tmp / "ck"), "--save-every", "2", "--metrics", str(tmp / "m.jsonl"))
+    assert finish(job, 90) == 0, job.stderr
+    return tmp / "ck", rows(tmp / "m.jsonl")
+
+
+def assert_same_run(root, metrics, reference):
+    """Steps 1..8 with the reference's losses, and final parameters and optimizer state bit for bit."""
+    ref_root, ref_rows = reference
+    got = rows(metrics)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref_rows]
+    assert open_checkpoint(root).step == 8
+    assert differing(tensors(root), tensors(ref_root)) == []
+
+
+# -- 1. a rank dies mid-step --------------------------------------------------------------------------
+
+def test_a_killed_rank_is_named_and_restarts_resume_bitwise(tmp_path, reference):
+    """Rank 1 SIGKILLs itself at the start of step 5: rank 0 names it, the watchdog names it and its
+    step, stops rank 0, and --restarts 1 resumes from step 4; the run ends as the uninterrupted one."""
+    root, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = mpt_job(tmp_path, "--save-dir", str(root), "--save-every", "2", "--metrics", str(metrics),
+                  "--restarts", "1", faults={"kill": {"rank": 1, "step": 5}})
+    assert finish(job, 120) == 0, job.stderr
+    err = job.stderr.splitlines()
+    assert "mpt train: rank 1 died (signal 9, SIGKILL) during step 5; stopping ranks 0" in err, err
+    assert f"mpt train: restart 1 of 1: resuming from step-00000004 in {root}" in err, err
+    assert any(line.startswith("mpt train: error: rank 0 lost rank 1 (pid ") and " during step 5 (" in line
+               for line in err), err
+    assert f"resumed from {root / 'step-00000004'} at step 4" in job.stdout
+    assert_same_run(root, metrics, reference)
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_ranks_without_a_watchdog_stop_on_their_own(tmp_path, fault):
+    """Bare ranks (only RANK, WORLD_SIZE, MASTER_* set, as a launcher without an agent would): a
+    SIGKILLed peer closes its sockets and rank 0 stops at once naming it (found dead by pid, not yet
+    reaped); a SIGSTOPped peer answers nothing and rank 0 stops after --timeout. One line, exit 1."""
+    metrics = tmp_path / "m.jsonl"
+    faults = {"kill": {"rank": 1, "step": 3}} if fault == "kill" else None
+    r0, r1 = bare_ranks(tmp_path, "--timeout", "20", "--steps", "400", "--metrics", str(metrics), faults=faults)
+    try:
+        if fault == "stop":
+            deadline = time.monotonic() + 60
+            while not (metrics.exists() and len(rows(metrics)) >= 2) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            r1.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+        else:
+            t0 = time.monotonic()  # rank 1 dies at step 3, a few seconds after start-up
+        assert r0.wait(90) == 1, r0.stderr
+        waited = time.monotonic() - t0
+        lines = r0.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in r0.stderr, r0.stderr
+        if fault == "kill":
+            assert lines[0].startswith(f"mpt train: error: rank 0 lost rank 1 (pid {r1.proc.pid}) during step 3 ("), lines
+            assert r1.wait(5) == -signal.SIGKILL
+        else:
+            assert lines[0].startswith("mpt train: error: rank 0: communication with another rank failed during step ")
+            assert "Timed out waiting 20000ms" in lines[0] and 18 < waited < 60, (lines, waited)
+        assert waited < 60
+        assert r0.survivors() == []
+    finally:
+        r0.kill()
+        r1.kill()
+
+
+def test_killing_the_launcher_takes_its_ranks_down(tmp_path):
+    """SIGKILL of `mpt train` itself (not its ranks): each rank gets SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and no process is left behind."""
+    metrics = tmp_path / "m.jsonl"
+    job = mpt_job(tmp_path, "--steps", "400", "--metrics", str(metrics))
+    try:
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and rows(metrics)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ranks = [rank_pid(job.mark, r) for r in (0, 1)]
+        assert None not in ranks
+        job.proc.kill()
+        assert job.wait(10) == -signal.SIGKILL
+        assert job.survivors(settle_s=10) == []
+    finally:
+        job.kill()
+
+
+def test_torchrun_max_restarts_with_resume_auto_resumes_bitwise(tmp_path, reference):
+    """Under torchrun the agent stops the survivor and restarts both ranks; --resume auto picks up the
+    latest checkpoint (and starts fresh on the first attempt), so the run ends as the uninterrupted one."""
+    root, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = torchrun_job(tmp_path, "--save-dir", str(root), "--save-every", "2", "--metrics", str(metrics),
+                       "--resume", "auto", faults={"kill": {"rank": 1, "step": 5}})
+    assert finish(job, 150) == 0, job.stderr[-3000:]
+    assert "--resume auto: " in job.stdout and "holds no committed checkpoint yet, starting from step 0" in job.stdout
+    assert f"resumed from {root / 'step-00000004'} at step 4" in job.stdout
+    # the survivor names the lost rank; torchrun's agent reports it too (whichever exit it saw first)
+    assert "mpt train: error: rank 0 lost rank 1 (pid " in job.stderr, job.stderr[-3000:]
+    assert_same_run(root, metrics, reference)
+
+
+# -- 2. killed during a checkpoint save ---------------------------------------------------------------
+
+def test_a_rank_killed_inside_a_save_leaves_latest_on_the_previous_checkpoint(tmp_path, reference):
+    """Rank 1 dies after writing its shards of step 4, before the commit: the job stops (137, both
+    ranks named), `latest` still names step 2, which verifies; --resume auto finishes bitwise."""
+    root, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = mpt_job(tmp_path, "--save-dir", str(root), "--save-every", "2", "--metrics", str(metrics),
+                  faults={"kill": {"rank": 1, "step": 4, "in": "save"}})
+    assert finish(job, 90) == 128 + signal.SIGKILL, job.stderr
+    err = job.stderr.strip().splitlines()
+    assert err[-1] == "mpt train: rank 1 died (signal 9, SIGKILL) while saving step 4; stopping ranks 0", err
+    assert err[0].startswith("mpt train: error: rank 0 lost rank 1 (pid ") and "while saving step 4" in err[0], err
+    assert (root / "latest").read_text() == "step-00000002\n"
+    scratch = root / ".tmp-step-00000004"
+    assert (scratch / "rng" / "rank-00001.safetensors").is_file() and not (scratch / "manifest.json").exists()
+    ck = open_checkpoint(root)
+    ck.verify()
+    assert ck.step == 2
+    again = mpt_job(tmp_path, "--save-dir", str(root), "--save-every", "2", "--metrics", str(metrics),
+                    "--resume", "auto", name="again")
+    assert finish(again, 90) == 0, again.stderr
+    assert f"resumed from {root / 'step-00000002'} at step 2" in again.stdout
+    assert not scratch.exists()
+    assert_same_run(root, metrics, reference)
+
+
+# -- 3. damaged checkpoints (truncated and modified shards: tests/test_resume.py) ----------------------
+
+def test_a_missing_shard_is_refused_with_its_name(tmp_path, reference, capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(reference[0] / "step-00000008", ck)
+    (ck / "optim" / "h.2.safetensors").unlink()
+    code = main([*TRAIN_ONE_RANK, "--resume", str(ck)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "optim/h.2.safetensors" in err and "missing" in err, err
+
+
+TRAIN_ONE_RANK = ["train", "--model", "gpt-tiny", "--data", "synthetic", "--micro-batch", "2", "--seq-len", "16",
+                  "--microbatches", "3", "--threads", "1", "--no-progress", "--pp", "1", "--steps", "9"]
+
+
+# -- 4. non-finite training ---------------------------------------------------------------------------
+
+def test_nonfinite_steps_are_skipped_by_every_rank_and_a_streak_stops_the_run(tmp_path):
+    """fp32, saving every step, --max-skips 3: rank 0's gradients are inf at step 2 (one skip, the run
+    goes on), rank 1's loss is inf at steps 4-7. Every rank skips those steps, nothing is saved at a
+    skipped step, the third skip in a row stops the run (exit 3, one line) with `latest` on step 3."""
+    root, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    faults = {"nonfinite": [{"rank": 0, "steps": [2], "kind": "grad"},
+                            {"rank": 1, "steps": [4, 5, 6, 7], "kind": "loss"}]}
+    job = mpt_job(tmp_path, "--save-dir", str(root), "--save-every", "1", "--keep", "0", "--max-skips", "3",
+                  "--metrics", str(metrics), faults=faults)
+    assert finish(job, 90) == 3, job.stderr
+    got = rows(metrics)
+    assert [r["skipped"] for r in got] == [False, True, False, True, True, True]
+    assert [math.isnan(r["grad_norm"]) for r in got] == [False, True, False, True, True, True]
+    assert "step 2 skipped on every rank: non-finite gradients on some rank in fp32; parameters and optimizer " \
+           "state unchanged (1 in a row, --max-skips 3)" in job.stdout
+    assert "step 6 skipped on every rank: non-finite loss and gradients on some rank in fp32" in job.stdout
+    assert job.stderr.strip() == (
+        "mpt train: error: 3 consecutive steps skipped (steps 4-6): non-finite loss and gradients on some rank "
+        f"in fp32; stopping, the last good checkpoint is {root / 'step-00000003'} (lower --lr, check the data, "
+        "or raise --max-skips above 3)")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001", "step-00000003"]
+    assert (root / "latest").read_text() == "step-00000003\n"
+    step_count = tensors(root)["h.0.attn.qkv.weight:step"]
+    assert step_count.item() == 2  # steps 1 and 3 were applied; the skipped step 2 left AdamW's count alone
+
+
+def test_fp16_skips_count_only_once_the_scale_cannot_drop():
+    """fp16 overflows lower the scale (the scaler's job, not a streak) until --min-loss-scale; from
+    there each one counts. fp32 has no scaler: every skip counts."""
+    from mp_toolkit.engine.pipeline import StepStats
+
+    scaler = DynamicLossScaler(initial_scale_power=2, hysteresis=1, min_loss_scale=1.0)
+    streak = SkipStreak(limit=20)
+    counted = []
+    for step in range(1, 6):
+        stats = StepStats(loss=float("inf"), grad_norm=float("nan"), skipped=True, loss_scale=scaler.scale,
+                          nonfinite="gradients")
+        scaler.update(True)
+        counted.append(streak.update(step, stats, scaler))
+    assert counted == [False, False, True, True, True] and (streak.first, streak.count) == (3, 3)
+    fp32 = SkipStreak(limit=2)
+    ok = StepStats(loss=1.0, grad_norm=1.0)
+    bad = StepStats(loss=float("nan"), grad_norm=float("nan"), skipped=True, nonfinite="loss")
+    assert [fp32.update(s, x, None) for s, x in enumerate([bad, ok, bad, bad], 1)] == [True, False, True, True]
+    assert (fp32.first, fp32.count) == (3, 2)
+
+
+# -- flags and hooks ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,mentions", [
+    (["--restarts", "2"], "--restarts 2 needs --save-dir and --save-every N"),
+    (["--restarts", "2", "--save-dir", "x"], "--restarts 2 needs --save-dir and --save-every N"),
+    (["--restarts", "-1"], "--restarts -1 is out of range"),
+    (["--max-skips", "0"], "--max-skips 0 is out of range"),
+    (["--resume", "auto"], "--resume auto needs --save-dir"),
+])
+def test_restart_and_skip_flags_are_checked_before_any_rank_starts(capsys, args, mentions):
+    code = main([*TRAIN_ONE_RANK, *args])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and mentions in err, err
+
+
+def test_restarts_under_a_launcher_points_at_its_own_restarts(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = main([*TRAIN_ONE_RANK, "--restarts", "1", "--save-dir", str(tmp_path), "--save-every", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "torchrun --max-restarts N) and pass --resume auto" in err, err
+
+
+def test_the_fault_hook_is_parsed_strictly(monkeypatch):
+    faults = Faults.parse('{"kill": {"rank": 1, "step": 5, "in": "save"}, '
+                          '"nonfinite": [{"rank": 0, "steps": [2, 3], "kind": "loss"}]}')
+    assert faults.kill == (1, 5, "save") and faults.nonfinite == ((0, 2, "loss"), (0, 3, "loss"))
+    assert faults.nonfinite_at(0, 3) == "loss" and faults.nonfinite_at(1, 3) is None
+    env = LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, attempt=1, faults=faults)
+    faults.kill_here(env, 5, "save")  # a restart (attempt 1) is never killed: this process lives on
+    from mp_toolkit.config import ConfigError
+    for text in ('{"kill": {"rank": 1}}', '{"kill": {"rank": 1, "step": 2, "in": "later"}}', "kill=1"):
+        with pytest.raises(ConfigError, match="MPT_FAULTS"):
+            Faults.parse(text)
