@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mp_toolkit.cli import main
+from tests.cli_helpers import assert_one_line_exit_2
 
 BASE = ["train", "--data", "synthetic", "--steps", "3", "--microbatches", "3", "--micro-batch", "2",
         "--seq-len", "16", "--threads", "1", "--no-progress", "--lr", "1e-2"]
@@ -72,16 +72,7 @@ def test_launcher_world_must_be_pp_tp_dp(capsys, monkeypatch):
 
 
 def _bad(capsys, *args, mentions):
-    """In-process: every check runs before any rank is started."""
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, (code, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert mentions in lines[0], lines[0]
+    assert_one_line_exit_2(capsys, args, mentions)
 
 
 def test_bad_input_from_a_real_process_is_one_line_exit_2():

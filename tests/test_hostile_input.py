@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mp_toolkit.cli import main
+from tests.cli_helpers import assert_one_line_exit_2
 from mp_toolkit.config import ConfigError
 from mp_toolkit.ds_config import read_ds_config
 
@@ -36,13 +36,7 @@ bad_float = st.one_of(st.sampled_from(["nan", "-1", "0", "-inf", "inf", "abc", "
 
 
 def one_line_exit_2(capsys, argv) -> None:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse errors
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, (argv, err)
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert_one_line_exit_2(capsys, argv)
 
 
 PLAN = ["plan", "--model", "gpt-tiny", "--pp", "2", "--seq-len", "16", "--tflops", "0.05"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mp_toolkit.cli import build_parser, main, train_config
+from tests.cli_helpers import assert_one_line_exit_2
 from mp_toolkit.config import TrainConfig
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
 from mp_toolkit.optim.lr import WarmupDecayLR, WarmupLR
@@ -124,15 +125,7 @@ def test_an_in_process_run_follows_the_config_and_lists_ignored_keys_once(tmp_pa
 
 
 def _bad(capsys, *args, mentions):
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, (code, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert mentions in lines[0], lines[0]
+    assert_one_line_exit_2(capsys, args, mentions)
 
 
 def test_config_errors_are_one_line_naming_the_key(tmp_path, capsys):
