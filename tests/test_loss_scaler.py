@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mp_toolkit.optim import DynamicLossScaler, has_inf_or_nan
+from mp_toolkit.optim.clip import tensor_norms
 
 
 def scales_after(scaler, overflows):
@@ -129,3 +130,16 @@ def test_has_inf_or_nan():
     half = torch.ones(8, dtype=torch.float16)
     half[3] = 70000.0                                  # overflows fp16 to inf
     assert has_inf_or_nan([None, half]) is True
+
+
+def test_has_inf_or_nan_reads_the_norms_it_is_given():
+    """The step hands over the 2-norms it takes for clipping: one pass over the gradients."""
+    ts = [torch.randn(100), torch.full((3, 3), 1e30), torch.randn(7, 5)]
+    norms = tensor_norms(ts)
+    assert torch.isinf(norms[1]) and torch.isfinite(norms[[0, 2]]).all()  # 1e30 squared overflows fp32
+    assert has_inf_or_nan(ts, norms) is False  # ... so that tensor is scanned element by element
+    assert has_inf_or_nan(ts, torch.tensor([1.0, 2.0, math.nan])) is False  # a nan norm alone is rechecked
+    ts[2][4, 4] = math.nan
+    assert has_inf_or_nan(ts, tensor_norms(ts)) is True
+    with pytest.raises(ValueError, match="2 norms for 3 tensors"):
+        has_inf_or_nan(ts, norms[:2])

@@ -26,8 +26,9 @@ def test_lamb_lars_with_clipping_bitwise_equal_unsplit(optimizer, schedule):
 
 
 def test_torch_optimizers_take_the_same_path_bitwise():
-    """Adam, Adagrad, RMSprop and SGD through masters, overflow check and clipping: still exact."""
-    pairs = [("adam", "gpipe"), ("adagrad", "1f1b"), ("rmsprop", "zbh1"), ("sgd", "1f1b")]
+    """Adam and AdamW (fused kernels), Adagrad, RMSprop and SGD through masters, overflow check and
+    clipping, ZB-H1's split backward included: still exact."""
+    pairs = [("adam", "gpipe"), ("adagrad", "1f1b"), ("rmsprop", "zbh1"), ("sgd", "1f1b"), ("adamw", "zbh1")]
     reports = run_world(many_optimizers_oracle, 2, pairs, timeout_s=180)
     for rank_reports in reports:
         for (optimizer, _), (unequal, norms, ref_norms, trust) in zip(pairs, rank_reports):

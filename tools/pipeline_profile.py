@@ -8,8 +8,9 @@ live only in the profiled process:
   per stage and per micro-batch;
 * p2p: ``P2P.exchange`` (post + wait for the receives of one batched call; the post alone is
   ``dist.batch_isend_irecv``) and ``P2P.wait_sends`` at the end of the schedule;
-* the step: ``OptimizerStep.__call__`` split into unscale (``grads_to_master``), the inf/nan
-  scan, the overflow all-reduce, the global norm (with its all-reduce), the optimizer step;
+* the step: ``OptimizerStep.__call__`` split into unscale (``grads_to_master``), the
+  gradients' 2-norms (one pass, for the inf/nan test and the norm), the inf/nan test on them,
+  the overflow all-reduce, the global norm (with its all-reduce), the optimizer step;
 * ``global_mean_loss`` (the loss broadcast), and what is left: executor bookkeeping.
 
 Then a ping-pong of one activation message gives the transfer cost of a message on its own,
@@ -95,6 +96,7 @@ class Profiler:
         self._wrap(p2p.P2P, "wait_sends", "p2p wait_sends")
         self._wrap(step.OptimizerStep, "__call__", "optimizer step (all)")
         self._wrap(master.MasterWeights, "grads_to_master", "step: grads_to_master")
+        self._wrap(step, "tensor_norms", "step: grad 2-norms (inf/nan + norm)")
         self._wrap(step, "has_inf_or_nan", "step: inf/nan scan")
         self._wrap(step, "any_rank_true", "step: overflow all-reduce")
         self._wrap(step, "global_grad_norm", "step: grad norm + all-reduce")
@@ -183,8 +185,8 @@ def ping_pong(peer, repeats: int = 20) -> dict:
 
 # --- the parent side: run, print the breakdown -------------------------------------------------
 
-STEP_PARTS = ("step: grads_to_master", "step: inf/nan scan", "step: overflow all-reduce",
-              "step: grad norm + all-reduce", "step: AdamW", "step: zero_grad")
+STEP_PARTS = ("step: grads_to_master", "step: grad 2-norms (inf/nan + norm)", "step: inf/nan scan",
+              "step: overflow all-reduce", "step: grad norm + all-reduce", "step: AdamW", "step: zero_grad")
 
 
 def breakdown(prof: dict, step_ms: float) -> dict[str, float]:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import StageModule
 from mp_toolkit.parallel.p2p import P2P, TensorSpec, as_tuple
 from mp_toolkit.schedule import Action, Kind
@@ -151,24 +152,31 @@ class Executor:
         self._hand_back(s, k, tuple(_or_zeros(t.grad, t) for t in _float_parts(inputs)))
 
     def _backward_input(self, a: Action) -> None:
-        """I of zero-bubble schedules: input gradients only; the graph is kept for W."""
+        """I of zero-bubble schedules: input gradients only; W's share of the graph is kept for W
+        (`mp_toolkit.engine.split_backward`)."""
         s, k = a.stage, a.microbatch
         roots, grads = self._roots(s, k)
         inputs, _ = self._outputs[(s, k)]
         leaves = [t for t in _float_parts(inputs) if t.requires_grad]
-        got = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True) if roots and leaves else ()
+        got, weight_pass = split_backward_input(roots, grads, leaves, self._params(s))
         by_leaf = dict(zip(map(id, leaves), got))
         self._hand_back(s, k, tuple(_or_zeros(by_leaf.get(id(t)), t) for t in _float_parts(inputs)))
-        self._deferred[(s, k)] = (roots, grads)
+        self._deferred[(s, k)] = (roots, grads, weight_pass)
 
     def _backward_weight(self, a: Action) -> None:
         """W of zero-bubble schedules: weight gradients, accumulated in micro-batch order."""
         s, k = a.stage, a.microbatch
-        roots, grads = self._deferred.pop((s, k))
+        roots, grads, weight_pass = self._deferred.pop((s, k))
         self._outputs.pop((s, k))
-        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        if weight_pass is not None:
+            weight_pass.run()
+            return
+        params = self._params(s)  # no split (the first stage): the whole backward, towards the weights only
         if roots and params:
             torch.autograd.backward(roots, grads, inputs=params)
+
+    def _params(self, stage: int) -> list[torch.nn.Parameter]:
+        return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def _local(self, stage: int) -> bool:
         return self.stage_to_rank[stage] == self.rank

@@ -3,6 +3,7 @@
     average gradients over data-parallel replicas (buckets posted during the schedule; wait)
       -> unscale (model grads -> fp32 master grads x 1/loss_scale)
       -> sum tied-weight gradients over their stages
+      -> per-tensor gradient 2-norms, one pass (read again by the two steps below)
       -> overflow consensus: inf/nan in a gradient or the loss on any rank means every rank skips
          (in every precision: fp16's scaler then lowers the scale; fp32 / bf16 just skip)
       -> global gradient norm over all stages and tensor shards (tied weights and
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mp_toolkit.engine.ties import TiedGradients
-from mp_toolkit.optim.clip import clip_by_global_norm, global_grad_norm
+from mp_toolkit.optim.clip import clip_by_global_norm, global_grad_norm, tensor_norms
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler, has_inf_or_nan
 from mp_toolkit.optim.master import MasterWeights
 from mp_toolkit.parallel.context import ParallelContext
@@ -67,6 +68,14 @@ class OptimizerStep:
         self.clip_grad, self.scaler, self.dp_grads = clip_grad, scaler, dp_grads
         self.counted = [masters.of(p) for p in masters.model if ties.counted_in_norm(p)]
 
+    def _counted_norms(self, with_grad: list[torch.Tensor], norms: torch.Tensor) -> torch.Tensor:
+        """The norms of the counted masters that have a gradient, in `global_grad_norm`'s order
+        (an empty gradient's norm is 0)."""
+        index = {id(m): i for i, m in enumerate(with_grad)}
+        picked = [norms[index[id(m)]] if id(m) in index else torch.zeros((), dtype=norms.dtype, device=norms.device)
+                  for m in self.counted if m.grad is not None]
+        return torch.stack(picked) if picked else norms[:0]
+
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
@@ -78,14 +87,16 @@ class OptimizerStep:
             self.dp_grads.finish_grad_sync()
         self.masters.grads_to_master(1.0 / scale)
         self.ties.all_reduce(self.masters.of)
+        # One pass over the gradients: their 2-norms serve the inf/nan test and the global norm.
+        with_grad = [m for m in self.masters.master if m.grad is not None and m.grad.numel() > 0]
+        norms = tensor_norms([m.grad for m in with_grad])
         bad_grads, bad_loss = any_rank_true(
-            (has_inf_or_nan([m.grad for m in self.masters.master if m.grad is not None]), nonfinite_loss),
-            self.ctx.device)
+            (has_inf_or_nan([m.grad for m in with_grad], norms), nonfinite_loss), self.ctx.device)
         overflow = bad_grads or bad_loss
         norm = float("nan")
         if not overflow:
             total = global_grad_norm(self.counted, group=self.ctx.model_group, device=self.ctx.device,
-                                     tp_group=self.ctx.tp_group)
+                                     tp_group=self.ctx.tp_group, norms=self._counted_norms(with_grad, norms))
             norm = float(total)
             if self.clip_grad is not None:
                 clip_by_global_norm(self.masters.master, total, self.clip_grad)

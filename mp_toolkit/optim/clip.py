@@ -2,7 +2,8 @@
 invariant 6).
 
 The arithmetic is `torch.nn.utils.clip_grad_norm_`'s, spread over ranks: each rank takes the
-2-norm of each of its gradients, the per-tensor norms of all ranks are gathered in rank order
+2-norm of each of its gradients (`tensor_norms`, one multi-tensor pass that the step's inf/nan
+test reuses), the per-tensor norms of all ranks are gathered in rank order
 (= stage order, as the stages' parameters follow the unsplit model's order), and every rank
 reduces that same vector the same way, so all ranks hold the same norm and, for pipeline-only
 runs, the very bits `clip_grad_norm_` computes on the unsplit model. The coefficient is
@@ -58,20 +59,31 @@ def whole_tensor_norms(norms: torch.Tensor, sharded: list[bool], tp_group) -> to
     return whole if dist.get_rank(tp_group) == 0 else whole[:0]
 
 
-def global_grad_norm(counted: Iterable[torch.Tensor], group=None, device=None, tp_group=None) -> torch.Tensor:
+def tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(n,) fp32 2-norms of ``tensors`` from one multi-tensor reduction (on CPU bitwise
+    ``vector_norm`` per tensor, on CUDA the kernel `clip_grad_norm_` uses)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.stack([n.float().to(norms[0].device) for n in norms])
+
+
+def global_grad_norm(counted: Iterable[torch.Tensor], group=None, device=None, tp_group=None,
+                     norms: torch.Tensor | None = None) -> torch.Tensor:
     """The 2-norm of all counted gradients of every rank in ``group`` (None: this rank alone).
 
     ``group`` is the model-parallel group (pp x tp) of this replica; ``tp_group`` this rank's
     tensor-parallel group, or None without tensor parallelism (the pipeline-only path is bitwise
-    `clip_grad_norm_`'s).
+    `clip_grad_norm_`'s). ``norms``: the `tensor_norms` of the counted gradients (of the tensors
+    that have one, in order) when the caller already took them, so no second pass reads them.
     """
     params = [p for p in counted if p.grad is not None]
     device = device or (params[0].grad.device if params else torch.device("cpu"))
-    if params:
-        norms = torch.stack([torch.linalg.vector_norm(p.grad, 2.0).float() for p in params]).to(device)
-    else:
-        norms = torch.zeros(0, dtype=torch.float32, device=device)
-    norms = whole_tensor_norms(norms, [is_tensor_parallel(p) for p in params], tp_group)
+    if norms is None:
+        norms = tensor_norms([p.grad for p in params])
+    if len(norms) != len(params):
+        raise ValueError(f"global_grad_norm: {len(norms)} norms for {len(params)} gradients")
+    norms = whole_tensor_norms(norms.to(device), [is_tensor_parallel(p) for p in params], tp_group)
     if group is not None:
         norms = _gather_norms(norms, group)
     return torch.linalg.vector_norm(norms, 2.0)

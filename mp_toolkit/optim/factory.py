@@ -78,13 +78,24 @@ def _given(**kwargs) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def _adam_kernel(params: Sequence[torch.Tensor]) -> dict:
+    """torch's fused Adam / AdamW kernel where it applies (floating tensors on CPU or CUDA), else
+    the multi-tensor one. Fused makes one sweep over each tensor's param, grad and moments where
+    foreach runs one operation per term of the update (one CPU thread, a 5.3M-parameter stage:
+    3 ms against 14 ms); it rounds differently (~1 ulp), so a reference that must match bitwise
+    builds its optimizer here too."""
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return {"fused": True} if fused else {"foreach": True}
+
+
 def build_optimizer(name: str, named_params: Sequence[tuple[str, torch.nn.Parameter]], lr: float,
                     weight_decay: float = 0.0, tp_group=None,
                     options: OptimizerOptions = OptimizerOptions()) -> torch.optim.Optimizer:
     """One optimizer over ``named_params`` (names as in the unsplit LayerList).
 
     LAMB and LARS exclude biases and norm weights from decay and layer adaptation
-    (`lamb_param_groups`); torch's optimizers get one group, as a user would write them.
+    (`lamb_param_groups`); torch's optimizers get one group, as a user would write them, and
+    their multi-tensor kernels (Adam and AdamW the fused one, `_adam_kernel`).
     ``tp_group`` (the tensor-parallel group, `ParallelContext.tp_group`) lets LAMB and LARS sum the
     squared norms of tensor-parallel shards into whole-tensor trust ratios; torch's optimizers are
     element-wise and need no group. ``options`` are checked by `check_optimizer_options`.
@@ -99,10 +110,10 @@ def build_optimizer(name: str, named_params: Sequence[tuple[str, torch.nn.Parame
     if name == "lars":
         return LARS(lamb_param_groups(named_params, weight_decay), lr=lr, tp_group=tp_group,
                     **_given(momentum=o.momentum, eps=o.eps, trust_coefficient=o.trust_coefficient))
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True, **_given(betas=o.betas, eps=o.eps))
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=True, **_given(betas=o.betas, eps=o.eps))
+    if name in ("adamw", "adam"):
+        kind = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        return kind(params, lr=lr, weight_decay=weight_decay, **_adam_kernel(params),
+                    **_given(betas=o.betas, eps=o.eps))
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay, foreach=True, **_given(eps=o.eps))
     if name == "rmsprop":

@@ -30,20 +30,30 @@ from collections.abc import Iterable
 
 import torch
 
+from mp_toolkit.optim.clip import tensor_norms
 
-def has_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> bool:
+
+def has_inf_or_nan(tensors: Iterable[torch.Tensor | None], norms: torch.Tensor | None = None) -> bool:
     """True when any element of any tensor is inf or nan.
 
-    One multi-tensor reduction (the max-abs norm of every tensor, which propagates nan and is
-    never inf for finite values, so large finite gradients are not mistaken for overflow), then
-    one host sync. ``None`` and empty tensors are skipped.
+    One multi-tensor 2-norm per tensor (or ``norms``: the `tensor_norms` the caller already took
+    of the same non-empty tensors, in order, for clipping), then one host sync: inf and nan
+    propagate into a 2-norm, so a finite one proves its tensor finite. A tensor whose 2-norm is
+    not finite is scanned element by element, because squares of large finite values overflow
+    (|x| > ~1.8e19 in fp32): large finite gradients are not mistaken for overflow. ``None`` and
+    empty tensors are skipped.
     """
     ts = [t for t in tensors if t is not None and t.numel() > 0]
     if not ts:
         return False
-    maxima = torch._foreach_norm(ts, ord=math.inf)
-    dev = maxima[0].device
-    return not bool(torch.isfinite(torch.stack([m.float().to(dev) for m in maxima])).all())
+    if norms is None:
+        norms = tensor_norms(ts)
+    if len(norms) != len(ts):
+        raise ValueError(f"has_inf_or_nan: {len(norms)} norms for {len(ts)} tensors")
+    finite = torch.isfinite(norms)
+    if bool(finite.all()):
+        return False
+    return any(not bool(torch.isfinite(ts[i]).all()) for i in (~finite).nonzero().flatten().tolist())
 
 
 def _check_number(name: str, value, need: str, ok) -> None:

@@ -1,0 +1,200 @@
+"""The zero-bubble split of one stage's backward (Qi et al. 2023, "Zero Bubble Pipeline
+Parallelism", section 2): ``I`` computes the input gradients now, ``W`` the weight gradients later,
+and no part of the backward runs twice.
+
+The autograd graph of one (stage, micro-batch), from its roots (the loss, or the stage outputs)
+down to the leaves, falls into two regions:
+
+* the *input region*: every node on a path from a root to a stage input. ``I`` is
+  ``autograd.grad(roots, inputs, retain_graph=True)``: autograd runs exactly these nodes, and each
+  computes only the outputs that lead to an input (a Linear's ``AddmmBackward`` computes
+  ``grad_out @ W`` for its input, not ``x^T grad_out`` for its weight);
+* the *weight region*: the nodes between the input region and the parameters' ``AccumulateGrad``.
+
+The *intermediates* are the input-region nodes with an edge into the weight region (for a GPT
+block: the four ``AddmmBackward`` and the two ``NativeLayerNormBackward``). During ``I`` a pre-hook
+records the gradient each one receives; ``W`` re-enters the graph there, one
+``autograd.grad(GradientEdge(intermediate), its group's parameters, recorded gradient)`` per
+group of parameters that share intermediates: the intermediate runs again for its weight outputs
+only, then the weight region below it. Every weight gradient is the very kernel call of an
+unsplit backward on the very same operands, and ``W`` adds it to ``.grad`` as ``AccumulateGrad``
+does (``grad += new``), so a pipeline's gradients stay bitwise those of a full backward.
+
+`split_backward_input` returns None (the caller then keeps the whole graph and runs an ordinary
+backward towards the weights in ``W``) when the split does not apply or could be wrong: no stage
+input needs a gradient (the first stage: the whole backward is weight work), a parameter reached
+from a root without passing the input region, or a group whose intermediates lead into each
+other (a weight used twice in a row: its second use's gradient already includes the first's
+path, so re-entering at both would count it twice), or an intermediate that is a custom
+``autograd.Function`` (its backward computes every output whatever is asked, and may communicate:
+running it again in ``W`` would repeat that work and its collectives).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class _Group:
+    """Parameters whose weight gradients are reached from the same intermediates."""
+
+    params: list[torch.nn.Parameter]
+    nodes: list[Node]
+
+
+@dataclass
+class WeightPass:
+    """What ``W`` needs of one (stage, micro-batch): the groups and their recorded gradients."""
+
+    groups: list[_Group]
+    recorded: dict[Node, tuple]
+
+    def run(self) -> None:
+        """Add every group's weight gradients to ``.grad`` (groups in parameter order)."""
+        for group in self.groups:
+            edges, grads = [], []
+            for node in group.nodes:
+                for i, g in enumerate(self.recorded.get(node, ())):
+                    if g is not None:
+                        edges.append(GradientEdge(node, i))
+                        grads.append(g)
+            if not edges:  # no gradient reached this group: its weights get none, as in a full backward
+                continue
+            # Each group's nodes are its own (see `_groups`), so its part of the graph is freed here.
+            got = torch.autograd.grad(edges, [get_gradient_edge(p) for p in group.params], grads,
+                                      allow_unused=True)
+            for p, g in zip(group.params, got):
+                if g is not None:
+                    _accumulate(p, g)
+        self.recorded.clear()
+
+
+def _accumulate(p: torch.nn.Parameter, g: torch.Tensor) -> None:
+    """``AccumulateGrad``'s arithmetic: the first gradient is stored (in the parameter's layout),
+    later ones are added in place."""
+    if p.grad is None:
+        p.grad = g if g.stride() == p.stride() else torch.empty_strided(p.size(), p.stride(), dtype=p.dtype,
+                                                                         device=p.device).copy_(g)
+    else:
+        p.grad += g
+
+
+def _reverse_graph(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """node -> the nodes that feed it a gradient (its consumers in the forward), for every node
+    reachable from ``roots``."""
+    parents: dict[Node, list[Node]] = {r: [] for r in roots}
+    queue = deque(roots)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                queue.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _upward(start: Sequence[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes reached from ``start`` towards the roots without entering ``stop``; and the ``stop``
+    nodes met on the way."""
+    seen, met = set(start), set()
+    queue = deque(start)
+    while queue:
+        for parent in parents[queue.popleft()]:
+            if parent in stop:
+                met.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+    return seen, met
+
+
+def _reaches(src: Node, targets: set[Node], region: set[Node]) -> bool:
+    """Whether a path from ``src`` through ``region`` nodes arrives at one of ``targets``."""
+    seen, stack = {src}, [src]
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child in targets:
+                return True
+            if child in region and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return False
+
+
+def _groups(parents: dict[Node, list[Node]], roots: set[Node], region: set[Node],
+            params: Sequence[torch.nn.Parameter]) -> list[_Group] | None:
+    """Parameters grouped by shared intermediates, in parameter order; None when the split does not apply."""
+    by_node: dict[Node, int] = {}   # intermediate -> index of its group
+    groups: list[_Group] = []
+    for p in params:
+        acc = get_gradient_edge(p).node
+        if acc not in parents:  # not used by this micro-batch: no gradient, as in a full backward
+            continue
+        above, met = _upward([acc], parents, region)
+        if above & roots:  # a root leads to this weight without passing the input region
+            return None
+        mine = {by_node[n] for n in met if n in by_node}
+        if not mine:
+            groups.append(_Group([], []))
+            mine = {len(groups) - 1}
+        keep, *others = sorted(mine)
+        for other in others:  # merge the groups that share an intermediate with this weight
+            groups[keep].params += groups[other].params
+            groups[keep].nodes += groups[other].nodes
+            groups[other] = _Group([], [])
+        groups[keep].params.append(p)
+        groups[keep].nodes += [n for n in met if n not in groups[keep].nodes]
+        for n in groups[keep].nodes:
+            by_node[n] = keep
+    groups = [g for g in groups if g.params]
+    if any(isinstance(n, BackwardCFunction) for g in groups for n in g.nodes):
+        return None
+    for g in groups:
+        if len(g.nodes) > 1 and any(_reaches(n, set(g.nodes) - {n}, region) for n in g.nodes):
+            return None
+    return groups
+
+
+def split_backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
+                         leaves: Sequence[torch.Tensor], params: Sequence[torch.nn.Parameter]
+                         ) -> tuple[tuple[torch.Tensor | None, ...], WeightPass | None]:
+    """``I``: the gradients of ``leaves`` (the stage inputs that require one) and what ``W`` needs.
+
+    Returns the input gradients (None for an input the roots do not depend on) and the
+    `WeightPass`, or None when the split does not apply (the graph is kept whole either way:
+    ``retain_graph=True``).
+    """
+    if not roots or not leaves:
+        return (None,) * len(leaves), None
+    root_nodes = [get_gradient_edge(r).node for r in roots]
+    parents = _reverse_graph(root_nodes)
+    input_nodes = [n for n in (get_gradient_edge(x).node for x in leaves) if n in parents]
+    region, _ = _upward(input_nodes, parents, set())
+    groups = _groups(parents, set(root_nodes), region, params) if input_nodes else None
+    if groups is None:
+        got = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
+        return got, None
+    recorded: dict[Node, tuple] = {}
+    handles = [n.register_prehook(_recorder(recorded, n)) for g in groups for n in g.nodes]
+    try:
+        got = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return got, WeightPass(groups, recorded)
+
+
+def _recorder(recorded: dict, node: Node):
+    def hook(grad_outputs):
+        recorded[node] = tuple(grad_outputs)
+    return hook
