@@ -10,7 +10,7 @@ import pytest
 
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.memory import MemoryCapError, StageMemory, min_max_memory, min_memory_cut
-from mp_toolkit.partition.planner import PlanRequest, make_plan
+from mp_toolkit.partition.planner import PlanRequest, make_plan, memory_shares
 
 
 def all_cuts(n, p):
@@ -72,6 +72,35 @@ def test_stage_memory_depends_on_stage_index():
     assert mem(0, 0, 2) == 2 + 2 * 20 and mem(1, 2, 4) == 2 + 20
     assert min_max_memory([1, 1, 1, 1], mem, 2, cap=1000) == [0, 2, 4]
     assert min_max_memory([1, 1, 1, 1], mem, 2, cap=35) == [0, 1, 4]
+
+
+def test_a_rank_of_interleaved_chunks_shares_one_workspace_and_fixed_part():
+    mem = StageMemory(static=[10, 20, 30, 40], activation=[1, 2, 3, 4], inflight=[3, 2, 2, 1],
+                      workspace=[100, 0, 50, 7], fixed=1000, step_transient=[0, 0, 0, 0])
+    # rank 0 holds stages 0 (layer 0) and 2 (layer 2): static 40, kept 3*1 + 2*3, one workspace 100
+    assert mem.of_rank([(0, 0, 1), (2, 2, 3)]) == 40 + (3 + 6 + 100) + 1000
+    assert mem.of_rank([(0, 0, 1)]) == mem(0, 0, 1) == 10 + 3 + 100 + 1000
+    # stage by stage the workspace and the fixed part would count twice
+    assert mem(0, 0, 1) + mem(2, 2, 3) - mem.of_rank([(0, 0, 1), (2, 2, 3)]) == 50 + 1000
+    # the shares of a rank's stages add up to the rank; with one stage per rank they are StageMemory
+    shares = memory_shares(mem, [0, 1, 2, 3, 4], (0, 1, 0, 1))
+    assert shares[0] + shares[2] == mem.of_rank([(0, 0, 1), (2, 2, 3)])
+    assert shares[1] + shares[3] == mem.of_rank([(1, 1, 2), (3, 3, 4)]) == 60 + (4 + 4 + 7) + 1000
+    assert memory_shares(mem, [0, 2, 4], (0, 1)) == [mem(0, 0, 2), mem(1, 2, 4)]
+
+
+def test_interleaved_plan_counts_the_fixed_part_once_per_rank():
+    """A rank's second chunk adds only its own weights, states and kept activations: the receive
+    buffers (the fixed part) and the largest workspace are the first chunk's, in one process."""
+    from mp_toolkit.schedule import get_schedule, simulate
+
+    inter = plan(method="uniform", schedule="interleaved", chunks=2, microbatches=4)
+    inflight = simulate(get_schedule("interleaved", 2, 4, num_chunks=2)).peak_inflight
+    second = inter.stages[2]  # rank 0's second chunk; no workspace (only the LM head has one)
+    kept = sum(c.activation_bytes for c in inter.layers[second.first_layer:second.last_layer + 1])
+    assert second.memory_bytes == second.params * 16 + inflight[2] * kept  # fp32 AdamW: 16 bytes per parameter
+    fixed = 2 * max(c.output_bytes for c in inter.layers[:-1])
+    assert inter.stages[0].memory_bytes > fixed  # the first chunk carries it
 
 
 def plan(**kw):

@@ -16,9 +16,31 @@ from mp_toolkit.layers import LayerList
 from .cost import CostModelError, ModelShape
 from mp_toolkit.memstats import release_free_memory, rss_bytes, warm_runtime
 
-from .measure import LayerTiming, measure_layers, measure_optimizer_step
+from .measure import TIMED_MICROBATCHES, LayerTiming, measure_layers, measure_optimizer_step
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def batch_maker(family: str, config):
+    """``make_batch(b, s) -> (inputs, labels)`` of random tokens for a model_zoo GPT ("gpt2") or
+    BERT ("bert") of ``config``, and the loss its last stage applies."""
+    if family == "gpt2":
+        from model_zoo import gpt
+
+        def batch(b: int, s: int):
+            ids = torch.randint(0, config.vocab_size, (b, s + 1))
+            return ids[:, :-1], ids[:, 1:]
+
+        return batch, lambda logits, labels: gpt.lm_loss(logits.float(), labels)
+    from model_zoo import bert
+
+    def batch(b: int, s: int):
+        ids = torch.randint(0, config.vocab_size, (b, s))
+        inputs = (ids, torch.zeros_like(ids), torch.ones_like(ids))
+        mlm = torch.where(torch.rand(b, s) < 0.15, ids, torch.full_like(ids, -100))
+        return inputs, (mlm, torch.randint(0, 2, (b,)))
+
+    return batch, bert.pretraining_loss
 
 
 def build_layer_list(model: str, shape: ModelShape):
@@ -27,26 +49,12 @@ def build_layer_list(model: str, shape: ModelShape):
         from model_zoo import gpt
 
         config = gpt.PRESETS[model] if model in gpt.PRESETS else gpt.get_config(model)
-        layers = LayerList.from_model(gpt.GPT(config))
-
-        def batch(b: int, s: int):
-            ids = torch.randint(0, config.vocab_size, (b, s + 1))
-            return ids[:, :-1], ids[:, 1:]
-
-        return layers, batch, lambda logits, labels: gpt.lm_loss(logits.float(), labels)
+        return (LayerList.from_model(gpt.GPT(config)), *batch_maker("gpt2", config))
     if shape.family == "bert":
         from model_zoo import bert
 
         config = bert.get_config(model)
-        layers = LayerList.from_model(bert.BertForPreTraining(config))
-
-        def batch(b: int, s: int):
-            ids = torch.randint(0, config.vocab_size, (b, s))
-            inputs = (ids, torch.zeros_like(ids), torch.ones_like(ids))
-            mlm = torch.where(torch.rand(b, s) < 0.15, ids, torch.full_like(ids, -100))
-            return inputs, (mlm, torch.randint(0, 2, (b,)))
-
-        return layers, batch, bert.pretraining_loss
+        return (LayerList.from_model(bert.BertForPreTraining(config)), *batch_maker("bert", config))
     raise CostModelError(f"--method time measures GPT-2 and BERT models so far; {model} is a {shape.family} "
                          f"model: use --method flops or memory (FLOP-based times)")
 
@@ -64,7 +72,8 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
     inputs, labels = batch(req.micro_batch, req.seq_len)
     release_free_memory()
     before = rss_bytes()
-    timings = measure_layers(layers, inputs, loss_fn, labels)  # times first, with the default allocator
+    rounds = min(req.microbatches, TIMED_MICROBATCHES)  # per timing round: gradients accumulate as in a step
+    timings = measure_layers(layers, inputs, loss_fn, labels, microbatches=rounds)  # times first, default allocator
     release_free_memory()
     residue = max(0, rss_bytes() - before)  # what computing leaves resident: kernel scratch, caches
     named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in layers.named_parameters()]

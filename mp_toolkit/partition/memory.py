@@ -68,6 +68,21 @@ class StageMemory:
         schedule_peak = self.inflight[stage] * (self._pa[b] - self._pa[a]) + ws
         return (self._ps[b] - self._ps[a]) + max(schedule_peak, self._pt[b] - self._pt[a]) + self.fixed
 
+    def of_rank(self, spans: Sequence[tuple[int, int, int]]) -> int:
+        """Bytes of one rank holding the stages ``[(stage, a, b), ...]`` (interleaved chunks). They
+        share one process: static bytes, kept activations and step temporaries add up, but the
+        largest workspace among all its layers and the fixed part count once::
+
+            sum(static) + max(sum(inflight[j] * activation[a:b]) + max(workspace), sum(step_transient)) + fixed
+        """
+        if not spans:
+            return 0
+        static = sum(self._ps[b] - self._ps[a] for _, a, b in spans)
+        kept = sum(self.inflight[j] * (self._pa[b] - self._pa[a]) for j, a, b in spans)
+        ws = max((max(self.workspace[a:b], default=0) for _, a, b in spans), default=0) if self.workspace else 0
+        step = sum(self._pt[b] - self._pt[a] for _, a, b in spans)
+        return static + max(kept + ws, step) + self.fixed
+
 
 def _prefix(xs: Sequence[int]) -> list[int]:
     out = [0]

@@ -146,7 +146,8 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]):
         times = [(t.forward_s, t.backward_s) for t in timings]
         costs = [replace(c, activation_bytes=t.activation_bytes, workspace_bytes=t.workspace_bytes)
                  for c, t in zip(costs, timings)]
-        source = "measured on this machine (median of 5 after 2 warm-up runs)"
+        source = ("measured on this machine (per micro-batch inside rounds of accumulating micro-batches, "
+                  "median of 3 rounds after 1 warm-up)")
     else:
         tflops = req.tflops or gemm_tflops(req.dtype)
         times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
@@ -227,10 +228,11 @@ def make_plan(req: PlanRequest) -> Plan:
                              f"{need:.3g} GB on stage {e.stage} ({costs[a].name}..{costs[b - 1].name}); "
                              f"use --memory-gb {_round_up(need)} or more") from None
     stages = []
+    shares = memory_shares(memory, bounds, schedule.stage_to_rank)
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         fwd, bwd = sum(t[0] for t in times[a:b]), sum(t[1] for t in times[a:b])
         stages.append(StagePlan(s, a, b - 1, sum(c.params for c in costs[a:b]), 1e3 * (fwd + bwd),
-                                memory(s, a, b), 1e3 * fwd, 1e3 * bwd, 1e3 * sum(opt_s[a:b])))
+                                shares[s], 1e3 * fwd, 1e3 * bwd, 1e3 * sum(opt_s[a:b])))
     # ZB-H1's W re-runs the stage's backward towards the weights (autograd.backward with
     # inputs=params walks the whole graph again), so here W costs a full B and I half of one.
     stage_costs = {st.index: {"F": st.forward_ms, "B": st.backward_ms, "I": st.backward_ms / 2,
@@ -253,6 +255,18 @@ def make_plan(req: PlanRequest) -> Plan:
                 source, timeline=timeline)
     plan.warnings.extend(_memory_warnings(req, plan, schedule))
     return plan
+
+
+def memory_shares(memory: StageMemory, bounds: list[int], stage_to_rank) -> list[int]:
+    """Per stage, what it adds to its rank's peak, so that a rank's stages sum to
+    `StageMemory.of_rank` (one shared workspace and fixed part per process, not one per
+    interleaved chunk); with one stage per rank, `StageMemory` of that stage."""
+    out, held = [], {}
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        before = held.setdefault(stage_to_rank[s], [])
+        out.append(memory.of_rank(before + [(s, a, b)]) - memory.of_rank(before))
+        before.append((s, a, b))
+    return out
 
 
 def _memory_warnings(req: PlanRequest, plan: Plan, schedule) -> list[str]:

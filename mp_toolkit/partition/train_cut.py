@@ -1,0 +1,113 @@
+"""The cut ``mpt train --partition flops|time`` makes for the model being trained.
+
+* ``flops``: `cost.layer_costs` of the model's shape (GPT-2, BERT and Llama families), balanced
+  as ``mpt plan --method flops`` balances them (`solvers.min_max` of forward + backward FLOPs of
+  one micro-batch at tp=1), so both commands cut a model alike. Pure arithmetic: every rank
+  computes the same boundaries.
+* ``time``: each layer timed on this machine (`measure.measure_layers`), on global rank 0 only,
+  and the boundaries broadcast to every rank. Timings differ from rank to rank (and from run to
+  run); two ranks that cut differently would wait on each other's messages forever.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from .cost import CostModelError, layer_costs, shape_from_hf_config
+from .solvers import PartitionError, min_max
+
+
+@dataclass(frozen=True)
+class CutWorkload:
+    """What a ``flops`` or ``time`` cut needs beyond the layer list."""
+
+    config: object
+    """The model's config: model_zoo's GPTConfig / BertConfig, or anything whose ``to_dict()`` is a
+    HuggingFace config dict (an HF model's config, `train_hf.HFSource`)."""
+    micro_batch: int
+    seq_len: int
+    microbatches: int = 4
+    precision: str = "fp32"
+    ctx: object = None
+    """The ParallelContext whose global rank 0 measures a ``time`` cut and broadcasts it; None
+    (checking a config before any rank starts) checks that the model can be timed, and the FLOPs
+    cut stands in for the measured one."""
+
+    @classmethod
+    def of(cls, cfg, config, ctx=None) -> "CutWorkload":
+        """From a TrainConfig and the model's config."""
+        return cls(config, cfg.micro_batch, cfg.seq_len, cfg.microbatches, cfg.precision, ctx)
+
+
+def config_of(model) -> object:
+    """A model's config: model_zoo models carry ``.config``, `train_hf.HFModel` wraps HF's ``.model``."""
+    return getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
+
+
+def _family_and_dict(config) -> tuple[str, dict]:
+    from model_zoo import bert, gpt
+
+    if isinstance(config, gpt.GPTConfig):
+        return "gpt2", {**config.to_dict(), "model_type": "gpt2"}
+    if isinstance(config, bert.BertConfig):
+        return "bert", {**config.to_dict(), "model_type": "bert"}
+    d = config.to_dict() if hasattr(config, "to_dict") else None
+    if not isinstance(d, dict):
+        raise PartitionError(f"the cost model cannot read a {type(config).__name__}: use parameters or uniform")
+    return "hf", d
+
+
+def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_len: int) -> list[int]:
+    """The boundaries of ``mpt plan --method flops`` for the model of ``config``."""
+    _, d = _family_and_dict(config)
+    try:
+        costs = layer_costs(shape_from_hf_config(d, "the model's config"), micro_batch, seq_len)
+    except CostModelError as e:
+        raise PartitionError(f"{e}; use parameters or uniform") from None
+    if len(costs) != num_layers:
+        raise PartitionError(f"the cost model describes {len(costs)} layers but the model has {num_layers}: "
+                             f"use parameters or uniform")
+    return min_max([c.flops_fwd + c.flops_bwd for c in costs], num_stages)
+
+
+def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
+    """Boundaries minimising the slowest stage's measured forward + backward; measured on global
+    rank 0 and broadcast (see the module docstring)."""
+    family, _ = _family_and_dict(work.config)
+    if family == "hf":
+        raise PartitionError("time measures model_zoo GPT and BERT models so far: use flops or parameters")
+    ctx = work.ctx
+    if ctx is None:  # a check before the ranks start: the layers are shapes only
+        return flops_cut(work.config, len(layer_list), num_stages, work.micro_batch, work.seq_len)
+    import torch.distributed as dist
+
+    shared = dist.is_initialized() and dist.get_world_size() > 1
+    bounds = None
+    if not shared or dist.get_rank() == 0:
+        bounds = min_max(_measured_layer_times(layer_list, family, work), num_stages)
+        print(f"--partition time: layers measured on this machine, cut {bounds}", flush=True)
+    if shared:
+        box = [bounds]
+        dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+        bounds = box[0]
+    return bounds
+
+
+def _measured_layer_times(layer_list, family: str, work: CutWorkload) -> list[float]:
+    """Forward + backward seconds per layer of a copy of ``layer_list`` in the run's precision on
+    its device; torch's random state is left as it was (every rank must draw the same data)."""
+    from .build import DTYPES, batch_maker
+    from .measure import TIMED_MICROBATCHES, measure_layers
+
+    batch, loss_fn = batch_maker(family, work.config)
+    device = work.ctx.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        layers = copy.deepcopy(layer_list).to(device=device, dtype=DTYPES.get(work.precision, torch.float32))
+        inputs, labels = batch(work.micro_batch, work.seq_len)
+        move = lambda x: tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)  # noqa: E731
+        timings = measure_layers(layers, move(inputs), loss_fn, move(labels),
+                                 microbatches=min(work.microbatches, TIMED_MICROBATCHES))
+    return [t.forward_s + t.backward_s for t in timings]
