@@ -192,12 +192,14 @@ def _atomic_save(path: Path, write) -> None:
             os.unlink(tmp)
 
 
-def _token_stream(texts: list[str], tokenizer: Tokenizer, cache_file: Path) -> np.ndarray:
-    """All documents' ids, each followed by eos, as one int32 array (cached: encoding is slow)."""
+def _token_stream(texts: list[str], tokenizer: Tokenizer, cache_file: Path, eos: int | None = None) -> np.ndarray:
+    """All documents' ids, each followed by ``eos`` (default: the tokenizer's <|endoftext|>; none when
+    it has none), as one int32 array (cached: encoding is slow)."""
     if cache_file.is_file():
         return np.load(cache_file, allow_pickle=False)
-    eos = tokenizer.token_to_id(EOS_TOKEN)
-    docs = [enc.ids + [eos] for enc in tokenizer.encode_batch(texts)]
+    eos = tokenizer.token_to_id(EOS_TOKEN) if eos is None else eos
+    end = [eos] if eos is not None else []
+    docs = [enc.ids + end for enc in tokenizer.encode_batch(texts)]
     stream = np.fromiter((t for doc in docs for t in doc), dtype=np.int32)
 
     def write(tmp: str) -> None:
@@ -205,6 +207,31 @@ def _token_stream(texts: list[str], tokenizer: Tokenizer, cache_file: Path) -> n
             np.save(f, stream, allow_pickle=False)
 
     _atomic_save(cache_file, write)
+    return stream
+
+
+def load_tokenizer_file(path: str | os.PathLike) -> tuple[Tokenizer, str]:
+    """(a tokenizers ``tokenizer.json``, as HF's ``save_pretrained`` writes it, its content digest)."""
+    try:
+        raw = Path(path).read_bytes()
+        return Tokenizer.from_str(raw.decode("utf-8")), hashlib.sha256(raw).hexdigest()
+    except Exception as e:  # OSError, bad UTF-8, or the plain Exception tokenizers raises on a bad file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"cannot read tokenizer {path}: {reason}") from None
+
+
+def tokenized_stream(texts: list[str], tokenizer_file: str | os.PathLike, vocab_size: int,
+                     cache_dir: str | os.PathLike, eos: int | None = None) -> np.ndarray:
+    """The token stream of ``texts`` under a given tokenizer.json (HF's special tokens as its
+    post-processor adds them, then ``eos``), cached by (corpus, tokenizer file, eos); every id must be
+    below the model's ``vocab_size``."""
+    tokenizer, digest = load_tokenizer_file(tokenizer_file)
+    key = hashlib.sha256(f"{_texts_digest(texts)}:{digest}:{eos}".encode()).hexdigest()[:16]
+    stream = _token_stream(texts, tokenizer, Path(cache_dir) / f"tokens-{key}.npy", eos=eos)
+    top = int(stream.max()) if len(stream) else -1
+    if top >= vocab_size:
+        raise DataError(f"tokenizer {tokenizer_file} gives token id {top}, but the model's vocab_size is {vocab_size}: "
+                        "use the tokenizer the model was built for (ids must be below vocab_size)")
     return stream
 
 
@@ -227,6 +254,8 @@ def build_lm_dataset(
     seed: int,
     cache_dir: Optional[str | os.PathLike],
     synthetic_tokens: Optional[int] = None,
+    tokenizer_file: Optional[str | os.PathLike] = None,
+    eos: Optional[int] = None,
 ) -> datasets.Dataset:
     """A shuffled, torch-formatted dataset of packed ``input_ids`` chunks of ``seq_len + 1``.
 
@@ -235,6 +264,8 @@ def build_lm_dataset(
     4096 sequences), or a file/directory path (see ``read_texts``). The tokenizer is cached under
     ``cache_dir`` (may be None only for "synthetic") beside the encoded token stream, so only the
 first build pays for training and encoding. Equal arguments give bit-identical data.
+    With ``tokenizer_file`` (a ``tokenizer.json``) text is encoded by that tokenizer instead of a
+    trained one (``tokenized_stream``; each document ends with ``eos`` when given).
     """
     if seq_len <= 0:
         raise DataError(f"seq_len={seq_len} must be a positive integer")
@@ -252,9 +283,12 @@ first build pays for training and encoding. Equal arguments give bit-identical d
             texts, _ = read_texts([source])
         if not texts:
             raise DataError(f"corpus {source} has no UTF-8 text")
-        tokenizer = train_tokenizer(texts, vocab_size, cache_dir)
-        key = _cache_key(texts, vocab_size)  # the tokenizer's key: same corpus, same vocabulary
-        stream = _token_stream(texts, tokenizer, Path(cache_dir) / f"tokens-{key}.npy")
+        if tokenizer_file is not None:
+            stream = tokenized_stream(texts, tokenizer_file, vocab_size, cache_dir, eos)
+        else:
+            tokenizer = train_tokenizer(texts, vocab_size, cache_dir)
+            key = _cache_key(texts, vocab_size)  # the tokenizer's key: same corpus, same vocabulary
+            stream = _token_stream(texts, tokenizer, Path(cache_dir) / f"tokens-{key}.npy")
         ds = _packed_dataset(stream, seq_len)
     return ds.shuffle(seed=seed).with_format("torch")
 

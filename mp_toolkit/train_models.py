@@ -1,4 +1,5 @@
-"""The model families `mpt train` trains: GPT (causal LM) and BERT (MLM + NSP pre-training).
+"""The model families `mpt train` trains: GPT (causal LM), BERT (MLM + NSP pre-training) and "hf", a
+HuggingFace save_pretrained directory (`mp_toolkit.train_hf`, ``--hf DIR``).
 
 Each family gives the trainer the same things: a config checked without any process group, a
 plain single-device model (`model_zoo`), its tensor-parallel plan (data next to the model), the
@@ -25,19 +26,26 @@ from torch import nn
 from model_zoo import bert, gpt
 from mp_toolkit.config import ConfigError, TrainConfig
 from mp_toolkit.parallel.context import ParallelContext
-from mp_toolkit.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model family and its config (``gpt.GPTConfig`` or ``bert.BertConfig``)."""
+    """A model family and its config (``gpt.GPTConfig``, ``bert.BertConfig`` or ``train_hf.HFSource``)."""
 
     family: str
     config: object
 
     @property
     def positions(self) -> int:
+        if self.family == "hf":
+            return self.config.positions
         return self.config.n_positions if self.family == "gpt" else self.config.max_position_embeddings
+
+    @property
+    def label(self) -> str:
+        """What the log calls it: the family, and for "hf" the HF architecture."""
+        return f"hf {self.config.architecture}" if self.family == "hf" else self.family
 
     @property
     def vocab_size(self) -> int:
@@ -46,12 +54,16 @@ class ModelSpec:
     def tp_sizes(self) -> dict[str, int]:
         """The sizes a tensor-parallel degree must divide (`check_tensor_parallel`'s keywords)."""
         c = self.config
+        if self.family == "hf":
+            return {}  # `train_hf.check_hf` checks the HF plan's sizes (grouped-query heads too)
         if self.family == "gpt":
             return dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size, vocab=c.vocab_size)
         return dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size, vocab=c.vocab_size)
 
     def build(self) -> nn.Module:
-        """The plain model, initialised from torch's current RNG state."""
+        """The plain model, initialised from torch's current RNG state (hf: the directory's weights)."""
+        if self.family == "hf":
+            return self.config.build()
         return gpt.GPT(self.config) if self.family == "gpt" else bert.BertForPreTraining(self.config)
 
     def to_json(self) -> dict:
@@ -75,7 +87,8 @@ def resolve_model(name: str) -> ModelSpec:
         if kind == "bert":
             return ModelSpec("bert", bert.BertConfig.from_dict(doc))
         if kind != "gpt2":
-            raise ValueError(f"{path}: model_type {kind!r} is not trained by mpt train: use gpt2 or bert")
+            raise ValueError(f"{path}: model_type {kind!r} is not trained by mpt train --model: use gpt2 or bert, "
+                             "or --hf DIR for a save_pretrained directory (Llama, Mistral, Qwen2 too)")
         return ModelSpec("gpt", gpt.GPTConfig.from_dict(doc))
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
@@ -85,6 +98,10 @@ TP_PLANS = {"gpt": gpt.TP_PLAN, "bert": bert.TP_PLAN}
 
 
 def family_of(model: nn.Module) -> str:
+    from mp_toolkit.train_hf import HFModel
+
+    if isinstance(model, HFModel):
+        return "hf"
     if isinstance(model, gpt.GPT):
         return "gpt"
     if isinstance(model, bert.BertForPreTraining):
@@ -99,8 +116,24 @@ def bert_vocab_parallel_loss(outputs, labels, group) -> torch.Tensor:
             + F.cross_entropy(nsp_logits.float(), nsp_labels.reshape(-1)))
 
 
-def loss_function(family: str, ctx: ParallelContext):
+def tensor_parallel(model: nn.Module, layers, ctx: ParallelContext):
+    """This rank's tensor-parallel shard of ``layers`` (the LayerList of ``model``) by its family's plan."""
+    family = family_of(model)
+    if family == "hf":
+        from mp_toolkit.hf import TP_PLANS as HF_PLANS, apply_hf_tensor_parallel, family_of as hf_family
+
+        # BERT has no HF plan; `train_hf.check_hf` allows it --tp 1 only
+        return apply_hf_tensor_parallel(layers, ctx) if hf_family(layers) in HF_PLANS else layers
+    return apply_tensor_parallel(layers, ctx, TP_PLANS[family])
+
+
+def loss_function(model: nn.Module, ctx: ParallelContext):
     """The last stage's loss: on full logits, or with tp > 1 its vocab-parallel form."""
+    family = family_of(model)
+    if family == "hf":
+        from mp_toolkit.train_hf import loss_function as hf_loss
+
+        return hf_loss(model, ctx)
     if family == "gpt":
         return gpt.lm_loss if ctx.tp_group is None else functools.partial(vocab_parallel_cross_entropy, group=ctx.tp_group)
     return bert.pretraining_loss if ctx.tp_group is None else functools.partial(bert_vocab_parallel_loss, group=ctx.tp_group)
@@ -116,7 +149,7 @@ def synthetic_documents(seed: int, docs: int = 96, lines: int = 16, words: int =
     return ["\n".join(" ".join(rng.choices(vocab, weights, k=words)) for _ in range(lines)) for _ in range(docs)]
 
 
-def _rank0_first(build, rank: int):
+def rank0_first(build, rank: int):
     """Rank 0 builds first (training and caching the tokenizer); the others then load the cache."""
     out = build() if rank == 0 else None
     if dist.is_initialized():
@@ -135,15 +168,18 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
 
     if not cfg.progress:
         datasets.disable_progress_bars()  # the corpus's map() would draw one per rank
+    if spec.family == "hf":
+        from mp_toolkit.train_hf import micro_batches as hf_micro_batches
 
+        return hf_micro_batches(spec, cfg, ctx, rank)
     try:
         if spec.family == "gpt":
-            ds = _rank0_first(lambda: build_lm_dataset(cfg.data, spec.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
-                              rank)
+            ds = rank0_first(lambda: build_lm_dataset(cfg.data, spec.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
+                             rank)
             return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), spec
         source = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
-        corpus = _rank0_first(lambda: build_mlm_corpus(source, spec.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
-                              rank)
+        corpus = rank0_first(lambda: build_mlm_corpus(source, spec.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
+                             rank)
         data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
     except DataError as e:
         raise ConfigError(str(e)) from None

@@ -17,7 +17,7 @@ A weight tied across stages (GPT's embedding and LM head, BERT's word embedding 
 is saved once, under its first member in layer order (``embed.wte.weight``), and loaded into every
 member. The manifest (``meta``) holds: the TrainConfig, the model config, the layout, progress
 (steps taken, steps applied), the data position, the loss-scaler state, the lr schedule position
-and the param-group hyper-parameters.
+and the param-group hyper-parameters; for an ``--hf DIR`` run also the HF config (``hf_config``).
 
 `load_state` runs on any (pp, tp, dp) layout: each rank reads the layers it holds, shards them for
 its tp rank (`shard_full`), loads the optimizer state by name (any grouping), restores the data
@@ -196,6 +196,8 @@ def manifest(cfg: TrainConfig, engine, ctx: ParallelContext, data, progress: Pro
                         "last_lr": lr},
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in param_groups_by_name(engine.optimizer, named)],
+        # an HF model's config (`--hf DIR`): `mp_toolkit.hf.export_checkpoint` writes it back out
+        **({"hf_config": spec.config.to_dict()} if spec.family == "hf" else {}),
     }
 
 

@@ -124,10 +124,10 @@ def tp_rank(rank: int, world: int, names):
 
 # ---------------------------------------------------------------- pipeline (pp = world) vs HF
 
-def hf_reference(name: str, batches, overrides: dict):
-    """Single-process gradient accumulation on the HF model itself: same micro-batches, same AdamW."""
+def hf_reference(name: str, batches, overrides: dict, optimizer: str = "adamw"):
+    """Single-process gradient accumulation on the HF model itself: same micro-batches, same optimizer."""
     model = tiny_hf(name, train=True, **overrides)
-    opt = OPTIMIZERS["adamw"](list(model.parameters()))
+    opt = OPTIMIZERS[optimizer](list(model.parameters()))
     losses = []
     for step in batches:
         total = torch.zeros(())
@@ -166,4 +166,37 @@ def pp_rank(rank: int, world: int, cases, steps: int = 2, m: int = 3):
             unequal += int(not torch.equal(p.detach(), want))
             diff = max(diff, (p.detach() - want).abs().max().item())
         report.append((n, unequal, diff, losses, ref_losses))
+    return report
+
+
+# ---------------------------------------------------------------- pipeline x tensor (pp = 2, tp = 2) vs HF
+
+def pp_tp_rank(rank: int, world: int, cases, steps: int = 2, m: int = 3):
+    """Per (model, optimizer name of OPTIMIZERS): 2 pipeline stages x 2 tensor-parallel shards,
+    ``steps`` 1F1B steps with the vocab-parallel loss, against single-process accumulation on the
+    HF model (`hf_reference`).
+
+    Cut after the second block as in `pp_rank`, so the mask (and Llama's position ids, from which
+    each block recomputes its rotary cos / sin) cross the boundary between sharded stages. Returns
+    per case: (tensors compared, max |got - ref| over their elements (gathered over tp), losses,
+    reference losses).
+    """
+    import functools
+
+    ctx = build_context(pp=2, tp=world // 2, dp=1)
+    report = []
+    for name, optimizer in cases:
+        batches = train_batches(steps, m)
+        ref_state, ref_losses = hf_reference(name, batches, {}, optimizer)
+        model = tiny_hf(name, train=True)
+        hf_names = hf_name_map(model)
+        layers = apply_hf_tensor_parallel(from_hf(model), ctx)
+        engine = PipelineEngine(layers, ctx, [0, 3, len(layers)], m, "1f1b", optimizer=OPTIMIZERS[optimizer],
+                                loss_fn=functools.partial(causal_lm_loss, tp_group=ctx.tp_group))
+        losses = [engine.train_batch(iter(step)).loss for step in batches]
+        n, diff = 0, 0.0
+        for key, p in engine.named_parameters():
+            n += 1
+            diff = max(diff, (gather_full(p, ctx.tp_group) - ref_state[hf_names[key][0]]).abs().max().item())
+        report.append((n, diff, losses, ref_losses))
     return report

@@ -1,0 +1,257 @@
+"""`mpt train --hf DIR`: a local HuggingFace ``save_pretrained`` directory as the model family "hf".
+
+DIR holds config.json and model.safetensors (nothing is fetched: ``local_files_only``) of one of
+`mp_toolkit.hf.SUPPORTED`. Every rank loads the same weights from DIR; `from_hf` turns the model
+into a LayerList of HF's own modules (its layer names are the checkpoint's), tensor parallelism is
+`apply_hf_tensor_parallel` (GPT-2 and the Llama family; BERT has no plan, so ``--tp 1``) and the
+loss is `mp_toolkit.hf`'s, vocab-parallel under ``--tp > 1``.
+
+Data: with DIR/tokenizer.json the corpus is encoded by that tokenizer (`tokenizers` only, cached
+under --cache-dir); without one a byte-level BPE is trained on the corpus with the model's
+vocab_size. Every id must be below vocab_size. BERT directories get MLM + NSP data; an HF BERT
+tokenizer's [PAD] [CLS] [SEP] [MASK] are used when it has all four.
+
+    mpt train --hf runs/llama-init --data corpus/ --seq-len 256 --pp 2 --tp 2 --save-dir runs/llama
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mp_toolkit.config import ConfigError, TrainConfig
+from mp_toolkit.hf import (
+    UnsupportedModelError, causal_lm_loss, check_hf_tensor_parallel, from_hf, load_config, masked_lm_loss,
+    pretraining_loss,
+)
+from mp_toolkit.hf.export import architecture_for
+from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.train_models import ModelSpec, rank0_first, synthetic_documents
+
+BERT = ("BertForPreTraining", "BertForMaskedLM")
+BPE_MIN_VOCAB = 257  # `mp_toolkit.data.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """A save_pretrained directory: where it is, its architecture and its HF config as JSON values
+    (what checkpoints store as ``hf_config`` and resume compares; the path is not compared)."""
+
+    path: str
+    architecture: str
+    config: dict
+
+    @property
+    def positions(self) -> int:
+        return self.config.get("n_positions") or self.config["max_position_embeddings"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config["vocab_size"]
+
+    @property
+    def is_bert(self) -> bool:
+        return self.architecture in BERT
+
+    @property
+    def tokenizer_file(self) -> Path | None:
+        f = Path(self.path) / "tokenizer.json"
+        return f if f.is_file() else None
+
+    def to_dict(self) -> dict:
+        return self.config
+
+    def build(self) -> "HFModel":
+        """The model with DIR's weights; under a meta device (validate's plan) its shapes only."""
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # one bar per rank says nothing
+        cls = getattr(transformers, self.architecture)
+        config = load_config(self.config)
+        if torch.get_default_device().type == "meta":
+            return HFModel(cls(config))
+        # config=: a BERT corpus's [PAD] replaces the saved pad_token_id (the embedding's padding_idx)
+        return HFModel(cls.from_pretrained(self.path, config=config, local_files_only=True, use_safetensors=True,
+                                           dtype=torch.float32))
+
+
+class HFModel(nn.Module):
+    """An HF model as the trainer sees model_zoo's: ``named_layers()`` and ``tie_groups()`` of `from_hf`."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        layers = from_hf(model)
+        self._named = list(zip(layers.names, layers.layers))
+        self._ties = layers.tie_groups
+
+    @property
+    def architecture(self) -> str:
+        return type(self.model).__name__
+
+    def named_layers(self) -> list[tuple[str, nn.Module]]:
+        return self._named
+
+    def tie_groups(self):
+        return self._ties
+
+
+def resolve_hf(directory: str) -> ModelSpec:
+    """``--hf DIR`` -> ModelSpec("hf", HFSource); one-line ConfigError for a directory that cannot work."""
+    path = Path(directory)
+    what = "a HuggingFace save_pretrained directory (config.json + model.safetensors)"
+    if not path.is_dir():
+        raise ConfigError(f"--hf {directory}: no such directory: give {what}")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--hf {directory} has no config.json: give {what}")
+    if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise ConfigError(f"--hf {directory} has no model.safetensors: save the model there with "
+                          "save_pretrained (safetensors weights; pickled .bin files are not loaded)")
+    try:
+        config = load_config(path)
+        architecture = architecture_for(config).__name__
+    except UnsupportedModelError as e:
+        raise ConfigError(f"--hf {directory}: {e}") from None
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ConfigError(f"--hf {directory}: cannot read config.json: {str(e).splitlines()[0]}") from None
+    doc = json.loads(config.to_json_string())
+    doc.pop("transformers_version", None)  # resuming under another transformers is the same model
+    return ModelSpec("hf", HFSource(str(path), architecture, doc))
+
+
+def check_hf(source: HFSource, cfg: TrainConfig) -> None:
+    """Checks of ``--hf`` against the run that need no process group (seq-len, tp, tokenizer)."""
+    if cfg.seq_len > source.positions:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {source.path}'s {source.positions} positions "
+                          f"(max_position_embeddings): use at most {source.positions}")
+    if source.is_bert and cfg.tp > 1:
+        raise ConfigError(f"--tp {cfg.tp}: {source.architecture} has no tensor-parallel plan (plans exist for GPT-2, "
+                          "Llama, Mistral, Qwen2): use --tp 1 with --pp / --dp")
+    if not source.is_bert:
+        try:
+            check_hf_tensor_parallel(load_config(source.config), cfg.tp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if source.tokenizer_file is not None and cfg.data != "synthetic":
+        _check_tokenizer(source)
+    need = BPE_MIN_VOCAB + 4 * source.is_bert
+    if source.tokenizer_file is None and cfg.data != "synthetic" and source.vocab_size < need:
+        raise ConfigError(f"--hf {source.path} has no tokenizer.json and its vocab_size {source.vocab_size} is too "
+                          f"small to train one (byte-level BPE needs at least {need}): add DIR/tokenizer.json "
+                          "or use --data synthetic")
+
+
+def _check_tokenizer(source: HFSource) -> None:
+    """Before any rank starts: the tokenizer reads and has no id the embedding lacks (the data
+    pipeline checks the ids it actually produces again)."""
+    from mp_toolkit.data import DataError, load_tokenizer_file
+
+    try:
+        tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
+    except DataError as e:
+        raise ConfigError(f"--hf {source.path}: {e}") from None
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    if n > source.vocab_size:
+        raise ConfigError(f"--hf {source.path}: tokenizer.json has {n} tokens but the model's vocab_size is "
+                          f"{source.vocab_size} (ids must be below it): use the tokenizer the model was built for")
+
+
+def loss_function(model: HFModel, ctx: ParallelContext):
+    """The last stage's loss in our label convention (`mp_toolkit.hf.losses`)."""
+    if model.architecture == "BertForPreTraining":
+        return pretraining_loss
+    if model.architecture == "BertForMaskedLM":
+        return mlm_only_loss
+    return functools.partial(causal_lm_loss, tp_group=ctx.tp_group)  # vocab-parallel when tp > 1
+
+
+def mlm_only_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """BertForMaskedLM on MLM + NSP batches: the masked-LM part of the labels only."""
+    return masked_lm_loss(logits, labels[0])
+
+
+def _eos(config: dict) -> int | None:
+    eos = config.get("eos_token_id")
+    return eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 lists several
+
+
+def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank: int):
+    """(this replica's micro-batches, the spec to build from): a BERT corpus's [PAD] becomes the model's
+    pad_token_id. Rank 0 builds (and caches) first; it alone says which tokenizer is used."""
+    from mp_toolkit.data import DataError, MicroBatches, build_lm_dataset
+    from mp_toolkit.data_mlm import MLMMicroBatches
+
+    source, tok = spec.config, spec.config.tokenizer_file
+    if rank == 0 and cfg.data != "synthetic":
+        print(f"tokenizer: {tok}" if tok is not None else
+              f"tokenizer: {source.path} has no tokenizer.json, training a byte-level BPE on --data {cfg.data} "
+              f"with the model's vocab_size {source.vocab_size}", flush=True)
+    try:
+        if not source.is_bert:
+            ds = rank0_first(lambda: build_lm_dataset(cfg.data, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir,
+                                                      tokenizer_file=tok, eos=_eos(source.config) if tok else None),
+                             rank)
+            return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), spec
+        corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank)
+        data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    config = {**source.config, "pad_token_id": corpus.special.pad}
+    return data, ModelSpec("hf", dataclasses.replace(source, config=config))
+
+
+def mlm_corpus(source: HFSource, cfg: TrainConfig, log: bool):
+    """MLM + NSP sentence pairs: with the directory's tokenizer when it has all four BERT special
+    tokens, else `build_mlm_corpus`'s own tokenizer (trained with the model's vocab_size)."""
+    from mp_toolkit.data_mlm import SPECIAL_TOKENS, build_mlm_corpus
+
+    texts = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
+    if source.tokenizer_file is not None:
+        from mp_toolkit.data import load_tokenizer_file
+
+        tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
+        ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+        if None not in ids:
+            return _tokenized_mlm_corpus(texts, tokenizer, ids, source.vocab_size, cfg)
+        if log:
+            print(f"{source.tokenizer_file} lacks {', '.join(t for t, i in zip(SPECIAL_TOKENS, ids) if i is None)}: "
+                  f"training a byte-level BPE with BERT's special tokens instead", flush=True)
+    return build_mlm_corpus(texts, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir)
+
+
+def _tokenized_mlm_corpus(source, tokenizer, special_ids: list[int], vocab_size: int, cfg: TrainConfig):
+    """`build_mlm_corpus`'s pairing and packing over an HF tokenizer's ids: lines are encoded without
+    its post-processor (the packing adds [CLS] / [SEP] itself)."""
+    import dataclasses as dc
+
+    import datasets
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from mp_toolkit.data import DataError, read_texts, stdlib_files
+    from mp_toolkit.data_mlm import MLMCorpus, SpecialIds, _document_sentences, _pack, _pairs
+
+    if isinstance(source, list):
+        texts = source
+    else:
+        texts, _ = read_texts(stdlib_files() if source == "stdlib" else [source])
+    doc = json.loads(tokenizer.to_str())
+    doc["post_processor"] = None
+    plain = Tokenizer.from_str(json.dumps(doc))
+    special = SpecialIds(*special_ids)
+    rows = _pairs(_document_sentences(texts, plain), cfg.seq_len, 0.5, cfg.seed)
+    packed = _pack(rows.pop("a"), rows.pop("b"), special, cfg.seq_len)
+    top = int(packed["input_ids"].max())
+    if top >= vocab_size:
+        raise DataError(f"tokenizer gives token id {top}, but the model's vocab_size is {vocab_size}: use the "
+                        "tokenizer the model was built for (ids must be below vocab_size)")
+    columns = {**packed, **{k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}}
+    ds = datasets.Dataset.from_dict(columns).shuffle(seed=cfg.seed).with_format("numpy")
+    never = sorted(set(tokenizer.get_added_tokens_decoder()) | set(dc.astuple(special)))
+    return MLMCorpus(ds, tokenizer, special, min(tokenizer.get_vocab_size(), vocab_size), cfg.seq_len, tuple(never))
