@@ -6,7 +6,8 @@
   convention (labels pre-shifted, as our data pipeline yields them) (`losses.py`).
 * `apply_hf_tensor_parallel`, `GPT2_TP_PLAN`, `LLAMA_TP_PLAN`: Megatron-style TP plans (`tp_plans.py`).
 * `export_hf`, `export_checkpoint`, `hf_name_map`, `to_hf_state_dict`: HF directories that
-  ``from_pretrained`` loads (`export.py`).
+  ``from_pretrained`` loads (`export.py`); checkpoints of our model_zoo GPT / BERT too (`zoo_export.py`).
+* `export_run`: ``mpt export`` (checkpoint + tokenizer -> one HF directory, all or nothing) (`export_run.py`).
 
 Single process, pipeline (pp=2) and tensor parallel (tp=2) use::
 
@@ -21,6 +22,7 @@ from mp_toolkit.hf.common import layer_state_dict
 from mp_toolkit.hf.export import (
     copy_tokenizer, export_checkpoint, export_hf, hf_name_map, load_config, read_checkpoint_state, to_hf_state_dict,
 )
+from mp_toolkit.hf.export_run import export_run
 from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss, shift_labels
 from mp_toolkit.hf.tp_plans import GPT2_TP_PLAN, LLAMA_TP_PLAN, TP_PLANS, apply_hf_tensor_parallel, check_hf_tensor_parallel
 
@@ -29,5 +31,5 @@ __all__ = [
     "causal_lm_loss", "shift_labels", "masked_lm_loss", "pretraining_loss",
     "GPT2_TP_PLAN", "LLAMA_TP_PLAN", "TP_PLANS", "apply_hf_tensor_parallel", "check_hf_tensor_parallel",
     "export_hf", "export_checkpoint", "hf_name_map", "to_hf_state_dict", "load_config", "read_checkpoint_state",
-    "copy_tokenizer",
+    "copy_tokenizer", "export_run",
 ]

@@ -135,9 +135,18 @@ def export_hf(layer_list_or_state: LayerList | Mapping[str, torch.Tensor], confi
     cfg = load_config(config)
     cls = architecture_for(cfg, architecture, state)
     cfg.architectures = [cls.__name__]
+    return write_hf_model(cls, cfg, state, out_dir, tokenizer_dir,
+                          to_hf=lambda model: to_hf_state_dict(state, model))
+
+
+def write_hf_model(cls: type, cfg: PretrainedConfig, state: Mapping[str, torch.Tensor], out_dir,
+                   tokenizer_dir=None, to_hf=None) -> Path:
+    """Build ``cls(cfg)`` on CPU in ``state``'s dtype, load ``to_hf(model)`` (default: ``state``,
+    already under HF keys) with strict=True, ``save_pretrained`` it into ``out_dir`` and copy the
+    tokenizer files of ``tokenizer_dir``. Returns ``out_dir``."""
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     model = cls(cfg).to(dtype)
-    model.load_state_dict(to_hf_state_dict(state, model), strict=True)
+    model.load_state_dict(to_hf(model) if to_hf is not None else dict(state), strict=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -160,10 +169,25 @@ def export_checkpoint(checkpoint, out_dir, config=None, tokenizer_dir=None, arch
     """`export_hf` of a checkpoint written by `mp_toolkit.checkpoint` (layer-named full tensors).
 
     ``config`` defaults to the manifest's ``hf_config`` entry (a config dict), if the run stored one.
+    A checkpoint of ``mpt train --model`` (its manifest records a `model_zoo` GPT or BERT and no
+    hf_config) is written by `mp_toolkit.hf.zoo_export` from the model it records.
     """
     state, manifest = read_checkpoint_state(checkpoint)
+    return export_state(state, manifest, out_dir, config, tokenizer_dir, architecture, where=checkpoint)
+
+
+def export_state(state: Mapping[str, torch.Tensor], manifest: Mapping, out_dir, config=None, tokenizer_dir=None,
+                 architecture: str | None = None, where="checkpoint") -> Path:
+    """`export_checkpoint` of tensors and a manifest already read (``where`` names them in errors)."""
+    from mp_toolkit.hf.zoo_export import export_zoo_state, zoo_spec
+
+    if manifest.get("hf_config") is None and zoo_spec(manifest) is not None:
+        if config is not None or architecture is not None:
+            raise ValueError(f"{where}: the run trained {manifest['model']['family']} from mpt's model zoo and its "
+                             "manifest records that model: export it without a config (--config is for HF-loaded runs)")
+        return export_zoo_state(state, manifest, out_dir, tokenizer_dir)
     config = config if config is not None else manifest.get("hf_config")
     if config is None:
-        raise ValueError(f"{checkpoint}: the manifest has no hf_config; pass config= (the HF config the run "
-                         "started from: object, dict or config.json path)")
+        raise ValueError(f"{where}: the manifest has no hf_config nor a model_zoo model; pass the HF config the "
+                         "run started from (config=, or mpt export --config config.json)")
     return export_hf(state, config, out_dir, tokenizer_dir, architecture)

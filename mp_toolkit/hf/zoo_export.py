@@ -1,0 +1,139 @@
+"""HF directories from checkpoints of our own models (`mpt train --model gpt-tiny | gpt2 | config.json | bert-*`).
+
+A checkpoint of a `model_zoo` run holds full tensors under our names and its manifest records the
+model (``{"family": "gpt" | "bert", "config": {...}}``, `ModelSpec.to_json`). The HF model written:
+
+    family  HF class              config
+    gpt     GPT2LMHeadModel       GPT2Config: the GPTConfig fields (same spelling), eos = bos = 0
+    bert    BertForPreTraining    BertConfig: the BertConfig fields (same spelling)
+
+GPT names (``model_zoo.gpt``'s docstring): ours are nanoGPT's, HF's are GPT-2's, and our
+projections are ``nn.Linear`` (weight (out, in)) where HF's are ``Conv1D`` (weight (in, out)), so
+those four weights are transposed::
+
+    embed.wte.weight / embed.wpe.weight  -> transformer.wte.weight / transformer.wpe.weight
+    h.{i}.ln_1.* / h.{i}.ln_2.*          -> transformer.h.{i}.ln_1.* / ln_2.*
+    h.{i}.attn.qkv.weight (3C, C)        -> transformer.h.{i}.attn.c_attn.weight (C, 3C)   (q, k, v order kept)
+    h.{i}.attn.proj / mlp.fc / mlp.proj  -> attn.c_proj / mlp.c_fc / mlp.c_proj            (weights transposed)
+    ln_f.ln_f.*                          -> transformer.ln_f.*
+    lm_head.weight                       -> lm_head.weight   (the embedding itself when tied)
+
+BERT names are `model_zoo.bert_hf`'s (our BERT is HF's module for module). What HF cannot express
+(today: a GPT without biases; or a config field this module does not know) is refused in one line
+rather than written as a model that computes something else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import transformers
+
+from model_zoo import bert, bert_hf, gpt
+from mp_toolkit.hf.export import write_hf_model
+from mp_toolkit.train_models import ModelSpec
+from mp_toolkit.train_state import ModelNames
+
+HF_CLASS = {"gpt": "GPT2LMHeadModel", "bert": "BertForPreTraining"}
+# GPTConfig fields GPT2Config spells and computes the same way; `bias` is checked on its own.
+_GPT2_FIELDS = frozenset({"vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
+                          "activation_function", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                          "layer_norm_epsilon", "initializer_range", "tie_word_embeddings"})
+_BERT_FIELDS = frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                          "intermediate_size", "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                          "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "initializer_range",
+                          "pad_token_id", "tie_word_embeddings"})
+_GPT_PREFIXES = (("embed.wte.", "transformer.wte."), ("embed.wpe.", "transformer.wpe."),
+                 ("ln_f.ln_f.", "transformer.ln_f."), ("lm_head.", "lm_head."))
+_GPT_BLOCK = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+              "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+_CONV1D = frozenset({"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"})  # nn.Linear here, Conv1D in HF
+
+
+class ExportError(ValueError):
+    """A checkpoint HF cannot hold as it is (one line naming what differs)."""
+
+
+def zoo_spec(manifest: Mapping) -> ModelSpec | None:
+    """The `ModelSpec` a `model_zoo` run recorded in its manifest, or None (not such a run)."""
+    model = manifest.get("model")
+    if not isinstance(model, Mapping) or model.get("family") not in HF_CLASS:
+        return None
+    family, cfg = model["family"], model.get("config")
+    try:
+        config = (gpt.GPTConfig if family == "gpt" else bert.BertConfig).from_dict(cfg)
+    except (ValueError, TypeError) as e:
+        raise ExportError(f"the manifest's {family} model config is not valid: {str(e).splitlines()[0]}") from None
+    unknown = sorted(set(cfg) - (_GPT2_FIELDS | {"bias"} if family == "gpt" else _BERT_FIELDS))
+    if unknown:  # a field added to our config later: it might change what the model computes
+        raise ExportError(f"the {family} config field(s) {', '.join(unknown)} have no {HF_CLASS[family]} "
+                          "counterpart known to the exporter: it cannot say the HF model computes the same")
+    return ModelSpec(family, config)
+
+
+def hf_config(spec: ModelSpec) -> transformers.PretrainedConfig:
+    """The GPT2Config / BertConfig that makes HF compute what ``spec``'s model computes."""
+    d = spec.config.to_dict()
+    if spec.family == "bert":
+        return transformers.BertConfig(**{k: d[k] for k in _BERT_FIELDS}, architectures=[HF_CLASS["bert"]])
+    if not spec.config.bias:
+        raise ExportError("this GPT has bias=False: HF GPT2LMHeadModel always has Linear and LayerNorm biases, "
+                          "so it cannot hold this model (train with bias=true to export to GPT-2)")
+    # our tokenizers put <|endoftext|> at id 0 (mp_toolkit.data.train_tokenizer); GPT-2's 50256 may not exist
+    return transformers.GPT2Config(**{k: d[k] for k in _GPT2_FIELDS}, bos_token_id=0, eos_token_id=0,
+                                   architectures=[HF_CLASS["gpt"]])
+
+
+def gpt_hf_name(name: str) -> tuple[str, bool]:
+    """(HF GPT2LMHeadModel key, whether the weight is transposed) of one of our GPT's state keys."""
+    for ours, theirs in _GPT_PREFIXES:
+        if name.startswith(ours):
+            return theirs + name[len(ours):], False
+    parts = name.split(".")  # h.{i}.{module path}.{weight|bias}
+    module = ".".join(parts[2:-1])
+    if parts[0] != "h" or module not in _GPT_BLOCK:
+        raise ExportError(f"parameter {name!r} has no HF GPT2LMHeadModel name")
+    return f"transformer.h.{parts[1]}.{_GPT_BLOCK[module]}.{parts[-1]}", module in _CONV1D and parts[-1] == "weight"
+
+
+def gpt_to_hf_state_dict(model: gpt.GPT) -> dict[str, torch.Tensor]:
+    """``model``'s weights under GPT2LMHeadModel's keys, Conv1D weights as (in, out)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        key, transpose = gpt_hf_name(name)
+        out[key] = t.detach().t().contiguous() if transpose else t.detach()
+    return out
+
+
+def load_zoo_model(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """``spec``'s model holding a checkpoint's tensors (a tied weight is saved under its first name)."""
+    model = spec.build()
+    names = ModelNames.of(model)
+    want = model.state_dict()
+    missing = [k for k in want if names.canonical(k) not in state]
+    extra = sorted(set(state) - {names.canonical(k) for k in want})
+    if missing or extra:
+        raise ExportError(f"the checkpoint does not hold this {spec.family} model's tensors (missing "
+                          f"{missing[:3]}, unexpected {extra[:3]}): was it saved from another model?")
+    full = {k: state[names.canonical(k)] for k in want}
+    bad = [k for k in want if tuple(full[k].shape) != tuple(want[k].shape)]
+    if bad:
+        raise ExportError(f"{bad[0]} has shape {tuple(full[bad[0]].shape)} in the checkpoint but "
+                          f"{tuple(want[bad[0]].shape)} in the recorded model config: the checkpoint is inconsistent")
+    model.load_state_dict(full, strict=True)
+    return model
+
+
+def export_zoo_state(state: Mapping[str, torch.Tensor], manifest: Mapping, out_dir, tokenizer_dir=None) -> Path:
+    """Write the HF directory of a `model_zoo` checkpoint's ``state`` (see the module docstring)."""
+    spec = zoo_spec(manifest)
+    if spec is None:
+        raise ExportError("the manifest records no GPT or BERT model ('model' entry): not a checkpoint of "
+                          "mpt train --model")
+    cfg = hf_config(spec)
+    model = load_zoo_model(spec, state)
+    hf_state = gpt_to_hf_state_dict(model) if spec.family == "gpt" else bert_hf.to_hf_state_dict(model)
+    return write_hf_model(getattr(transformers, HF_CLASS[spec.family]), cfg, hf_state, out_dir, tokenizer_dir)
+
