@@ -12,6 +12,7 @@
     torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \\
              --save-dir runs/x --save-every 20 --resume auto
     deepspeed --num_gpus 2 recipes/gpt_pretrain/train.py --deepspeed_config recipes/gpt_pretrain/ds_config.json
+    mpt export --checkpoint runs/bert --out hf/bert   # BertForPreTraining.from_pretrained("hf/bert")
 
 A wrong value ends with one line on stderr that names it and what would work, exit code 2. `mpt train`
 exits 3 after --max-skips consecutive non-finite steps, 1 when a rank died (the line names it), and
@@ -27,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-from mp_toolkit.config import LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_plan_parser(sub)
     _add_simulate_parser(sub)
+    _add_export_parser(sub)
     return parser
 
 
@@ -97,14 +99,18 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     opt("--model", help=f"preset (gpt-tiny, gpt-small-cpu, gpt2, ..., bert-tiny, bert-base, bert-large) or a "
                         f"GPT-2 / BERT config.json (default {d.model})")
+    opt("--hf", metavar="DIR", help="a local HuggingFace save_pretrained directory (GPT-2, BERT, Llama, Mistral, "
+                                    "Qwen2) to train from its weights, instead of --model")
     opt("--pp", type=int, help=f"pipeline stages (default {d.pp})")
     opt("--tp", type=int, help="tensor-parallel ranks per stage (Megatron TP_PLAN)")
     opt("--dp", type=int, help="data-parallel replicas (the global batch is dp x microbatches); under a launcher "
                                "with --config, world size / (pp x tp) as DeepSpeed computes it")
     opt("--dp-bucket-mb", type=float, help="MiB of gradients per data-parallel all-reduce")
     opt("--schedule", type=str.lower, choices=SCHEDULES)
+    opt("--engine", type=str.lower, choices=ENGINES, help=f"pipeline engine (default {d.engine}); deepspeed: "
+        "DeepSpeed's PipelineEngine with this cut and optimizer (1F1B, pp x dp)")
     opt("--chunks", type=int, help="model chunks per rank (interleaved; default 2)")
-    opt("--partition", help="uniform, parameters, or boundaries like 0,3,7")
+    opt("--partition", help=f"flops, parameters, uniform, time, or boundaries like 0,3,7 (default {d.partition})")
     opt("--microbatches", type=int, help="micro-batches per step and replica")
     opt("--micro-batch", type=int, help="sequences per micro-batch")
     opt("--seq-len", type=int)
@@ -207,6 +213,8 @@ def _sources(args: argparse.Namespace, world_size: int | None) -> tuple[dict, di
 
 
 def _merge(given: dict, from_file: dict) -> TrainConfig:
+    if "model" in given and "hf" in given:
+        raise ConfigError(f"--model {given['model']} and --hf {given['hf']} both name the model: give one of them")
     merged = {**from_file, **given}
     merged.setdefault("chunks", 2 if merged.get("schedule", TrainConfig.schedule) == "interleaved" else 1)
     return TrainConfig(**merged)
@@ -276,7 +284,7 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
         for path in (cfg.metrics, cfg.plot):
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-        if cfg.world_size == 1 and not cfg.restarts:
+        if cfg.world_size == 1 and not cfg.restarts and cfg.engine == "mp_toolkit":  # DeepSpeed reads a launcher's env
             return _run(cfg, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, faults=local_faults()))
         return spawn_local(argv, cfg.world_size, restarts=cfg.restarts, save_dir=cfg.save_dir)
     if cfg.restarts and not env.started_by_mpt:
@@ -354,6 +362,31 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export_parser(sub) -> None:
+    e = sub.add_parser("export", help="write a HuggingFace model directory (from_pretrained) from a checkpoint")
+    e.add_argument("--checkpoint", required=True, type=Path, help="a --save-dir (its latest) or one step-XXXXXXXX")
+    e.add_argument("--out", required=True, type=Path, help="the HF directory to write (new or empty)")
+    e.add_argument("--config", type=Path, default=None,
+                   help="HF config.json, for a checkpoint of an HF-loaded run whose manifest has no hf_config")
+    e.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer directory or tokenizers JSON to ship (default: the run's own, when it can be found)")
+    e.add_argument("--force", action="store_true", help="replace --out when it is not empty")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from mp_toolkit.checkpoint import CheckpointError
+    from mp_toolkit.hf.export_run import export_run
+
+    try:
+        done = export_run(args.checkpoint, args.out, config=args.config, tokenizer=args.tokenizer, force=args.force)
+    except ValueError as e:  # also HF's config errors; a CheckpointError (e.g. a hash mismatch) names --checkpoint
+        line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"--checkpoint {line}" if isinstance(e, CheckpointError) else line) from None
+    print(f"wrote {done.out}: {done.architecture}, {done.parameters:,} parameters, step {done.step} of "
+          f"{args.checkpoint}; {done.tokenizer}")
+    return 0
+
+
 def _check_output(gantt: Path | None) -> None:
     if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):
         raise ConfigError(f"--gantt {gantt} must end in .png or .svg")
@@ -375,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "simulate":
             return _simulate(args)
+        if args.command == "export":
+            return _export(args)
     except (PartitionError, CostModelError, ScheduleError) as e:
         sys.stderr.write(f"mpt {args.command}: error: {str(e).splitlines()[0]}\n")
         return 2

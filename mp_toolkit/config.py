@@ -13,7 +13,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 PRECISIONS = ("fp32", "fp16", "bf16", "auto")
 OPTIMIZERS = ("adamw", "adam", "adagrad", "rmsprop", "sgd", "lamb", "lars")
 LR_DECAYS = ("none", "linear", "cosine")
-PARTITION_METHODS = ("uniform", "parameters")
+PARTITION_METHODS = ("flops", "parameters", "uniform", "time")
+ENGINES = ("mp_toolkit", "deepspeed")
 
 
 class ConfigError(ValueError):
@@ -27,6 +28,10 @@ class TrainConfig:
     model: str = "gpt-small-cpu"
     """Preset name (gpt-tiny, gpt-small-cpu, gpt2, ..., bert-tiny, bert-base, bert-large) or a path
     to a GPT-2 or BERT config.json (``"model_type": "bert"`` selects BERT pre-training: MLM + NSP)."""
+    hf: str | None = None
+    """A local HuggingFace save_pretrained directory (config.json + model.safetensors, optionally
+    tokenizer.json) of a GPT-2, BERT, Llama, Mistral or Qwen2 model, trained from its weights instead
+    of ``model`` (`mp_toolkit.train_hf`); None: ``model``."""
     pp: int = 2
     """Pipeline stages (ranks along the slowest grid axis)."""
     tp: int = 1
@@ -36,12 +41,17 @@ class TrainConfig:
     """Data-parallel replicas: each trains on its own micro-batches, gradients are averaged."""
     dp_bucket_mb: float = 25.0
     """Data-parallel gradient buckets: MiB of fp32 gradients per all-reduce (DDP's bucket_cap_mb)."""
+    engine: str = "mp_toolkit"
+    """Which pipeline engine trains: mp_toolkit (ours: every schedule, tp, checkpoints) or deepspeed
+    (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.ds_engine`)."""
     schedule: str = "1f1b"
     """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks) or zbh1 (zero bubble)."""
     chunks: int = 1
     """Model chunks per rank for the interleaved schedule (its stages = pp x chunks)."""
-    partition: str = "parameters"
-    """Stage cut: uniform, parameters, or explicit boundaries such as 0,3,7."""
+    partition: str = "flops"
+    """Stage cut: flops (balance forward + backward FLOPs of the cost model, as ``mpt plan --method
+    flops``), parameters, uniform, time (layers timed on rank 0, the cut broadcast), or explicit
+    boundaries such as 0,3,7."""
     microbatches: int = 4
     """Micro-batches per global batch on each data-parallel replica (= gradient accumulation
     steps); the global batch is dp x microbatches x micro_batch sequences."""

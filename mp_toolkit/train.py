@@ -43,10 +43,11 @@ from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.lr import WarmupDecay, set_lr
 from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.parallel.context import ParallelContext, build_context
-from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
+from mp_toolkit.partition.train_cut import CutWorkload, config_of, flops_cut, time_cut
 from mp_toolkit.schedule import get_schedule
-from mp_toolkit.train_models import TP_PLANS, ModelSpec, family_of, loss_function, micro_batches, resolve_model
+from mp_toolkit.train_models import ModelSpec, loss_function, micro_batches, resolve_model, tensor_parallel
 from mp_toolkit.train_state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
 
 __all__ = ["Diverged", "MetricsLog", "build_engine", "plan_boundaries", "run_training", "validate"]
@@ -57,7 +58,13 @@ class Diverged(Exception):
 
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
-    """The model ``cfg.model`` names, with the sequence length checked against it."""
+    """The model ``cfg.model`` (or ``cfg.hf``) names, with the sequence length checked against it."""
+    if cfg.hf is not None:
+        from mp_toolkit.train_hf import check_hf, resolve_hf
+
+        spec = resolve_hf(cfg.hf)
+        check_hf(spec.config, cfg)  # seq-len, the HF tensor-parallel plan's sizes, the tokenizer
+        return spec
     spec = resolve_model(cfg.model)
     if cfg.seq_len > spec.positions:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s {spec.positions} positions: "
@@ -65,8 +72,11 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
     return spec
 
 
-def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int = 1) -> list[int]:
-    """Boundaries of ``pp * chunks`` stages by method name or explicit ``0,3,7`` text."""
+def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int = 1,
+                    workload: CutWorkload | None = None) -> list[int]:
+    """Boundaries of ``pp * chunks`` stages by method name or explicit ``0,3,7`` text. ``flops`` and
+    ``time`` need ``workload`` (the model's config and batch; for ``time`` the context whose rank 0
+    measures and broadcasts the cut, `mp_toolkit.partition.train_cut`)."""
     n = len(layer_list)
     if pp * chunks > n:
         what = f"--pp {pp}" if chunks == 1 else f"--pp {pp} x --chunks {chunks} = {pp * chunks} stages"
@@ -78,6 +88,12 @@ def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int 
             return explicit(given, n, pp)
         if partition == "uniform":
             return uniform(n, pp)
+        if partition in ("flops", "time"):
+            if workload is None:
+                raise PartitionError("needs the model's config and batch (a CutWorkload)")
+            if partition == "flops":
+                return flops_cut(workload.config, n, pp, workload.micro_batch, workload.seq_len)
+            return time_cut(layer_list, pp, workload)
         return by_parameters(layer_list.layer_parameter_counts(), pp)
     except PartitionError as e:
         raise ConfigError(f"--partition {partition}: {e}") from None
@@ -130,6 +146,9 @@ def validate(cfg: TrainConfig) -> None:
     """Every check that needs no process group: fail before any rank starts."""
     _validate_numbers(cfg)
     _validate_paths(cfg)
+    from mp_toolkit.ds_engine import check_engine  # --engine deepspeed's limits (imports no DeepSpeed)
+
+    check_engine(cfg)
     spec = model_spec(cfg)
     try:
         check_tensor_parallel(cfg.tp, **spec.tp_sizes())
@@ -137,7 +156,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
     with torch.device("meta"):
         layers = LayerList.from_model(spec.build())
-    plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks)
+    plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks, CutWorkload.of(cfg, spec.config))
     try:
         get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks)
     except ValueError as e:
@@ -145,15 +164,16 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> PipelineEngine:
-    """Compose the parallelisms over a plain single-device GPT or BERT, for this rank. The order matters:
+    """Compose the parallelisms over a plain single-device GPT, BERT or HF model, for this rank.
+    The order matters:
 
     1. Plan the pipeline cut on the *unsplit* layer list (boundaries are data), so every tp degree
        cuts the model at the same layers.
-    2. Tensor parallelism: `apply_tensor_parallel` swaps the modules the model's TP plan names for
-       this rank's shards over the whole list at once, so the tied embedding and LM head (MLM
-       decoder), which may land on different stages, are split alike (and stay one Parameter where
-       one stage holds both). It must come before the cut: a stage is a slice of whatever modules
-       the list holds.
+    2. Tensor parallelism: `apply_tensor_parallel` (an HF model: `apply_hf_tensor_parallel`) swaps
+       the modules the model's TP plan names for this rank's shards over the whole list at once,
+       so the tied embedding and LM head (MLM decoder), which may land on different stages, are
+       split alike (and stay one Parameter where one stage holds both). It must come before the
+       cut: a stage is a slice of whatever modules the list holds.
     3. Pipeline: the engine keeps this rank's stages of the sharded list; the others are freed
        with ``model`` once the caller drops it.
     4. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
@@ -161,19 +181,27 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
 
     ``model`` must be built identically on every rank (same seed): each keeps its own slice.
     """
-    family = family_of(model)
     layers = LayerList.from_model(model)
-    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks)  # 1
-    layers = apply_tensor_parallel(layers, ctx, TP_PLANS[family])  # 2
+    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks,  # 1
+                                 CutWorkload.of(cfg, config_of(model), ctx))
+    layers = tensor_parallel(model, layers, ctx)  # 2
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
     options = OptimizerOptions.of(cfg)
     return PipelineEngine(  # 3 and 4
         layers, ctx, boundaries, cfg.microbatches, cfg.schedule,
         optimizer=lambda named: build_optimizer(cfg.optimizer, named, cfg.lr, cfg.weight_decay, tp_group=tp_group,
                                                 options=options),
-        loss_fn=loss_function(family, ctx), clip_grad=cfg.clip_grad, precision=cfg.precision,
+        loss_fn=loss_function(model, ctx), clip_grad=cfg.clip_grad, precision=cfg.precision,
         loss_scaler=loss_scaler(cfg), chunks=cfg.chunks, dp_bucket_bytes=max(1, int(cfg.dp_bucket_mb * 2**20)),
     )
+
+
+def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module):
+    """``--engine deepspeed``: DeepSpeed's PipelineEngine with the same cut, optimizer and loss, behind
+    the calls this loop makes of ours (`mp_toolkit.ds_engine`; DeepSpeed is imported only then)."""
+    from mp_toolkit.ds_engine import DeepSpeedPipeline
+
+    return DeepSpeedPipeline(cfg, ctx, model)
 
 
 def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:
@@ -331,7 +359,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     rank0 = env.rank == 0
     spec = model_spec(cfg)
     if rank0:
-        print(f"model {cfg.model} ({spec.family}), precision {cfg.precision}, optimizer {cfg.optimizer}, "
+        print(f"model {cfg.hf or cfg.model} ({spec.label}), precision {cfg.precision}, optimizer {cfg.optimizer}, "
               f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}, dp {cfg.dp}", flush=True)
     ctx = build_context(cfg.pp, cfg.tp, cfg.dp, device=device)
     data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
@@ -343,7 +371,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     torch.manual_seed(cfg.seed)  # every rank builds the same full model, then keeps its shard of its stage
     model = spec.build()
     names = ModelNames.of(model)
-    engine = build_engine(cfg, ctx, model)
+    engine = build_engine(cfg, ctx, model) if cfg.engine == "mp_toolkit" else deepspeed_engine(cfg, ctx, model)
     del model
     progress = _resume(cfg, engine, ctx, names, data, spec, rank0)
     if progress.step >= cfg.steps:

@@ -89,11 +89,15 @@ def default_cut(w: Workload, chunks: int = 1) -> list[int]:
     return plan_boundaries(layers, w.pp, "parameters", chunks)
 
 
-def peer_runs(w: Workload, tcut: list[int] | None, fcut2: list[int]) -> list[tuple[str, dict, int]]:
+def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[int]) -> list[tuple[str, dict, int]]:
     """(label, spec, processes) of every run, in the order a round visits them. ``tcut``: the
-    planner's time cut (None: no time-cut runs); ``fcut2``: its FLOPs cut into 2 chunks per rank."""
+    planner's time cut (None: no time-cut runs); ``fcut``: its FLOPs cut (``mpt train``'s default
+    partition), ``fcut2`` into 2 chunks per rank. Every peer but "mpt defaults" steps the same
+    torch AdamW (foreach), so the other rows compare engines alone."""
     pcut = default_cut(w)
-    runs = [("mpt 1F1B", {"peer": "mpt", "schedule": "1f1b"}, w.pp),
+    runs = [("mpt defaults (1F1B, flops cut, fused AdamW)",
+             {"peer": "mpt", "schedule": "1f1b", "boundaries": fcut, "optimizer": "mpt"}, w.pp),
+            ("mpt 1F1B", {"peer": "mpt", "schedule": "1f1b"}, w.pp),
             ("mpt GPipe", {"peer": "mpt", "schedule": "gpipe"}, w.pp),
             ("mpt ZBH1", {"peer": "mpt", "schedule": "zbh1"}, w.pp),
             ("mpt Interleaved1F1B x2", {"peer": "mpt", "schedule": "interleaved", "chunks": 2}, w.pp)]
@@ -168,7 +172,7 @@ def print_table(table: list[dict], w: Workload, t1: float, bound: float) -> None
 def bench(args, w: Workload) -> dict:
     tcut = None if args.no_time_cut else planner_cut(w, "time")
     fcut, fcut2 = planner_cut(w, "flops"), planner_cut(w, "flops", 2)
-    runs = [r for r in peer_runs(w, tcut, fcut2) if re.search(args.only, r[0]) or r[2] == 1]
+    runs = [r for r in peer_runs(w, tcut, fcut, fcut2) if re.search(args.only, r[0]) or r[2] == 1]
     print(f"planned cuts: parameters {default_cut(w)} (x2 chunks {default_cut(w, 2)}), time {tcut}, "
           f"flops {fcut} (x2 chunks {fcut2}); {len(runs)} runs x {args.rounds} rounds", flush=True)
     pooled: dict[str, dict] = {}

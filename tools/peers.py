@@ -91,6 +91,16 @@ def adamw(w: Workload, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(list(params), lr=w.lr, weight_decay=w.weight_decay, foreach=True)
 
 
+def optimizer(w: Workload, spec: dict, named) -> torch.optim.Optimizer:
+    """The peers' shared torch AdamW (foreach), or with ``spec["optimizer"] == "mpt"`` the one
+    ``mpt train --optimizer adamw`` builds (`build_optimizer`: torch's fused AdamW kernel)."""
+    if spec.get("optimizer") == "mpt":
+        from mp_toolkit.optim.factory import build_optimizer
+
+        return build_optimizer("adamw", list(named), w.lr, w.weight_decay)
+    return adamw(w, (p for _, p in named))
+
+
 class Fp32Masters:
     """AdamW over fp32 copies of bf16 parameters (the identity in fp32), for the torch and single peers."""
 
@@ -139,7 +149,7 @@ class MptPeer:
         layers = LayerList.from_model(build_gpt(w))
         self.boundaries = spec.get("boundaries") or plan_boundaries(layers, w.pp, "parameters", chunks)
         self.engine = PipelineEngine(layers, ctx, self.boundaries, w.microbatches, spec["schedule"],
-                                     optimizer=lambda named: adamw(w, (p for _, p in named)), loss_fn=lm_loss,
+                                     optimizer=lambda named: optimizer(w, spec, named), loss_fn=lm_loss,
                                      clip_grad=None, precision=w.precision, chunks=chunks)
         del layers  # the stages keep this rank's layers; the rest of the model is freed
         self.params = sum(p.numel() for _, p in self.engine.named_parameters())
@@ -151,27 +161,23 @@ class MptPeer:
 
 
 class DeepSpeedPeer:
-    """DeepSpeed's pipeline engine over the same layers; DeepSpeed's own partition_method."""
+    """DeepSpeed's pipeline engine over the same layers (built as ``mpt train --engine deepspeed`` builds
+    it, `mp_toolkit.ds_pipe`); DeepSpeed's own partition_method."""
 
     def __init__(self, w: Workload, spec: dict):
-        import deepspeed
-        from deepspeed.pipe import PipelineModule
+        from mp_toolkit import ds_pipe
+        from mp_toolkit.ds_engine import deepspeed_config
+        from mp_toolkit.layers import LayerList
 
-        deepspeed.init_distributed(dist_backend="gloo", timeout=_timeout(spec))
-        model = build_gpt(w)
-        module = PipelineModule(layers=[m for _, m in model.named_layers()], num_stages=w.pp, loss_fn=fp32_loss,
-                                partition_method=spec["partition"], activation_checkpoint_interval=0)
-        del model
-        params = [p for p in module.parameters() if p.requires_grad]
-        config = {"train_batch_size": w.microbatches * w.micro_batch, "train_micro_batch_size_per_gpu": w.micro_batch,
-                  "gradient_accumulation_steps": w.microbatches, "gradient_clipping": 0.0,
-                  "steps_per_print": 10**9, "wall_clock_breakdown": False,
-                  "bf16": {"enabled": w.precision == "bf16"}, "zero_optimization": {"stage": 0}}
-        self.engine, *_ = deepspeed.initialize(model=module, optimizer=adamw(w, params), model_parameters=params,
-                                               config=config)
+        ds_pipe.init_deepspeed(torch.device("cpu"), _timeout(spec).total_seconds())
+        module, named = ds_pipe.pipeline_module(LayerList.from_model(build_gpt(w)), w.pp, fp32_loss,
+                                                partition_method=spec["partition"])
+        params = [p for _, p in named]
+        config = deepspeed_config(w.micro_batch, w.microbatches, dp=1, clip_grad=None, precision=w.precision)
+        self.engine = ds_pipe.initialize(module, adamw(w, params), config)
         torch.set_num_threads(w.threads)  # whatever DeepSpeed's set-up chose, the same threads as the others
         self.boundaries = [int(b) for b in module.parts]
-        self.params = sum(p.numel() for p in module.parameters())
+        self.params = sum(p.numel() for p in params)
         self.dtype = str(next(self.engine.module.parameters()).dtype)  # what it computes in
         self.m = w.microbatches
 
