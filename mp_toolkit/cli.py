@@ -174,6 +174,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     p.add_argument("--tflops", type=float, default=None, help="device TFLOP/s for FLOP-based times (default: measured here)")
     p.add_argument("--measure", action="store_true", help="time every layer here whatever the method")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank while timing layers "
+                   "(default: as mpt train picks them)")
+    p.add_argument("--no-load", dest="load", action="store_false",
+                   help="time layers on an idle machine, without stand-ins for the other ranks")
     p.add_argument("--p2p-latency-us", type=float, default=d.p2p_latency_us)
     p.add_argument("--p2p-gbps", type=float, default=d.p2p_gbps, help="p2p and collective bandwidth, GB/s")
     p.add_argument("--mem-gbps", type=float, default=d.mem_gbps, help="memory bandwidth for the optimizer step estimate")
@@ -326,7 +330,8 @@ def _plan(args: argparse.Namespace) -> int:
         model=args.model, pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch,
         microbatches=args.microbatches, seq_len=args.seq_len, method=args.method, memory_gb=args.memory_gb,
         dtype=args.dtype, optimizer=args.optimizer, schedule=args.schedule, chunks=_chunks(args),
-        tflops=args.tflops, measure=args.measure, p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
+        tflops=args.tflops, measure=args.measure, threads=args.threads, load=args.load,
+        p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
         mem_gbps=args.mem_gbps,
     )
     _check_output(args.gantt)

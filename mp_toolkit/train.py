@@ -36,7 +36,8 @@ from mp_toolkit.launch import (
     LaunchEnv, PeerLost, Peers, RankStatus, comm_failure_line, init_distributed, is_comm_failure,
 )
 from mp_toolkit.layers import LayerList
-from mp_toolkit.memstats import peak_rss_bytes, release_free_memory, reset_peak, rss_bytes, warm_runtime
+from mp_toolkit.memstats import (keep_freed_memory, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes,
+                                 warm_runtime)
 from mp_toolkit.metrics_log import MetricsLog, gather_ints
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer, check_optimizer_options
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
@@ -366,6 +367,8 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     # Peak memory is reported as RSS above this baseline. It follows live tensors closely only when
     # large blocks are mapped one by one (MALLOC_MMAP_THRESHOLD_=65536, as tools/bench_plan_accuracy.py
     # sets for its memory runs); forcing that here would cost 20-30% of the step time on CPU.
+    if device.type == "cpu":
+        keep_freed_memory()  # a step's freed activations stay in the heap for the next (memstats)
     warm_runtime()  # torch's one-time costs (lazy imports, kernel set-up) before the baseline
     base_rss = rss_bytes()  # what the model, its activations and optimizer add is measured from here
     torch.manual_seed(cfg.seed)  # every rank builds the same full model, then keeps its shard of its stage

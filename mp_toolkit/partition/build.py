@@ -14,7 +14,7 @@ import torch
 from mp_toolkit.layers import LayerList
 
 from .cost import CostModelError, ModelShape
-from mp_toolkit.memstats import release_free_memory, rss_bytes, warm_runtime
+from mp_toolkit.memstats import keep_freed_memory, release_free_memory, rss_bytes, warm_runtime
 
 from .measure import TIMED_MICROBATCHES, LayerTiming, measure_layers, measure_optimizer_step
 
@@ -59,34 +59,53 @@ def build_layer_list(model: str, shape: ModelShape):
                          f"model: use --method flops or memory (FLOP-based times)")
 
 
-def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float], list[int], int]:
+def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float], list[int], int, str]:
     """Measured per-layer timings; the optimizer step's seconds and transient bytes shared out
-    over the layers by parameter count; and the bytes that running the layers leaves resident
-    (a per-process constant every stage pays), for ``req``."""
+    over the layers by parameter count; the bytes that running the layers leaves resident (a
+    per-process constant every stage pays); and how the times were taken, for ``req``.
+
+    Times are taken with the run's threads per rank and (``req.load``) beside helper processes
+    that stand in for the run's other ranks on this machine (`contention`); bytes afterwards,
+    alone (the helpers' memory is theirs)."""
     from mp_toolkit.optim.factory import build_optimizer
 
-    warm_runtime()
-    torch.manual_seed(0)
-    layers, batch, loss_fn = build_layer_list(req.model, shape)
-    layers = layers.to(DTYPES[req.dtype])
-    inputs, labels = batch(req.micro_batch, req.seq_len)
-    release_free_memory()
-    before = rss_bytes()
-    rounds = min(req.microbatches, TIMED_MICROBATCHES)  # per timing round: gradients accumulate as in a step
-    timings = measure_layers(layers, inputs, loss_fn, labels, microbatches=rounds)  # times first, default allocator
-    release_free_memory()
-    residue = max(0, rss_bytes() - before)  # what computing leaves resident: kernel scratch, caches
-    named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in layers.named_parameters()]
-    build = lambda nps: build_optimizer(req.optimizer, nps, 1e-3, 0.01)  # noqa: E731
-    step_s, _ = measure_optimizer_step(build, named)
-    # then bytes, with large blocks mapped one by one so that RSS follows the live tensors
-    sized = measure_layers(layers, inputs, loss_fn, labels, warmup=1, repeats=1, memory=True)
-    timings = [replace(t, workspace_bytes=m.workspace_bytes) for t, m in zip(timings, sized)]
-    _, transient = measure_optimizer_step(build, named, repeats=1)
+    from .contention import concurrent_load, default_threads, helpers_for
+
+    ranks = req.pp * req.tp * req.dp
+    threads = req.threads or default_threads(ranks)
+    helpers = helpers_for(ranks, threads) if req.load else 0
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    keep_freed_memory()  # the heap as `mpt train` runs it (map_large_blocks below overrides it for bytes)
+    try:
+        warm_runtime()
+        torch.manual_seed(0)
+        layers, batch, loss_fn = build_layer_list(req.model, shape)
+        layers = layers.to(DTYPES[req.dtype])
+        inputs, labels = batch(req.micro_batch, req.seq_len)
+        named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in layers.named_parameters()]
+        build = lambda nps: build_optimizer(req.optimizer, nps, 1e-3, 0.01)  # noqa: E731
+        rounds = min(req.microbatches, TIMED_MICROBATCHES)  # per timing round: gradients accumulate as in a step
+        with concurrent_load(req.model, req.micro_batch, req.seq_len, req.dtype, threads, helpers):
+            release_free_memory()
+            before = rss_bytes()
+            timings = measure_layers(layers, inputs, loss_fn, labels, microbatches=rounds)  # default allocator
+            release_free_memory()
+            residue = max(0, rss_bytes() - before)  # what computing leaves resident: kernel scratch, caches
+            step_s, _ = measure_optimizer_step(build, named)
+        # then bytes, with large blocks mapped one by one so that RSS follows the live tensors
+        sized = measure_layers(layers, inputs, loss_fn, labels, warmup=1, repeats=1, memory=True)
+        timings = [replace(t, workspace_bytes=m.workspace_bytes) for t, m in zip(timings, sized)]
+        _, transient = measure_optimizer_step(build, named, repeats=1)
+    finally:
+        torch.set_num_threads(saved_threads)
     if req.tp > 1:
         timings = [LayerTiming(t.name, t.forward_s / req.tp, t.backward_s / req.tp, t.activation_bytes // req.tp,
                                t.workspace_bytes // req.tp) for t in timings]
     counts = layers.layer_parameter_counts()
     total = sum(p.numel() for _, p in named) or 1
+    how = (f"{threads} thread{'s' * (threads > 1)}, beside {helpers} helper process{'es' * (helpers != 1)} "
+           f"running the model as the run's other ranks would" if helpers else
+           f"{threads} thread{'s' * (threads > 1)}, no other rank computing beside")
     return (timings, [step_s * c / total / req.tp for c in counts],
-            [int(transient * c / total / req.tp) for c in counts], residue)
+            [int(transient * c / total / req.tp) for c in counts], residue, how)

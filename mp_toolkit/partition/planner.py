@@ -55,6 +55,12 @@ class PlanRequest:
     """Throughput turning FLOPs into time; None measures a GEMM on this machine."""
     measure: bool = False
     """Time each layer here even when the method does not need it."""
+    threads: int | None = None
+    """Torch threads per rank while timing layers; None: as ``mpt train`` picks them (this
+    machine's cores shared out over the pp x tp x dp ranks)."""
+    load: bool = True
+    """Time layers beside helper processes standing in for the run's other ranks on this machine
+    (`contention.concurrent_load`); False: on an otherwise idle machine."""
     p2p_latency_us: float = 150.0
     """Per message (gloo on one host; NCCL across NVLink is ~10)."""
     p2p_gbps: float = 3.0
@@ -142,12 +148,12 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]):
     if req.method == "time" or req.measure:
         from .build import measure_model
 
-        timings, opt_s, step_bytes, residue = measure_model(req, shape)
+        timings, opt_s, step_bytes, residue, how = measure_model(req, shape)
         times = [(t.forward_s, t.backward_s) for t in timings]
         costs = [replace(c, activation_bytes=t.activation_bytes, workspace_bytes=t.workspace_bytes)
                  for c, t in zip(costs, timings)]
         source = ("measured on this machine (per micro-batch inside rounds of accumulating micro-batches, "
-                  "median of 3 rounds after 1 warm-up)")
+                  f"median of 3 rounds after 1 warm-up; {how})")
     else:
         tflops = req.tflops or gemm_tflops(req.dtype)
         times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
@@ -204,6 +210,16 @@ def _inflight(req: PlanRequest):
     return schedule, list(tl.peak_inflight_w if req.schedule == "zbh1" else tl.peak_inflight)
 
 
+def _split_backward_ms(stage: StagePlan) -> dict[str, float]:
+    """ZB-H1's I and W of one stage (`engine.split_backward`: no part of B runs twice). The first
+    stage's inputs are token ids, so its whole backward is weight work (I = 0, W = B); elsewhere
+    every matrix product's backward is one product for the input and one for the weight, so each
+    takes half of B."""
+    if stage.index == 0:
+        return {"I": 0.0, "W": stage.backward_ms}
+    return {"I": stage.backward_ms / 2, "W": stage.backward_ms / 2}
+
+
 def make_plan(req: PlanRequest) -> Plan:
     """Plan ``req``; raises PartitionError / CostModelError / ValueError with one-line messages."""
     from mp_toolkit.schedule import simulate
@@ -233,10 +249,7 @@ def make_plan(req: PlanRequest) -> Plan:
         fwd, bwd = sum(t[0] for t in times[a:b]), sum(t[1] for t in times[a:b])
         stages.append(StagePlan(s, a, b - 1, sum(c.params for c in costs[a:b]), 1e3 * (fwd + bwd),
                                 shares[s], 1e3 * fwd, 1e3 * bwd, 1e3 * sum(opt_s[a:b])))
-    # ZB-H1's W re-runs the stage's backward towards the weights (autograd.backward with
-    # inputs=params walks the whole graph again), so here W costs a full B and I half of one.
-    stage_costs = {st.index: {"F": st.forward_ms, "B": st.backward_ms, "I": st.backward_ms / 2,
-                              "W": st.backward_ms} for st in stages}
+    stage_costs = {st.index: {"F": st.forward_ms, "B": st.backward_ms, **_split_backward_ms(st)} for st in stages}
     out_bytes = [costs[b - 1].output_bytes for b in bounds[1:]]
 
     def message_bytes(action) -> float:  # F sends the stage's output, B the gradient of its input
@@ -249,6 +262,11 @@ def make_plan(req: PlanRequest) -> Plan:
         r = schedule.stage_to_rank[st.index]
         grad_bytes = st.params * 4
         per_rank_opt[r] += st.optimizer_ms + 1e3 * _allreduce_s(grad_bytes, req.dp, req)
+    ends = {schedule.stage_to_rank[0], schedule.stage_to_rank[len(stages) - 1]}
+    if shape.tied and len(ends) == 2:  # the tied embedding / LM head gradient, summed over its two ranks
+        tie_ms = 1e3 * _allreduce_s(shape.vocab_size * shape.hidden // req.tp * ACT_BYTES[req.dtype], 2, req)
+        for r in ends:
+            per_rank_opt[r] += tie_ms
     step_ms = timeline.step_time + max(per_rank_opt)
     tokens = req.microbatches * req.micro_batch * req.seq_len * req.dp
     plan = Plan(req, costs, bounds, stages, timeline.bubble_fraction, step_ms, tokens / (step_ms / 1e3),
@@ -328,6 +346,9 @@ def check_request(req: PlanRequest, shape: ModelShape) -> None:
                                      f"choose a tp that divides {value}")
     if shape.positions and req.seq_len > shape.positions:
         raise PartitionError(f"--seq-len {req.seq_len} exceeds the model's {shape.positions} positions")
+    if req.threads is not None and (isinstance(req.threads, bool) or not isinstance(req.threads, int)
+                                    or req.threads < 1):
+        raise PartitionError(f"--threads {req.threads!r} must be a positive integer")
     for name in ("tflops", "p2p_gbps", "mem_gbps", "p2p_latency_us"):
         v = getattr(req, name)
         if v is not None and not (math.isfinite(v) and (v > 0 or (name == "p2p_latency_us" and v == 0))):
