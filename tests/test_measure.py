@@ -72,3 +72,48 @@ def test_last_layer_is_timed_with_its_loss():
     _, last = measure_layers(layers, torch.ones(2, 4), loss, torch.ones(2, 4), warmup=0, repeats=1)
     assert last.activation_bytes > 0  # x * w keeps x for w's gradient: 2 x 4 fp32 = 32 bytes at least
     assert BWD_S <= last.backward_s < BWD_S + SLACK_S
+
+
+def test_split_times_zbh1s_input_and_weight_passes():
+    torch.manual_seed(0)
+    embed, lin = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32)
+    layers = LayerList([("embed", embed), ("lin", lin)])
+    e, l = measure_layers(layers, torch.randint(0, 64, (4, 16)), warmup=0, repeats=1, split=True)
+    # token ids need no gradient: the embedding's backward is all weight work, as on a first stage
+    assert e.input_s < 1e-4 and e.weight_s > 0 and e.backward_s == pytest.approx(e.input_s + e.weight_s)
+    assert l.input_s > 0 and l.weight_s > 0 and l.backward_s == pytest.approx(l.input_s + l.weight_s)
+    # I records the gradient of the product's output for W: (4 x 16 tokens, 32 features) fp32
+    assert l.recorded_bytes == 4 * 16 * 32 * 4 and e.recorded_bytes == 0
+    plain = measure_layers(layers, torch.randint(0, 64, (4, 16)), warmup=0, repeats=1)
+    assert plain[1].input_s == plain[1].weight_s == plain[1].recorded_bytes == 0  # not split: the whole backward
+
+
+def test_split_puts_backward_work_on_the_path_to_the_input_into_i_once():
+    # Timed: x * w, then a sleep in backward. The sleep lies between the root and the input, so
+    # I runs it; W re-enters at x * w for w alone and does not sleep again
+    (t,) = measure_layers(LayerList([("t", Timed(1))]), torch.ones(2, 4), warmup=0, repeats=1, split=True)
+    assert BWD_S <= t.input_s < BWD_S + SLACK_S and t.weight_s < SLACK_S
+
+
+class Logged(torch.nn.Module):
+    """Records "F" at each forward and "B" at each backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.log: list[str] = []
+
+    def forward(self, x):
+        self.log.append("F")
+        y = x * self.w
+        y.register_hook(lambda g: self.log.append("B"))
+        return y
+
+
+@pytest.mark.parametrize("order, expected", [("1f1b", "FFBFBB"), ("gpipe", "FFFBBB")])
+def test_rounds_run_in_the_schedules_order(order, expected):
+    layer = Logged()
+    measure_layers(LayerList([("t", layer)]), torch.ones(2, 4), warmup=0, repeats=1, microbatches=3, order=order)
+    assert "".join(layer.log) == "FB" + expected  # one untimed pass counts the kept bytes first
+    with pytest.raises(ValueError, match="order='zigzag'"):
+        measure_layers(LayerList([("t", layer)]), torch.ones(2, 4), order="zigzag")

@@ -250,3 +250,23 @@ def test_mpt_simulate_matches_the_closed_form(tmp_path):
     assert r.returncode == 0 and f"bubble fraction {1 / (2 * 4 + 1):.4f}" in r.stdout
     r = mpt("simulate", "--schedule", "gpipe", "--pp", "0", "--microbatches", "4")
     assert r.returncode == 2 and "--pp 0 must be between 1 and 1024" in r.stderr
+
+
+def test_measured_zbh1_plan_uses_each_stages_measured_input_and_weight_passes():
+    p = plan(model="gpt-tiny", schedule="zbh1", method="time", microbatches=4, seq_len=16, threads=1, load=False)
+    durations = {}
+    for row in p.timeline.events:
+        for ev in row:
+            durations.setdefault((ev.action.stage, ev.action.kind.value), ev.end - ev.start)
+    last = p.stages[1]
+    assert durations[(0, "I")] == 0.0 and durations[(0, "W")] == pytest.approx(p.stages[0].backward_ms)
+    i_ms, w_ms = durations[(1, "I")], durations[(1, "W")]
+    assert i_ms > 0 and w_ms > 0 and i_ms + w_ms == pytest.approx(last.backward_ms)
+
+
+def test_zbh1s_recorded_gradients_count_on_every_stage_but_the_first():
+    mem = StageMemory(static=[0, 0, 0, 0], activation=[10, 10, 10, 10], inflight=[2, 1],
+                      recorded=[5, 5, 5, 5])
+    assert mem(0, 0, 2) == 2 * 20  # the first stage does not split: nothing recorded
+    assert mem(1, 2, 4) == 1 * (20 + 10)
+    assert mem.of_rank([(0, 0, 1), (1, 1, 2)]) == 2 * 10 + 1 * 15

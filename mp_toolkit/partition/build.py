@@ -89,7 +89,9 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
         with concurrent_load(req.model, req.micro_batch, req.seq_len, req.dtype, threads, helpers):
             release_free_memory()
             before = rss_bytes()
-            timings = measure_layers(layers, inputs, loss_fn, labels, microbatches=rounds)  # default allocator
+            timings = measure_layers(layers, inputs, loss_fn, labels, microbatches=rounds,  # default allocator
+                                     split=req.schedule == "zbh1",
+                                     order="gpipe" if req.schedule == "gpipe" else "1f1b")
             release_free_memory()
             residue = max(0, rss_bytes() - before)  # what computing leaves resident: kernel scratch, caches
             step_s, _ = measure_optimizer_step(build, named)
@@ -101,7 +103,8 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
         torch.set_num_threads(saved_threads)
     if req.tp > 1:
         timings = [LayerTiming(t.name, t.forward_s / req.tp, t.backward_s / req.tp, t.activation_bytes // req.tp,
-                               t.workspace_bytes // req.tp) for t in timings]
+                               t.workspace_bytes // req.tp, t.input_s / req.tp, t.weight_s / req.tp,
+                               t.recorded_bytes // req.tp) for t in timings]
     counts = layers.layer_parameter_counts()
     total = sum(p.numel() for _, p in named) or 1
     how = (f"{threads} thread{'s' * (threads > 1)}, beside {helpers} helper process{'es' * (helpers != 1)} "

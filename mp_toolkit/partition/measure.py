@@ -2,7 +2,8 @@
 
 ``mpt plan --method time`` uses these numbers instead of FLOPs. Every layer runs on its real
 input (the previous layer's output for one micro-batch) the way a pipeline stage runs it: a
-*round* is ``microbatches`` micro-batches in 1F1B order (F0 F1 B0 F2 B1 ... B(k-1)), weight
+*round* is ``microbatches`` micro-batches in 1F1B order (F0 F1 B0 F2 B1 ... B(k-1); GPipe's
+F0 ... F(k-1) B0 ... B(k-1) when planning GPipe), weight
 gradients accumulating in place across the round (``.grad`` exists after the first backward, so
 later ones add into it) and dropped after it, as the optimizer step's ``zero_grad`` does; the
 allocator keeps and reuses its blocks between micro-batches. A layer's forward (backward) time
@@ -11,6 +12,9 @@ ones. Timed alone instead (one micro-batch on a trimmed heap, its weight gradien
 anew each time), a GPT block took 30-50% more CPU time than inside such a round, and than it
 takes inside a real 1F1B run (`tools/pipeline_profile.py`, per-action CPU time).
 The last layer is timed together with the loss, as the pipeline's last stage runs them.
+With ``split=True`` every backward runs as ZB-H1's input-gradient pass ``I`` and weight-gradient
+pass ``W`` (`mp_toolkit.engine.split_backward`, as the executor runs them) and both are timed:
+the split's own cost (walking the graph, re-entering it) is in the figures.
 
 Kept bytes are counted with `torch.autograd.graph.saved_tensors_hooks` in one untimed pass, one
 count per storage, parameters excluded; the transient peak beyond them (gradients of logits,
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import LayerList, run_layers
 from mp_toolkit.memstats import map_large_blocks, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes
 
@@ -43,6 +48,13 @@ class LayerTiming:
     activation_bytes: int
     workspace_bytes: int = 0
     """Peak resident bytes during its forward + backward beyond the kept activations (RSS)."""
+    input_s: float = 0.0
+    """With ``split=True``: ZB-H1's ``I`` (input gradients) of ``backward_s``; 0 otherwise."""
+    weight_s: float = 0.0
+    """With ``split=True``: ZB-H1's ``W`` (weight gradients) of ``backward_s``; 0 otherwise."""
+    recorded_bytes: int = 0
+    """With ``split=True``: the gradients ``I`` records for ``W`` (held, with the activations,
+    from a micro-batch's I to its W); 0 otherwise."""
 
 
 def _saved_bytes_hook(params: set[int], seen: dict[int, int]):
@@ -68,6 +80,12 @@ def _roots(y, loss) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     return outs, [torch.ones_like(t) for t in outs]
 
 
+def all_forward_then_backward(k: int) -> list[tuple[str, int]]:
+    """GPipe's order: ``[("F", 0), ..., ("F", k-1), ("B", 0), ..., ("B", k-1)]`` (every
+    micro-batch's activations in flight at once)."""
+    return [("F", j) for j in range(k)] + [("B", j) for j in range(k)]
+
+
 def one_f_one_b(k: int) -> list[tuple[str, int]]:
     """The order of a round: ``[("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ..., ("B", k-1)]``
     (one micro-batch in flight, as a 1F1B stage's steady state runs)."""
@@ -84,42 +102,82 @@ class _Layer:
         self.layer, self.x, self.loss_fn, self.labels = layer, x, loss_fn, labels
 
     def forward(self):
-        y = run_layers([self.layer], *_as_inputs(self.x))
+        """(output, loss or None, the input leaves)."""
+        leaves = _as_inputs(self.x)
+        y = run_layers([self.layer], *leaves)
         loss = self.loss_fn(y, self.labels) if self.loss_fn is not None else None
-        return y, loss
+        return y, loss, leaves
+
+    def split_backward(self, roots, grads, leaves) -> tuple[float, float, int]:
+        """ZB-H1's backward as the executor runs it (`engine.split_backward`): seconds of ``I``
+        (input gradients, and what ``W`` needs) and of ``W`` (weight gradients), and the bytes of
+        the gradients I recorded for W. Without float inputs (the embedding's token ids) ``I`` is
+        empty and ``W`` the whole backward."""
+        params = [p for p in self.layer.parameters() if p.requires_grad]
+        t0 = time.perf_counter()
+        _, weight_pass = split_backward_input(roots, grads, [t for t in leaves if t.requires_grad], params)
+        t1 = time.perf_counter()
+        recorded = 0
+        if weight_pass is not None:
+            recorded = sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                            for gs in weight_pass.recorded.values() for g in gs if g is not None}.values())
+            t1 = time.perf_counter()  # the count is ours, not the engine's
+            weight_pass.run()
+        elif roots and params:
+            torch.autograd.backward(roots, grads, inputs=params)
+        return t1 - t0, time.perf_counter() - t1, recorded
 
     def drop_grads(self) -> None:
         for p in self.layer.parameters():
             p.grad = None
 
 
-def _time_rounds(run: _Layer, microbatches: int, warmup: int, repeats: int) -> tuple[float, float]:
-    """Median over rounds of the mean forward and backward seconds per micro-batch. Only what a
-    stage keeps stays referenced between actions (the graph's roots), not the loss layer's
-    (B, T, V) logits: a stray reference changes what the allocator can hand back and reuse."""
-    fwd, bwd = [], []
+ORDERS = {"1f1b": one_f_one_b, "gpipe": all_forward_then_backward}
+"""How a round orders its micro-batches: GPipe's order for GPipe, 1F1B's steady state for every
+other schedule (1F1B, interleaved and ZB-H1 keep few micro-batches in flight)."""
+
+
+def _time_rounds(run: _Layer, microbatches: int, warmup: int, repeats: int,
+                 split: bool = False, order: str = "1f1b") -> tuple[float, float, float, float, int]:
+    """Seconds per micro-batch (a round's mean) of the forward (median over rounds), and of the
+    backward with, when ``split`` (the backward run as ZB-H1's I, then at once its W), its input-
+    and weight-gradient parts (the median round by backward time) and the most bytes one
+    micro-batch's I recorded for its W. Only what a stage
+    keeps stays referenced between actions (the graph's roots), not the loss layer's (B, T, V)
+    logits: a stray reference changes what the allocator can hand back and reuse."""
+    rounds = []
     for r in range(warmup + repeats):
         pending: dict[int, tuple] = {}
-        f = b = 0.0
-        for kind, j in one_f_one_b(microbatches):
+        f = b_in = b_w = 0.0
+        recorded = 0
+        for kind, j in ORDERS[order](microbatches):
             if kind == "F":
                 t0 = time.perf_counter()
-                y, loss = run.forward()
+                y, loss, leaves = run.forward()
                 f += time.perf_counter() - t0
-                pending[j] = _roots(y, loss)  # the gradients of ones are made outside the timing
-                del y, loss
+                pending[j] = (*_roots(y, loss), leaves)  # the gradients of ones are made outside the timing
+                del y, loss, leaves
             else:
-                roots, grads = pending.pop(j)
-                t0 = time.perf_counter()
-                if roots:
-                    torch.autograd.backward(roots, grads)
-                b += time.perf_counter() - t0
-                del roots, grads
+                roots, grads, leaves = pending.pop(j)
+                if split:
+                    i_s, w_s, got = run.split_backward(roots, grads, leaves)
+                    b_in, b_w, recorded = b_in + i_s, b_w + w_s, max(recorded, got)
+                else:
+                    t0 = time.perf_counter()
+                    if roots:
+                        torch.autograd.backward(roots, grads)
+                    b_in += time.perf_counter() - t0
+                del roots, grads, leaves
         run.drop_grads()  # the optimizer step's zero_grad (set to None)
         if r >= warmup:
-            fwd.append(f / microbatches)
-            bwd.append(b / microbatches)
-    return statistics.median(fwd), statistics.median(bwd)
+            rounds.append((f, b_in + b_w, b_in if split else 0.0, b_w, recorded))
+    # the median round by backward time, and its I and W (the two middle rounds' means for an
+    # even count), so that I + W is the backward exactly
+    by_bwd = sorted(rounds, key=lambda x: x[1])
+    mid = by_bwd[(len(by_bwd) - 1) // 2: len(by_bwd) // 2 + 1]
+    fwd = statistics.median(x[0] for x in rounds)
+    return (fwd / microbatches, *(statistics.fmean(x[i] for x in mid) / microbatches for i in (1, 2, 3)),
+            max(x[4] for x in rounds))
 
 
 def _kept_and_peak(run: _Layer, params: set[int], memory: bool) -> tuple[int, int]:
@@ -131,7 +189,7 @@ def _kept_and_peak(run: _Layer, params: set[int], memory: bool) -> tuple[int, in
         reset_peak()
     before = rss_bytes()
     with torch.autograd.graph.saved_tensors_hooks(_saved_bytes_hook(params, seen), lambda t: t):
-        y, loss = run.forward()
+        y, loss, _ = run.forward()
     roots, grads = _roots(y, loss)
     if roots:
         torch.autograd.backward(roots, grads)
@@ -143,7 +201,7 @@ def _kept_and_peak(run: _Layer, params: set[int], memory: bool) -> tuple[int, in
 
 def measure_layers(layer_list: LayerList, inputs, loss_fn: Callable | None = None, labels=None,
                    warmup: int = 1, repeats: int = 3, memory: bool = False,
-                   microbatches: int = 4) -> list[LayerTiming]:
+                   microbatches: int = 4, split: bool = False, order: str = "1f1b") -> list[LayerTiming]:
     """Time every layer of ``layer_list`` (already in its compute dtype) on ``inputs``, one
     micro-batch; ``microbatches`` per round (see the module docstring).
 
@@ -151,7 +209,11 @@ def measure_layers(layer_list: LayerList, inputs, loss_fn: Callable | None = Non
     ``memory=True`` measures each layer's transient peak instead of timing it (times are then
     0); it maps large blocks one by one for the rest of the process (`map_large_blocks`), which
     slows CPU kernels by 20-30%, so take the times from a run without it.
+    ``split=True`` runs every backward as ZB-H1's I then W and times both (`LayerTiming.input_s`).
+    ``order`` is a round's order of micro-batches (`ORDERS`: ``"1f1b"`` or ``"gpipe"``).
     """
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r}: choose one of {', '.join(ORDERS)}")
     if repeats < 1 or warmup < 0 or microbatches < 1:
         raise ValueError(f"repeats={repeats} and microbatches={microbatches} must be >= 1 and warmup={warmup} >= 0")
     if memory:
@@ -162,14 +224,15 @@ def measure_layers(layer_list: LayerList, inputs, loss_fn: Callable | None = Non
     for i, (name, layer) in enumerate(zip(layer_list.names, layer_list.layers)):
         params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
         run = _Layer(layer, x, loss_fn if i == last else None, labels)
-        fwd = bwd = 0.0
+        fwd = bwd = b_in = b_w = 0.0
+        recorded = 0
         if memory:
             for _ in range(warmup):  # one-time costs (kernel scratch) out of the peak
                 _kept_and_peak(run, params, False)
         kept, peak = _kept_and_peak(run, params, memory)
         if not memory:
-            fwd, bwd = _time_rounds(run, microbatches, warmup, repeats)
-        out.append(LayerTiming(name, fwd, bwd, kept, max(0, peak - kept) if memory else 0))
+            fwd, bwd, b_in, b_w, recorded = _time_rounds(run, microbatches, warmup, repeats, split, order)
+        out.append(LayerTiming(name, fwd, bwd, kept, max(0, peak - kept) if memory else 0, b_in, b_w, recorded))
         if i < last:
             with torch.no_grad():  # the next layer's input
                 x = run_layers([layer], *_as_inputs(x))

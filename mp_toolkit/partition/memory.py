@@ -41,7 +41,8 @@ class StageMemory:
     schedule's peak and the optimizer step's temporaries (they never coexist: activations are
     freed before the step), plus a fixed part::
 
-        sum(static[a:b]) + max(inflight[j] * sum(activation[a:b]) + max(workspace[a:b]),
+        sum(static[a:b]) + max(inflight[j] * sum(activation[a:b] (+ recorded[a:b] if j > 0))
+                               + max(workspace[a:b]),
                                sum(step_transient[a:b])) + fixed
     """
 
@@ -57,15 +58,22 @@ class StageMemory:
     """Per stage: bytes independent of the layers (receive buffers, runtime)."""
     step_transient: Sequence[int] = ()
     """Per layer: temporaries of the optimizer step over its parameters."""
+    recorded: Sequence[int] = ()
+    """Per layer: ZB-H1's gradients recorded by I for W, held per micro-batch in flight beside the
+    activations on every stage but the first (its inputs are token ids: it does not split)."""
 
     def __post_init__(self):
         object.__setattr__(self, "_ps", _prefix(self.static))
         object.__setattr__(self, "_pa", _prefix(self.activation))
+        object.__setattr__(self, "_pr", _prefix(self.recorded or [0] * len(self.static)))
         object.__setattr__(self, "_pt", _prefix(self.step_transient or [0] * len(self.static)))
+
+    def _per_microbatch(self, stage: int, a: int, b: int) -> int:
+        return self._pa[b] - self._pa[a] + (self._pr[b] - self._pr[a] if stage > 0 else 0)
 
     def __call__(self, stage: int, a: int, b: int) -> int:
         ws = max(self.workspace[a:b], default=0) if self.workspace else 0
-        schedule_peak = self.inflight[stage] * (self._pa[b] - self._pa[a]) + ws
+        schedule_peak = self.inflight[stage] * self._per_microbatch(stage, a, b) + ws
         return (self._ps[b] - self._ps[a]) + max(schedule_peak, self._pt[b] - self._pt[a]) + self.fixed
 
     def of_rank(self, spans: Sequence[tuple[int, int, int]]) -> int:
@@ -78,7 +86,7 @@ class StageMemory:
         if not spans:
             return 0
         static = sum(self._ps[b] - self._ps[a] for _, a, b in spans)
-        kept = sum(self.inflight[j] * (self._pa[b] - self._pa[a]) for j, a, b in spans)
+        kept = sum(self.inflight[j] * self._per_microbatch(j, a, b) for j, a, b in spans)
         ws = max((max(self.workspace[a:b], default=0) for _, a, b in spans), default=0) if self.workspace else 0
         step = sum(self._pt[b] - self._pt[a] for _, a, b in spans)
         return static + max(kept + ws, step) + self.fixed

@@ -141,17 +141,42 @@ STEP_TRANSIENT_BYTES = 8
 """Optimizer-step temporaries per parameter without a measurement (two fp32 foreach buffers)."""
 
 
-def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]):
-    """Per layer (forward s, backward s), optimizer seconds and step temporaries; bytes that
-    computing leaves resident per process (measured only); the costs (measured kept and transient
-    bytes replace the formula's when measured); and where the times come from."""
+@dataclass
+class LayerTimes:
+    """What `layer_times` finds for every layer."""
+
+    times: list[tuple[float, float]]
+    """(forward s, backward s) of one micro-batch."""
+    opt_s: list[float]
+    """The optimizer step's seconds, shared out by parameters."""
+    step_bytes: list[int]
+    """The optimizer step's temporaries, shared out by parameters."""
+    residue: int
+    """Bytes that computing leaves resident per process (measured only; else 0)."""
+    costs: list[LayerCost]
+    """The cost model's; measured kept and transient bytes replace the formula's when measured."""
+    source: str
+    """Where the times come from, in words."""
+    split: list[tuple[float, float]] | None = None
+    """Measured ZB-H1 (I s, W s) that make up each backward; None: not measured."""
+    recorded: list[int] = field(default_factory=list)
+    """Measured ZB-H1 bytes I records for W per micro-batch (`StageMemory.recorded`); [] when not."""
+
+
+def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> LayerTimes:
+    """Per layer times, optimizer seconds and bytes: measured here (``--method time`` or
+    ``--measure``; ZB-H1's I and W too for ``--schedule zbh1``) or from FLOPs."""
+    split, recorded = None, []
     if req.method == "time" or req.measure:
         from .build import measure_model
 
         timings, opt_s, step_bytes, residue, how = measure_model(req, shape)
         times = [(t.forward_s, t.backward_s) for t in timings]
+        if req.schedule == "zbh1":
+            split = [(t.input_s, t.weight_s) for t in timings]
         costs = [replace(c, activation_bytes=t.activation_bytes, workspace_bytes=t.workspace_bytes)
                  for c, t in zip(costs, timings)]
+        recorded = [t.recorded_bytes for t in timings]
         source = ("measured on this machine (per micro-batch inside rounds of accumulating micro-batches, "
                   f"median of 3 rounds after 1 warm-up; {how})")
     else:
@@ -166,7 +191,7 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]):
         msg = req.micro_batch * req.seq_len * shape.hidden * ACT_BYTES[req.dtype]
         ar = 2 * _allreduce_s(msg, req.tp, req)
         times = [(f + ar, b + ar) if c.kind.endswith(("Block", "Layer")) else (f, b) for (f, b), c in zip(times, costs)]
-    return times, opt_s, step_bytes, residue, costs, source
+    return LayerTimes(times, opt_s, step_bytes, residue, costs, source, split, recorded)
 
 
 def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float]],
@@ -210,14 +235,19 @@ def _inflight(req: PlanRequest):
     return schedule, list(tl.peak_inflight_w if req.schedule == "zbh1" else tl.peak_inflight)
 
 
-def _split_backward_ms(stage: StagePlan) -> dict[str, float]:
-    """ZB-H1's I and W of one stage (`engine.split_backward`: no part of B runs twice). The first
-    stage's inputs are token ids, so its whole backward is weight work (I = 0, W = B); elsewhere
-    every matrix product's backward is one product for the input and one for the weight, so each
-    takes half of B."""
+def _split_backward_ms(stage: StagePlan, bounds: list[int],
+                       split: list[tuple[float, float]] | None) -> dict[str, float]:
+    """ZB-H1's I and W of one stage as the engine runs them (`engine.split_backward`). The first
+    stage's inputs are token ids, so it does not split: I is empty and W the whole backward B.
+    Elsewhere: the layers' measured I and W (``split``, which carry the split's own overhead),
+    or without a measurement half of B each (a matrix product's backward is one product for the
+    input and one for the weight)."""
     if stage.index == 0:
         return {"I": 0.0, "W": stage.backward_ms}
-    return {"I": stage.backward_ms / 2, "W": stage.backward_ms / 2}
+    if split is None:
+        return {"I": stage.backward_ms / 2, "W": stage.backward_ms / 2}
+    a, b = bounds[stage.index], bounds[stage.index + 1]
+    return {"I": 1e3 * sum(i for i, _ in split[a:b]), "W": 1e3 * sum(w for _, w in split[a:b])}
 
 
 def make_plan(req: PlanRequest) -> Plan:
@@ -227,14 +257,15 @@ def make_plan(req: PlanRequest) -> Plan:
     shape = model_shape(req.model)
     check_request(req, shape)
     costs = layer_costs(shape, req.micro_batch, req.seq_len, req.dtype, req.tp)
-    times, opt_s, step_bytes, residue, costs, source = layer_times(req, shape, costs)
+    lt = layer_times(req, shape, costs)
+    times, opt_s, step_bytes, residue, costs, source = lt.times, lt.opt_s, lt.step_bytes, lt.residue, lt.costs, lt.source
     schedule, inflight = _inflight(req)
     num_stages = schedule.num_stages
     bpp = bytes_per_param(req.dtype, req.optimizer)
     msg_in = max(c.output_bytes for c in costs[:-1]) if len(costs) > 1 else 0
     memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], fixed=2 * msg_in + residue,
-                         step_transient=step_bytes)
+                         step_transient=step_bytes, recorded=lt.recorded)
     try:
         bounds = cut(req, costs, times, memory, num_stages)
     except MemoryCapError as e:
@@ -249,7 +280,8 @@ def make_plan(req: PlanRequest) -> Plan:
         fwd, bwd = sum(t[0] for t in times[a:b]), sum(t[1] for t in times[a:b])
         stages.append(StagePlan(s, a, b - 1, sum(c.params for c in costs[a:b]), 1e3 * (fwd + bwd),
                                 shares[s], 1e3 * fwd, 1e3 * bwd, 1e3 * sum(opt_s[a:b])))
-    stage_costs = {st.index: {"F": st.forward_ms, "B": st.backward_ms, **_split_backward_ms(st)} for st in stages}
+    stage_costs = {st.index: {"F": st.forward_ms, "B": st.backward_ms, **_split_backward_ms(st, bounds, lt.split)}
+                   for st in stages}
     out_bytes = [costs[b - 1].output_bytes for b in bounds[1:]]
 
     def message_bytes(action) -> float:  # F sends the stage's output, B the gradient of its input
