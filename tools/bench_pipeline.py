@@ -92,11 +92,16 @@ def default_cut(w: Workload, chunks: int = 1) -> list[int]:
 def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[int]) -> list[tuple[str, dict, int]]:
     """(label, spec, processes) of every run, in the order a round visits them. ``tcut``: the
     planner's time cut (None: no time-cut runs); ``fcut``: its FLOPs cut (``mpt train``'s default
-    partition), ``fcut2`` into 2 chunks per rank. Every peer but "mpt defaults" steps the same
-    torch AdamW (foreach), so the other rows compare engines alone."""
+    partition), ``fcut2`` into 2 chunks per rank. Rows "as mpt train" (and "mpt defaults") run as
+    ``mpt train`` does (`as_train`); every other row steps the same torch AdamW (foreach) on glibc's
+    default heap, so those compare engines alone. "deepspeed uniform, heap kept" and "single
+    process, heap kept" give DeepSpeed and the single process the heap ``mpt train`` keeps."""
     pcut = default_cut(w)
     runs = [("mpt defaults (1F1B, flops cut, fused AdamW)",
-             {"peer": "mpt", "schedule": "1f1b", "boundaries": fcut, "optimizer": "mpt"}, w.pp),
+             {"peer": "mpt", "schedule": "1f1b", **as_train(fcut)}, w.pp),
+            ("mpt ZBH1 flops cut, as mpt train", {"peer": "mpt", "schedule": "zbh1", **as_train(fcut)}, w.pp),
+            ("mpt Interleaved1F1B x2 flops cut, as mpt train",
+             {"peer": "mpt", "schedule": "interleaved", "chunks": 2, **as_train(fcut2)}, w.pp),
             ("mpt 1F1B", {"peer": "mpt", "schedule": "1f1b"}, w.pp),
             ("mpt GPipe", {"peer": "mpt", "schedule": "gpipe"}, w.pp),
             ("mpt ZBH1", {"peer": "mpt", "schedule": "zbh1"}, w.pp),
@@ -108,12 +113,20 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
                      {"peer": "mpt", "schedule": "interleaved", "chunks": 2, "boundaries": fcut2}, w.pp))
     runs += [("deepspeed parameters", {"peer": "deepspeed", "partition": "parameters"}, w.pp),
              ("deepspeed uniform", {"peer": "deepspeed", "partition": "uniform"}, w.pp),
+             ("deepspeed uniform, heap kept", {"peer": "deepspeed", "partition": "uniform",
+                                               "keep_freed_memory": True}, w.pp),
              ("torch Schedule1F1B", {"peer": "torch", "schedule": "1f1b", "boundaries": pcut}, w.pp),
              ("torch ScheduleGPipe", {"peer": "torch", "schedule": "gpipe", "boundaries": pcut}, w.pp)]
     if tcut is not None and tcut != pcut:
         runs.append(("torch Schedule1F1B time cut", {"peer": "torch", "schedule": "1f1b", "boundaries": tcut}, w.pp))
-    runs.append(("single process (T1)", {"peer": "single"}, 1))
+    runs += [("single process (T1)", {"peer": "single"}, 1),
+             ("single process, heap kept", {"peer": "single", "keep_freed_memory": True}, 1)]
     return runs
+
+
+def as_train(boundaries: list[int]) -> dict:
+    """What ``mpt train`` adds to an engine run: fused AdamW and the heap that keeps freed pages."""
+    return {"boundaries": boundaries, "optimizer": "mpt", "keep_freed_memory": True}
 
 
 def summarise(results: list[dict], warmup: int) -> dict:
@@ -156,16 +169,16 @@ def print_table(table: list[dict], w: Workload, t1: float, bound: float) -> None
           f"{w.microbatches} micro-batches of {w.micro_batch}, pp {w.pp}, {w.threads} thread/rank, AdamW, "
           f"{w.precision}, no clipping; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print(f"T1 (single process) {t1:,.0f} tokens/s; 1F1B bound 2*T1*m/(m+p-1) = {bound:,.0f} tokens/s")
-    print(f"{'peer':32s} {'cut':>13s} {'tokens/s':>9s} {'step ms':>8s} {'runs (ms)':>17s} {'best mpt/x':>10s} "
+    print(f"{'peer':48s} {'cut':>13s} {'tokens/s':>9s} {'step ms':>8s} {'runs (ms)':>17s} {'best mpt/x':>10s} "
           f"{'eff.':>6s} {'CPU ms/step':>12s}")
     for r in table:
         runs = "/".join(f"{m:.0f}" for m in r["run_median_ms"])
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "  -"
         cpu = "/".join(f"{c:.0f}" for c in r["cpu_ms_per_rank"])
-        print(f"{r['label']:32s} {str(r['boundaries']).replace(' ', ''):>13s} {r['tokens_per_s']:9.0f} "
+        print(f"{r['label']:48s} {str(r['boundaries']).replace(' ', ''):>13s} {r['tokens_per_s']:9.0f} "
               f"{r['step_ms']:8.0f} {runs:>17s} {r['best_mpt_ratio']:10.2f} {eff:>6s} {cpu:>12s}")
     print("runs: each run's median step; best mpt/x: the best mp_toolkit row's tokens/s over this row's; eff.: "
-          "tokens/s over the 1F1B bound; CPU ms/step: process CPU time per step of each rank (work, not waiting: "
+          "tokens/s over the 1F1B bound (of the single process on the same heap); CPU ms/step: process CPU time per step of each rank (work, not waiting: "
           "the figure other load on the machine changes least)")
 
 
@@ -201,17 +214,23 @@ def bench(args, w: Workload) -> dict:
                   flush=True)
         if rnd == 0 and "single process (T1)" in pooled:
             check = check_same_model(pooled, w)
-    single = pooled.get("single process (T1)")
-    t1 = w.tokens_per_step / statistics.median(single["step_s"]) if single else float("nan")
+    def tokens_per_s(label: str) -> float:
+        r = pooled.get(label)
+        return w.tokens_per_step / statistics.median(r["step_s"]) if r else float("nan")
+
     m, p = w.microbatches, w.pp
+    t1, t1_kept = tokens_per_s("single process (T1)"), tokens_per_s("single process, heap kept")
     bound = p * t1 * m / (m + p - 1)
+    # a row's efficiency is against the single process on the same heap (when that row ran)
+    bounds = {False: bound, True: p * t1_kept * m / (m + p - 1) if t1_kept == t1_kept else bound}
     table = []
     for label, r in pooled.items():
         tok = w.tokens_per_step / statistics.median(r["step_s"])
         table.append({"label": label, "boundaries": r["boundaries"], "tokens_per_s": tok,
                       "step_ms": 1e3 * statistics.median(r["step_s"]), "run_median_ms": r["run_median_ms"],
                       "cpu_ms_per_rank": [1e3 * statistics.median(c) for c in r["cpu_s"]],
-                      "efficiency": tok / bound if r["spec"]["peer"] != "single" else None,
+                      "efficiency": (tok / bounds[bool(r["spec"].get("keep_freed_memory"))]
+                                     if r["spec"]["peer"] != "single" else None),
                       "first_loss": r["losses"][0], "last_loss": r["losses"][-1], "params": r["params"],
                       "threads": r["threads"]})
     ours = [r for r in table if r["label"].startswith("mpt")]
@@ -219,11 +238,14 @@ def bench(args, w: Workload) -> dict:
     for r in table:
         r["best_mpt_ratio"] = best["tokens_per_s"] / r["tokens_per_s"] if best else float("nan")
     print_table(table, w, t1, bound)
+    print(f"single process, heap kept: {t1_kept:,.0f} tokens/s, its 1F1B bound {bounds[True]:,.0f}: the bound for "
+          f"the rows run with the heap kept")
     if best:
         print(f"best mp_toolkit: {best['label']} ({best['tokens_per_s']:.0f} tokens/s)")
     for label, e in errors.items():
         print(f"{label}: could not run: {e.splitlines()[-1]}")
-    return {"t1_tokens_per_s": t1, "bound_tokens_per_s": bound, "best_mpt": best["label"] if best else None,
+    return {"t1_tokens_per_s": t1, "bound_tokens_per_s": bound, "t1_heap_kept_tokens_per_s": t1_kept,
+            "bound_heap_kept_tokens_per_s": bounds[True], "best_mpt": best["label"] if best else None,
             "time_cut": tcut, "flops_cut": fcut, "flops_cut_x2": fcut2,
             "parameters_cut": default_cut(w), "parameters_cut_x2": default_cut(w, 2), "check": check, "peers": table,
             "errors": errors}

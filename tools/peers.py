@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model_zoo.gpt import GPT, GPTConfig, lm_loss
+from mp_toolkit import memstats
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -256,9 +257,9 @@ def train(spec: dict) -> dict:
     torch.set_num_threads(w.threads)
     memory = spec.get("memory", False)
     if memory or spec.get("map_large_blocks"):
-        from mp_toolkit import memstats
-
         memstats.map_large_blocks()  # RSS then follows live tensors (slows CPU kernels: memory runs only)
+    elif spec.get("keep_freed_memory"):
+        memstats.keep_freed_memory()  # as `mpt train` sets the heap on CPU (freed pages reused, not re-faulted)
     if memory:
         memstats.warm_runtime()
     n_steps = spec["warmup"] + spec["steps"]
