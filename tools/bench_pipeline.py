@@ -21,6 +21,12 @@ Peers (each the real library, `tools/peers.py`):
   ``ScheduleGPipe`` on our "parameters" cut, ``Schedule1F1B`` on the "time" cut;
 * one process, plain gradient accumulation (T1, for the bound).
 
+Rows "as mpt train" (and "mpt defaults") run our engine as ``mpt train`` does on CPU: fused
+AdamW and the heap that keeps freed pages (`mp_toolkit.memstats.keep_freed_memory`); the
+"heap kept" rows give DeepSpeed and the single process the same heap, so the table shows how
+much of a margin is the heap. A row's efficiency is against the bound of the single process on
+the same heap.
+
 All build the same weights from the same seed and see the same batches. After the first round
 the program prints the check that they train the same model (parameter count, first loss within
 1e-5 of the single process's, and the loss after the last step) and exits 1 at the end if it

@@ -142,9 +142,9 @@ def _time_rounds(run: _Layer, microbatches: int, warmup: int, repeats: int,
     """Seconds per micro-batch (a round's mean) of the forward (median over rounds), and of the
     backward with, when ``split`` (the backward run as ZB-H1's I, then at once its W), its input-
     and weight-gradient parts (the median round by backward time) and the most bytes one
-    micro-batch's I recorded for its W. Only what a stage
-    keeps stays referenced between actions (the graph's roots), not the loss layer's (B, T, V)
-    logits: a stray reference changes what the allocator can hand back and reuse."""
+    micro-batch's I recorded for its W. Only what a stage keeps stays referenced between actions
+    (the graph's roots), not the loss layer's (B, T, V) logits: a stray reference changes what the
+    allocator can hand back and reuse."""
     rounds = []
     for r in range(warmup + repeats):
         pending: dict[int, tuple] = {}
