@@ -65,7 +65,8 @@ def keep_freed_memory() -> bool:
     upward, and hands the top of the heap back to the system when more than twice that is free:
     a step's activations and logits (megabytes each, freed after every micro-batch's backward)
     keep coming back as fresh pages, and the kernel zero-fills every one of them on first touch.
-    On this machine's 2-rank GPT pipeline that was ~10% of the step (measured in BENCHMARKS.md).
+    Keeping them made DeepSpeed's 2-rank GPT pipeline 9% and a single process 8% faster on the
+    benchmark workload (BENCHMARKS.md, 2026-12-03, "heap kept" rows).
     Here blocks up to 32 MiB come from the heap and the heap is never trimmed on free: the
     process's resident size stays at its peak, as a GPU caching allocator's does, and the peak
     itself is unchanged. Nothing is changed when the environment already sets glibc's malloc

@@ -39,8 +39,8 @@ def default_threads(ranks: int, cpus: int | None = None) -> int:
 @contextmanager
 def concurrent_load(model: str, micro_batch: int, seq_len: int, dtype: str, threads: int, count: int):
     """Run ``count`` helper processes (see the module docstring) for the duration of the block;
-    yields them (``subprocess.Popen``), each past its first forward + backward. A helper that fails to start is reported, not ignored: the
-    timings would be an idle machine's."""
+    yields them (``subprocess.Popen``), each past its first forward + backward. A helper that
+    fails to start is an error, not ignored: the timings would be an idle machine's."""
     procs: list[subprocess.Popen] = []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     argv = [sys.executable, "-m", "mp_toolkit.partition.contention", model, str(micro_batch), str(seq_len),
