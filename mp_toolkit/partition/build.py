@@ -102,9 +102,7 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
     finally:
         torch.set_num_threads(saved_threads)
     if req.tp > 1:
-        timings = [LayerTiming(t.name, t.forward_s / req.tp, t.backward_s / req.tp, t.activation_bytes // req.tp,
-                               t.workspace_bytes // req.tp, t.input_s / req.tp, t.weight_s / req.tp,
-                               t.recorded_bytes // req.tp) for t in timings]
+        timings = [t.per_shard(req.tp) for t in timings]
     counts = layers.layer_parameter_counts()
     total = sum(p.numel() for _, p in named) or 1
     how = (f"{threads} thread{'s' * (threads > 1)}, beside {helpers} helper process{'es' * (helpers != 1)} "

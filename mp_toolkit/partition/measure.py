@@ -56,6 +56,12 @@ class LayerTiming:
     """With ``split=True``: the gradients ``I`` records for ``W`` (held, with the activations,
     from a micro-batch's I to its W); 0 otherwise."""
 
+    def per_shard(self, tp: int) -> "LayerTiming":
+        """This layer's share on one of ``tp`` tensor-parallel ranks: every time and byte / tp."""
+        return LayerTiming(self.name, self.forward_s / tp, self.backward_s / tp, self.activation_bytes // tp,
+                           self.workspace_bytes // tp, self.input_s / tp, self.weight_s / tp,
+                           self.recorded_bytes // tp)
+
 
 def _saved_bytes_hook(params: set[int], seen: dict[int, int]):
     def pack(t: torch.Tensor) -> torch.Tensor:
