@@ -13,6 +13,7 @@ from mp_toolkit.hf import apply_hf_tensor_parallel, causal_lm_loss, from_hf, hf_
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import gather_full
 from mp_toolkit.parallel.tp_comms import all_gather
+from tests.floor import pair
 from tests.oracle_workers import OPTIMIZERS
 
 VOCAB, SEQ = 128, 12
@@ -124,13 +125,14 @@ def tp_rank(rank: int, world: int, names):
 
 # ---------------------------------------------------------------- pipeline (pp = world) vs HF
 
-def hf_reference(name: str, batches, overrides: dict, optimizer: str = "adamw"):
-    """Single-process gradient accumulation on the HF model itself: same micro-batches, same optimizer."""
-    model = tiny_hf(name, train=True, **overrides)
+def hf_reference(name: str, batches, overrides: dict, optimizer: str = "adamw", dtype=torch.float32):
+    """Single-process gradient accumulation on the HF model itself: same micro-batches, same optimizer.
+    In float64 (the same initial values, widened) it is tests/floor.py's reference."""
+    model = tiny_hf(name, train=True, **overrides).to(dtype)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     losses = []
     for step in batches:
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=dtype)
         for (ids, mask), labels in step:
             loss = causal_lm_loss(model(input_ids=ids, attention_mask=mask).logits, labels) / len(step)
             loss.backward()  # invariant 5: the loss, not the gradient, is scaled
@@ -146,7 +148,9 @@ def pp_rank(rank: int, world: int, cases, steps: int = 2, m: int = 3):
 
     The cut falls in the middle of the blocks (4 blocks: stage 0 = embedding + 2 blocks), so the
     padding mask (and for Llama the position ids) cross the boundary. Returns per case: (tensors
-    compared, not bitwise equal, max |difference|, pipeline losses, reference losses).
+    compared, not bitwise equal, max |difference|, pipeline losses, reference losses, and
+    `_floors` against a float64 HF run where the embedding is tied, which agrees to rounding only;
+    None where the stages must be bitwise equal).
     """
     report = []
     for name, overrides in cases:
@@ -165,8 +169,21 @@ def pp_rank(rank: int, world: int, cases, steps: int = 2, m: int = 3):
             n += 1
             unequal += int(not torch.equal(p.detach(), want))
             diff = max(diff, (p.detach() - want).abs().max().item())
-        report.append((n, unequal, diff, losses, ref_losses))
+        tied = model.config.tie_word_embeddings
+        floors = _floors(engine, lambda p: p, hf_names, (ref_state, ref_losses), losses,
+                         hf_reference(name, batches, overrides, dtype=torch.float64)) if tied else None
+        report.append((n, unequal, diff, losses, ref_losses, floors))
     return report
+
+
+def _floors(engine, full, hf_names, ref32, losses, ref64) -> dict:
+    """{parameter name: (err, floor)} and "losses": tests/floor.py's pair of every parameter of this
+    rank (``full`` gathers a shard) and of the losses, against the float64 HF reference."""
+    (state32, losses32), (state64, losses64) = ref32, ref64
+    out = {key: pair(full(p), state64[hf_names[key][0]], state32[hf_names[key][0]])
+           for key, p in engine.named_parameters()}
+    out["losses"] = pair(losses, losses64, losses32)
+    return out
 
 
 # ---------------------------------------------------------------- pipeline x tensor (pp = 2, tp = 2) vs HF
@@ -179,7 +196,7 @@ def pp_tp_rank(rank: int, world: int, cases, steps: int = 2, m: int = 3):
     Cut after the second block as in `pp_rank`, so the mask (and Llama's position ids, from which
     each block recomputes its rotary cos / sin) cross the boundary between sharded stages. Returns
     per case: (tensors compared, max |got - ref| over their elements (gathered over tp), losses,
-    reference losses).
+    reference losses, `_floors` against the float64 HF reference).
     """
     import functools
 
@@ -198,5 +215,7 @@ def pp_tp_rank(rank: int, world: int, cases, steps: int = 2, m: int = 3):
         for key, p in engine.named_parameters():
             n += 1
             diff = max(diff, (gather_full(p, ctx.tp_group) - ref_state[hf_names[key][0]]).abs().max().item())
-        report.append((n, diff, losses, ref_losses))
+        floors = _floors(engine, lambda p: gather_full(p, ctx.tp_group), hf_names, (ref_state, ref_losses), losses,
+                         hf_reference(name, batches, {}, optimizer, dtype=torch.float64))
+        report.append((n, diff, losses, ref_losses, floors))
     return report

@@ -28,6 +28,7 @@ from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import gather_full
 from mp_toolkit.parallel.tp_comms import all_gather
+from tests.floor import pair
 from tests.oracle_workers import make_batches
 
 LR, WD, CLIP, STEPS = 1e-2, 0.01, 0.4, 3  # CLIP binds: every pre-clip norm of the reference is above 0.4
@@ -43,19 +44,21 @@ def _named(model: LayerList) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def reference(cfg, batches, held_out):
-    """Unsplit model, plain accumulation over the global batch, clip_grad_norm_, LAMB.
+def reference(cfg, batches, held_out, dtype=torch.float32) -> dict:
+    """Unsplit model in ``dtype``, plain accumulation over the global batch, clip_grad_norm_, LAMB.
 
-    Returns the final parameters and the first step's clipped gradients by name (tied weights
-    under both names), the per-step mean losses and pre-clip norms, the trained model's mean
-    loss on the ``held_out`` global batch, and the last step's trust ratios of adapted tensors."""
+    Returns the final parameters ("params") and the first step's clipped gradients ("grads") by
+    name (tied weights under both names), the per-step mean losses and pre-clip norms, the trained
+    model's mean loss on the ``held_out`` global batch ("eval"), and the last step's trust ratios
+    of adapted tensors ("trust"). Run in float32 it is the oracle's single process; in float64 it
+    is the reference both are measured against (tests/floor.py)."""
     torch.manual_seed(0)
-    model = LayerList.from_model(GPT(cfg))
+    model = LayerList.from_model(GPT(cfg)).to(dtype)  # the same initial values, widened
     named = _named(model)
     opt = build_optimizer("lamb", named, LR, WD)
     losses, norms, first_grads = [], [], None
     for step in batches:
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=dtype)
         for x, y in step:
             loss = lm_loss(model(x), y) / len(step)
             loss.backward()
@@ -71,7 +74,8 @@ def reference(cfg, batches, held_out):
     adapted = {id(p) for g in opt.param_groups if g["adapt"] for p in g["params"]}
     ratios = {id(p): r for p, r in opt.last_trust_ratios().items() if id(p) in adapted}
     trust = {n: ratios[id(p)] for n, p in _by_name(model, lambda p: p).items() if id(p) in ratios}
-    return _by_name(model, lambda p: p.detach()), first_grads, losses, norms, held_out_loss, trust
+    return {"params": _by_name(model, lambda p: p.detach()), "grads": first_grads, "losses": losses,
+            "norms": norms, "eval": held_out_loss, "trust": trust}
 
 
 def _by_name(model: LayerList, value) -> dict:
@@ -103,14 +107,6 @@ def _bitwise_equal_over(group, tensors: list[torch.Tensor]) -> bool:
     return all(torch.equal(flat, other) for other in all_gather(flat, group))
 
 
-def _errors(full: torch.Tensor, ref: torch.Tensor) -> dict:
-    diff = (full - ref).abs()
-    scale = ref.abs().max().item()
-    return {"max_abs": diff.max().item(), "scale": scale,
-            "rel_fro": ((full - ref).norm() / ref.norm()).item() if ref.norm() > 0 else diff.max().item(),
-            "numel": ref.numel()}
-
-
 def _log_dp_calls(engine) -> list:
     """Filled, in order, with the stages whose buckets get posted and "finish" when the step waits
     for them; the real calls run unchanged. Posting during the schedule reads [stage, "finish"]."""
@@ -134,11 +130,15 @@ def _log_dp_calls(engine) -> list:
 
 
 def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb):
+    """One case on this rank. Every approximate figure comes back as (err, floor): the parallel
+    result's and the fp32 single process's relative error against the float64 reference
+    (tests/floor.py); the test bounds one by a multiple of the other."""
     from mp_toolkit.train import build_engine  # the composition the CLI runs
 
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
     *batches, held_out = make_batches(STEPS + 1, dp * m, cfg.vocab_size)
-    ref_params, ref_grads, ref_losses, ref_norms, ref_eval, ref_trust = reference(cfg, batches, held_out)
+    ref32 = reference(cfg, batches, held_out)
+    ref64 = reference(cfg, batches, held_out, torch.float64)
     train_cfg = TrainConfig(model="gpt-tiny", pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,
                             partition="uniform", optimizer="lamb", lr=LR, weight_decay=WD, clip_grad=CLIP,
                             precision="fp32", dp_bucket_mb=bucket_mb,
@@ -158,21 +158,31 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb):
         dp_same.append(_bitwise_equal_over(ctx.dp_group, [p for _, p in named]))
         tp_same.append(_bitwise_equal_over(ctx.tp_group, replicated))
     seconds = time.perf_counter() - t0
-    # trust-ratio rows (one per pipeline rank) vs the reference's ratios of this rank's tensors
-    mine = torch.tensor([ref_trust[n] for n, _ in named if n in ref_trust])
-    trust = (engine.trust_ratio_stats(), [mine.min().item(), mine.median().item(), mine.max().item()])
+    # trust-ratio row of this pipeline rank (min, median, max) vs the references' ratios of its tensors
+    rows = engine.trust_ratio_stats()
+    mine = [n for n, _ in named if n in ref32["trust"]]
+    expected = {key: _min_median_max([ref["trust"][n] for n in mine]) for key, ref in (("32", ref32), ("64", ref64))}
+    trust = pair(_min_median_max([rows[ctx.pp_rank][k] for k in ("min", "median", "max")]), expected["64"], expected["32"])
     before = [p.detach().clone() for _, p in named]
     eval_loss = engine.eval_batch(iter(held_out[ctx.dp_rank * m:(ctx.dp_rank + 1) * m]))
     eval_changed = not all(torch.equal(a, p) for a, (_, p) in zip(before, named))
-    errors = {name: _errors(gather_full(p, ctx.tp_group), ref_params[name]) for name, p in named}
-    grad_errors = {name: _errors(g, ref_grads[name]) for name, g in grads.items()}
+    errors = {name: pair(gather_full(p, ctx.tp_group), ref64["params"][name], ref32["params"][name]) for name, p in named}
+    grad_errors = {name: pair(g, ref64["grads"][name], ref32["grads"][name]) for name, g in grads.items()}
     ln = [n for n, p in named if ".ln_" in n and not is_tensor_parallel(p)]
-    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-            "eval": (eval_loss, ref_eval, eval_changed), "trust": trust, "errors": errors, "grad_errors": grad_errors,
+    return {"losses": losses, "norms": norms, "ref_norms": ref32["norms"],
+            "loss_err": pair(losses, ref64["losses"], ref32["losses"]),
+            "norm_err": pair(norms, ref64["norms"], ref32["norms"]),
+            "eval": (eval_loss, pair(eval_loss, ref64["eval"], ref32["eval"]), eval_changed),
+            "trust": (rows, trust), "errors": errors, "grad_errors": grad_errors,
             "dp_same": dp_same, "tp_same": tp_same, "ln_checked": ln, "seconds": seconds,
             "sharded": sorted(n for n, p in named if is_tensor_parallel(p)),
             "stages": sorted(engine.stages), "dp_calls": calls[:len(engine.stages) + 1],  # the first step's
             "dp_buckets": engine.dp_grads.num_buckets if engine.dp_grads is not None else 0}
+
+
+def _min_median_max(values) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return [t.min().item(), t.median().item(), t.max().item()]
 
 
 def oracle_grid(rank, world, pp, tp, dp, cases):

@@ -9,6 +9,7 @@ from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.partition import uniform
+from tests.floor import pair
 
 TINY = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=4, n_head=4)
 MICRO_BATCH, SEQ = 2, 16
@@ -37,14 +38,15 @@ def _params(ps):
     return [p[1] if isinstance(p, tuple) else p for p in ps]
 
 
-def single_process(cfg: GPTConfig, batches, optimizer: str = "adamw", seed: int = 0):
-    """The reference: the unsplit model, plain gradient accumulation, same optimizer."""
+def single_process(cfg: GPTConfig, batches, optimizer: str = "adamw", seed: int = 0, dtype=torch.float32):
+    """The reference: the unsplit model, plain gradient accumulation, same optimizer. In float64
+    (the same initial values, widened) it is what tests/floor.py measures both fp32 runs against."""
     torch.manual_seed(seed)
-    model = LayerList.from_model(GPT(cfg))
+    model = LayerList.from_model(GPT(cfg)).to(dtype)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     losses = []
     for step in batches:
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=dtype)
         for x, y in step:
             loss = lm_loss(model(x), y) / len(step)  # invariant 5: the loss, not the gradient, is scaled
             loss.backward()
@@ -72,7 +74,9 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3):
     """For every (schedule, m, tied[, optimizer[, chunks]]): this rank's stage after ``steps`` steps vs the reference.
 
     Returns per case: (number of tensors compared, number not bitwise equal, max abs difference,
-    pipeline losses, reference losses, this rank's tied weight if any).
+    pipeline losses, reference losses, this rank's tied weight if any, and -- for tied cases, which
+    agree to rounding only -- {name: (err, floor)} of the parameters and "losses" against a float64
+    single process, tests/floor.py's pair; None for untied cases, which must be bitwise).
     """
     report = []
     for schedule, m, tied, *rest in cases:
@@ -88,7 +92,13 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3):
             unequal += int(not torch.equal(p.detach(), ref.detach()))
             max_diff = max(max_diff, (p.detach() - ref.detach()).abs().max().item())
         tied_copy = next(iter(engine.ties.members.values())).detach().clone() if engine.ties.members else None
-        report.append((n, unequal, max_diff, losses, ref_losses, tied_copy))
+        floors = None
+        if tied:
+            ref64, ref64_losses = single_process(cfg, batches, opt, dtype=torch.float64)
+            floors = {name: pair(p.detach(), ref64[name].detach(), ref_params[name].detach())
+                      for name, p in engine.named_parameters()}
+            floors["losses"] = pair(losses, ref64_losses, ref_losses)
+        report.append((n, unequal, max_diff, losses, ref_losses, tied_copy, floors))
     return report
 
 

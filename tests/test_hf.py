@@ -17,6 +17,7 @@ from mp_toolkit.hf import (
 )
 from mp_toolkit.parallel.context import build_context
 from tests.dist_harness import run_world
+from tests.floor import assert_within
 from tests.hf_workers import CAUSAL, causal_inputs, pp_rank, pp_tp_rank, tiny_config, tiny_hf, tp_rank
 
 torch.set_num_threads(1)
@@ -196,21 +197,23 @@ def test_pp2_1f1b_equals_hf_gradient_accumulation():
     four blocks. Untied GPT-2 and Llama are bitwise equal to the HF model trained by plain
     accumulation (same ops in the same order; Llama's position ids and both masks cross the cut).
     GPT-2 with its tied embedding on both stages sums the two gradient halves in another order
-    than one backward does, so there the parameters agree to 2e-5 (measured 4.2e-6; AdamW's
-    1/sqrt(v) magnifies the rounding) and the losses to 1e-6 relative."""
+    than one backward does: there every parameter tensor and the losses lie within `floor.K` times
+    the fp32 HF run's own error against a float64 HF run (DESIGN.md invariant 10; AdamW's
+    1/sqrt(v) magnifies the rounding by an amount that depends on the CPU's kernels)."""
     cases = [("gpt2", {"tie_word_embeddings": False}, "bitwise"), ("llama", {}, "bitwise"), ("gpt2", {}, "tied")]
     reports = run_world(pp_rank, 2, [c[:2] for c in cases], timeout_s=300)
     for i, (name, overrides, expect) in enumerate(cases):
         compared = sum(r[i][0] for r in reports)
         n_params = len(list(tiny_hf(name, **overrides).parameters()))
         assert compared == n_params + (expect == "tied")  # a tied weight is compared on both stages
-        for n, unequal, diff, losses, ref_losses in (r[i] for r in reports):
+        for n, unequal, diff, losses, ref_losses, floors in (r[i] for r in reports):
             if expect == "bitwise":
                 assert unequal == 0, f"{name}: {unequal} of {n} tensors differ (max {diff})"
-                assert losses == ref_losses
+                assert losses == ref_losses and floors is None
             else:
-                assert diff < 2e-5, diff
-                assert losses == pytest.approx(ref_losses, rel=1e-6)
+                assert "losses" in floors and len(floors) == n + 1, sorted(floors)
+                worst = max(assert_within(err, floor, f"{name} tied: {what}") for what, (err, floor) in floors.items())
+                print(f"\n{name} tied: worst err / floor {worst:.2f}")
 
 
 # --- pipeline x tensor: pp=2 x tp=2 vs the HF model in one process ------------------------------
@@ -218,21 +221,20 @@ def test_pp2_tp2_equals_hf_single_process_training():
     """4 gloo ranks (stage 0: embedding + 2 blocks, stage 1: 2 blocks, norm, head; each split over 2
     tp ranks), 2 steps of 3 micro-batches with padding, vocab-parallel cross-entropy, against the
     HF model trained by plain accumulation in one process; every parameter gathered over tp.
-    Tolerances are tests/test_oracle.py's per element: SGD (momentum 0.9, lr 0.1) 1e-6, AdamW
-    (lr 1e-2) 1e-4 (1% of one step); losses 1e-5 relative. Measured: SGD 1.1e-8 (GPT-2, its tied
-    wte / lm_head across the stages) and 7.5e-9 (Llama: rotary positions cross the cut, GQA heads
-    split); AdamW 6.5e-5 and 1.2e-5, where it divides a near-zero gradient, summed in another
-    order, by its own square root (c_attn's key bias, whose exact gradient is 0, and the like)."""
+    Tolerance (DESIGN.md invariant 10, tests/floor.py): every parameter tensor and the losses within
+    `floor.K` times the fp32 HF run's own error against a float64 HF run. A fixed 1e-4 absolute
+    held with 1.5x headroom on one CPU: AdamW divides a near-zero gradient, summed in another order,
+    by its own square root (c_attn's key bias, whose exact gradient is 0, and the like)."""
     cases = [(name, optimizer) for optimizer in ("sgd", "adamw") for name in ("gpt2", "llama")]
     reports = run_world(pp_tp_rank, 4, cases, timeout_s=300)
     for i, (name, optimizer) in enumerate(cases):
-        tolerance = {"sgd": 1e-6, "adamw": 1e-4}[optimizer]
         n_params = len(list(tiny_hf(name).parameters()))
         # each tensor is compared on both tp ranks of its stage; GPT-2's tied weight on both stages
         assert sum(r[i][0] for r in reports) == 2 * (n_params + (name == "gpt2")), name
-        for n, diff, losses, ref_losses in (r[i] for r in reports):
-            assert diff < tolerance, (name, optimizer, diff)
-            assert losses == pytest.approx(ref_losses, rel=1e-5) and losses[0] != losses[1], name
+        for n, diff, losses, ref_losses, floors in (r[i] for r in reports):
+            assert len(floors) == n + 1 and losses[0] != losses[1], (name, sorted(floors))
+            worst = max(assert_within(err, floor, f"{name} {optimizer}: {what}") for what, (err, floor) in floors.items())
+            print(f"\n{name} {optimizer}: worst err / floor {worst:.2f}")
 
 
 # --- export -------------------------------------------------------------------------------------

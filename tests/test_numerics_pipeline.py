@@ -5,12 +5,14 @@
   on the unsplit model (fp32, untied model).
 - An overflow injected on one stage only makes every rank skip: no parameter, master weight or
   optimizer state changes anywhere, and the loss scale backs off as the hysteresis says.
-- fp16 and bf16 training tracks fp32 over 50 steps; fp16 activations cross stages in half the bytes.
+- fp16 and bf16 training at pp=2 tracks fp32 over 50 steps as closely as one process does in that
+  precision; fp16 activations cross stages in half the bytes.
 """
 
 import pytest
 
 from tests.dist_harness import run_world
+from tests.floor import K
 from tests.numerics_workers import lamb_clip_oracle, many_optimizers_oracle, overflow_on_one_stage, precision_curve
 
 
@@ -46,14 +48,21 @@ def test_overflow_on_one_stage_skips_on_every_rank(hysteresis, expected_scale):
 
 
 def test_fp16_and_bf16_track_fp32_and_fp16_halves_the_bytes():
+    """fp16 and bf16 over 50 steps at pp=2 stay as close to the fp32 single process as the same
+    precision does in one process: the floor is the single process's own largest per-step loss
+    distance from fp32 in that precision, measured here on these kernels (DESIGN.md invariant 10),
+    and the pipeline may stray at most `floor.K` times as far (its tied embedding / LM head sum
+    their halves in another order; bf16's rounding differs between AVX2, AVX-512 and AMX)."""
     steps = 50
-    curves = {p: run_world(precision_curve, 2, p, steps, timeout_s=240) for p in ("fp32", "fp16", "bf16")}
-    fp32 = curves["fp32"][0][0]
+    curves = {(world, p): run_world(precision_curve, world, p, steps, timeout_s=240)
+              for world in (1, 2) for p in ("fp32", "fp16", "bf16")}
+    fp32 = curves[1, "fp32"][0][0]
     assert fp32[-1] < fp32[0] - 0.3  # it learns
-    for precision, tol in (("fp16", 0.01), ("bf16", 0.03)):  # measured: 0.001 and 0.009
-        losses = curves[precision][0][0]
-        worst = max(abs(a - b) for a, b in zip(losses, fp32))
-        assert worst < tol, f"{precision} strays {worst:.4f} from fp32 (tolerance {tol})"
+    for precision in ("fp16", "bf16"):
+        worst, floor = (max(abs(a - b) for a, b in zip(curves[world, precision][0][0], fp32)) for world in (2, 1))
+        assert 0 < floor and worst <= K * floor, (
+            f"{precision} at pp=2 strays {worst:.4f} from fp32, over {K:g} x the single process's {floor:.4f}")
+        print(f"\n{precision}: pp=2 strays {worst:.4f} from fp32, one process {floor:.4f} (ratio {worst / floor:.2f})")
     for rank in range(2):
-        assert curves["fp16"][rank][1] * 2 == curves["fp32"][rank][1]
-        assert curves["bf16"][rank][1] * 2 == curves["fp32"][rank][1]
+        assert curves[2, "fp16"][rank][1] * 2 == curves[2, "fp32"][rank][1]
+        assert curves[2, "bf16"][rank][1] * 2 == curves[2, "fp32"][rank][1]

@@ -4,15 +4,17 @@ Pipeline-only runs with no weight shared across stages are bitwise equal to sing
 gradient accumulation over the same micro-batches in the same order. When the tied embedding / LM
 head sit on different stages, the stages sum their partial gradients (e + h) where one process adds
 each micro-batch's (h_i + e_i) as it goes: the same sum in another order, so agreement is to fp32
-rounding, and the two copies stay bitwise equal to each other. With SGD the parameters agree to
-1e-6; AdamW divides by sqrt(v), which magnifies the rounding of near-zero gradients, so there the
-stated tolerance is 1e-4 absolute (1% of one lr=1e-2 step) after three steps.
+rounding, and the two copies stay bitwise equal to each other. There every parameter tensor and the
+losses lie within `tests.floor.K` times the fp32 single process's own error against a float64
+single process (DESIGN.md invariant 10): AdamW divides by sqrt(v), which magnifies the rounding of
+near-zero gradients on one CPU's kernels more than another's, so no fixed constant is stated.
 """
 
 import pytest
 import torch
 
 from tests.dist_harness import run_world
+from tests.floor import assert_within
 from tests.oracle_workers import eval_matches, oracle_cases
 
 CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b", "zbh1") for m in (1, 3, 8)]
@@ -35,15 +37,15 @@ def test_pipeline_bitwise_equals_single_process(pp):
 
 def test_tied_embedding_across_stages_matches_and_copies_stay_equal():
     cases = [("1f1b", 3, True, "sgd"), ("gpipe", 2, True, "adamw")]
-    tolerance = {"sgd": 1e-6, "adamw": 1e-4}
     reports = run_world(oracle_cases, 2, cases, timeout_s=180)
+    ratios = []
     for i, case in enumerate(cases):
         first, last = reports[0][i], reports[1][i]
         assert first[5] is not None and last[5] is not None
         assert torch.equal(first[5], last[5]), f"{case}: tied copies diverged"
         for r in (first, last):
-            assert r[2] < tolerance[case[3]], f"{case}: max parameter difference {r[2]}"
-            assert r[3] == pytest.approx(r[4], rel=1e-6)
+            ratios += [assert_within(err, floor, f"{case}: {name}") for name, (err, floor) in r[6].items()]
+    print(f"\nworst err / floor: {max(ratios):.2f}")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])

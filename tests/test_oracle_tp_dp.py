@@ -9,17 +9,16 @@ order, each loss divided by dp x m. Layouts (pp, tp, dp): (1,2,1), (2,2,1), (1,2
 every one runs 1F1B with tied and untied embeddings and GPipe (tied); (2,1,2) also runs ZB-H1 and
 interleaved 1F1B. The dp > 1 GPipe cases use ~1 KiB gradient buckets (many all-reduces per stage).
 
-Tolerance, fp32 reduction order (TP splits matmul sums and the softmax; DP sums micro-batches in
-another order): every parameter tensor after 3 steps, and every clipped gradient of step 1,
-gathered to full shape, within 1e-5 relative error ``||got - ref|| / ||ref||`` of the reference;
-per-step mean losses, pre-clip gradient norms and `eval_batch`'s loss on a held-out global batch
-within 1e-5 relative. Measured on this machine
-(worst over all cases and ranks): gradients 5.0e-7, losses 9e-8, norms 2e-7, parameters 7.1e-6.
-The parameters' margin is the smallest: LAMB magnifies gradient rounding. The worst tensor is a
-bias (trust ratio 1, no decay) whose worst entry, 2.8e-5 of the tensor's largest, has a gradient
-near LAMB's eps = 1e-6, where m / (sqrt(v) + eps) turns a few ulps of a cancelling sum into a
-visible step; weight matrices agree to 2.1e-6 of their largest entry, elementwise. Another CPU
-(other BLAS kernels, other summation order) may move these figures.
+Tolerance (DESIGN.md invariant 10, tests/floor.py): every rank also trains the reference in
+float64, and every approximate figure of the parallel run -- each parameter tensor after 3 steps and
+each clipped gradient of step 1, gathered to full shape; the per-step mean losses and pre-clip
+gradient norms; the trust-ratio row; `eval_batch`'s loss on a held-out global batch -- must lie
+within ``floor.K`` times the fp32 single process's own relative error against that float64 run,
+measured in the same test on the same kernels. TP splits matmul sums and the softmax, DP sums
+micro-batches in another order: both are fp32 roundings of the same computation, as the single
+process's are. LAMB magnifies rounding where a gradient is near its eps = 1e-6 (biases), which is
+why a fixed 1e-5 held on AVX2 and failed on AVX-512 (1.4e-5): the floor moves with the kernels.
+The test prints the worst ratio err / floor over all figures.
 
 Exact, not approximate: data-parallel replicas hold bitwise equal parameters after every step,
 and tensor-parallel-replicated parameters (LayerNorms, row-parallel biases, position embedding)
@@ -35,9 +34,9 @@ from mp_toolkit.engine.executor import final_weight_grad_actions
 from mp_toolkit.parallel.data_parallel import make_buckets
 from mp_toolkit.schedule import get_schedule
 from tests.dist_harness import run_world
+from tests.floor import assert_within
 from tests.oracle_tp_dp_workers import CLIP, oracle_grid
 
-REL = 1e-5
 TINY_BUCKET_MB = 0.001  # ~1 KiB buckets: many all-reduces per stage, checks the flatten / unflatten
 
 LAYOUTS = {  # (pp, tp, dp): cases (schedule, micro-batches per replica, tied, bucket MiB)
@@ -50,29 +49,31 @@ LAYOUTS = {  # (pp, tp, dp): cases (schedule, micro-batches per replica, tied, b
 UNIQUE_TENSORS = 2 + 4 * 12 + 2  # wte, wpe, 4 blocks of 12, ln_f; +1 for an untied LM head
 
 
-def _check_case(results, layout, case_index, case):
+def _check_case(results, layout, case_index, case) -> float:
+    """Assert one case on every rank; returns the worst err / floor ratio of its approximate figures."""
     pp, tp, dp = layout
     schedule, m, tied, bucket_mb = case
     cases = [r["cases"][case_index] for r in results]
     first = cases[0]
     assert all(n > CLIP for n in first["ref_norms"]), f"clipping must bind: {first['ref_norms']}"
+    ratios = []
     for c in cases:  # every rank reports the global batch's mean loss and the one global norm
-        assert c["losses"] == pytest.approx(c["ref_losses"], rel=REL), case
-        assert c["norms"] == pytest.approx(c["ref_norms"], rel=REL), case
+        ratios.append(assert_within(*c["loss_err"], f"{layout} {case}: losses"))
+        ratios.append(assert_within(*c["norm_err"], f"{layout} {case}: pre-clip norms"))
         assert c["losses"] == first["losses"] and c["norms"] == first["norms"]
-        eval_loss, ref_eval, changed = c["eval"]  # eval_batch: the held-out global batch's mean loss
-        assert eval_loss == pytest.approx(ref_eval, rel=REL) and eval_loss == first["eval"][0] and not changed
-    for r, c in zip(results, cases):  # one trust-ratio row per pipeline rank, the same on every rank
-        rows, expected = c["trust"]
+        eval_loss, eval_err, changed = c["eval"]  # eval_batch: the held-out global batch's mean loss
+        ratios.append(assert_within(*eval_err, f"{layout} {case}: eval_batch loss"))
+        assert eval_loss == first["eval"][0] and not changed
+    for c in cases:  # one trust-ratio row per pipeline rank, the same on every rank
+        rows, err = c["trust"]
         assert rows == first["trust"][0] and [row["stage"] for row in rows] == list(range(pp))
-        got = rows[r["coords"][0]]
-        assert [got["min"], got["median"], got["max"]] == pytest.approx(expected, rel=REL), (layout, case)
+        ratios.append(assert_within(*err, f"{layout} {case}: trust ratios (min, median, max)"))
     for c in cases:
-        for name, e in c["errors"].items():
-            assert e["rel_fro"] <= REL, f"{layout} {case}: {name} relative error {e['rel_fro']:.2e}"
+        for name, err in c["errors"].items():
+            ratios.append(assert_within(*err, f"{layout} {case}: {name}"))
         assert c["grad_errors"].keys() == c["errors"].keys()
-        for name, e in c["grad_errors"].items():
-            assert e["rel_fro"] <= REL, f"{layout} {case}: step-1 gradient of {name}: relative error {e['rel_fro']:.2e}"
+        for name, err in c["grad_errors"].items():
+            ratios.append(assert_within(*err, f"{layout} {case}: step-1 gradient of {name}"))
         assert all(c["dp_same"]), f"{layout} {case}: data-parallel replicas diverged: {c['dp_same']}"
         assert all(c["tp_same"]), f"{layout} {case}: tp-replicated parameters diverged: {c['tp_same']}"
     # one replica's pipeline ranks cover every tensor of the model; a tie split over stages is a
@@ -98,6 +99,7 @@ def _check_case(results, layout, case_index, case):
                 assert c["dp_buckets"] >= 3 * len(c["stages"]), c["dp_buckets"]
             else:
                 assert c["dp_buckets"] == len(c["stages"])
+    return max(ratios)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda l: "pp{}-tp{}-dp{}".format(*l))
@@ -109,10 +111,10 @@ def test_grid_matches_single_process(layout):
     wall = time.perf_counter() - t0
     assert sorted(r["coords"] for r in results) == sorted(
         (p, t, d) for p in range(pp) for t in range(tp) for d in range(dp))
-    for i, case in enumerate(cases):
-        _check_case(results, layout, i, case)
+    worst = [_check_case(results, layout, i, case) for i, case in enumerate(cases)]
     print(f"\n{layout}: {len(cases)} cases in {wall:.1f}s wall; train seconds per case (rank 0):",
-          [round(c["seconds"], 2) for c in results[0]["cases"]])
+          [round(c["seconds"], 2) for c in results[0]["cases"]],
+          "; worst err / floor per case:", [round(w, 2) for w in worst])
 
 
 # ---------------------------------------------------------------- single process

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mp_toolkit.checkpoint import open_checkpoint
+from tests.floor import assert_within, pair
 
 COMMON = ["train", "--model", "gpt-tiny", "--data", "synthetic", "--micro-batch", "2", "--seq-len", "16",
           "--threads", "1", "--no-progress", "--timeout", "60"]
@@ -133,26 +134,29 @@ def reference(tmp_path_factory):
                                      (["--pp", "1", "--dp", "2"], (3, 6))],  # dp: the same 12 sequences a step
                          ids=["pp2-to-pp1", "tp2-to-tp1", "dp2-to-dp1"])
 def test_resume_on_another_layout(tmp_path, lamb_pp2, reference, saved, m):
-    """Save at step 3 on a 2-rank layout, resume on one rank: the losses and parameters agree with an
-    uninterrupted single-rank run to 1e-6 relative / 2e-6 absolute. Not bitwise: the tied embedding's
-    two stage copies sum their gradients by all-reduce, tp reduces partial sums, dp averages in
-    buckets, each in another order than one process (measured: losses 1e-7, parameters 3e-7).
+    """Save at step 3 on a 2-rank layout, resume on one rank: the losses and every parameter and
+    optimizer-state tensor agree with an uninterrupted single-rank run within `floor.K` times what
+    the 2-rank layout itself costs on these kernels (DESIGN.md invariant 10): the floor is the same
+    layout run uninterrupted to step 6, an equally valid fp32 run whose only difference from the
+    single rank is its reduction order (the tied embedding's two stage copies sum their gradients
+    by all-reduce, tp reduces partial sums, dp averages in buckets). Not bitwise for that reason.
     LAMB, not AdamW: Adam divides the ~1e-10 noise gradient of the attention key bias (exactly zero
     in exact arithmetic) by its own root mean square, which turns rounding noise into lr-sized steps."""
-    source = lamb_pp2[1]
+    source, source_rows = lamb_pp2[1], lamb_pp2[0]
     if saved is not None:
-        train(tmp_path, "first", *LAMB, *saved, "--save-dir", str(tmp_path / "a"), "--save-every", "3",
-              microbatches=m[0])
+        source_rows, _ = train(tmp_path, "first", *LAMB, *saved, "--save-dir", str(tmp_path / "a"),
+                               "--save-every", "3", microbatches=m[0])
         source = tmp_path / "a"
     rows, out = train(tmp_path, "second", *LAMB, "--pp", "1", "--save-dir", str(tmp_path / "b"),
                       "--resume", str(source / "step-00000003"), microbatches=m[1])
     assert "layout changed" in out and "reseeded" in out, out
     ref_rows, ref_tensors = reference[m[1]]
-    assert losses(rows, [4, 5, 6]) == pytest.approx(losses(ref_rows, [4, 5, 6]), rel=1e-6)
-    got = tensors(tmp_path / "b", 6)
-    assert got.keys() == ref_tensors.keys()
-    for k, ref in ref_tensors.items():
-        torch.testing.assert_close(got[k], ref, rtol=1e-6, atol=2e-6, msg=k)
+    steps = [4, 5, 6]
+    worst = assert_within(*pair(losses(rows, steps), losses(ref_rows, steps), losses(source_rows, steps)), "losses")
+    got, floor_run = tensors(tmp_path / "b", 6), tensors(source, 6)
+    assert got.keys() == ref_tensors.keys() == floor_run.keys()
+    worst = max([worst] + [assert_within(*pair(got[k], ref, floor_run[k]), k) for k, ref in ref_tensors.items()])
+    print(f"\nworst err / floor: {worst:.2f}")
 
 
 # -- (c) damaged shards ------------------------------------------------------------------------------
