@@ -25,8 +25,10 @@ import argparse
 import math
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from mp_toolkit.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 
@@ -314,8 +316,23 @@ def _run(cfg: TrainConfig, env) -> int:
         return EXIT_DIVERGED
     except PeerLost as e:
         sys.stderr.write(f"mpt train: error: {e}\n")
-        return 1
+        _exit_without_finalizing(1)
     return 0
+
+
+def _exit_without_finalizing(code: int) -> NoReturn:
+    """End a rank whose process group is broken, skipping interpreter finalization.
+
+    A peer died, so the gloo / NCCL group still has work and threads tied to it; finalizing the
+    interpreter runs their C++ destructors, which may abandon a joinable thread and abort the
+    process (SIGABRT, "terminate called without an active exception", seen on an Intel Xeon after
+    this rank had already named the lost peer). The rank has nothing left to write: its line is
+    out, its metrics rows and checkpoint files were closed by the ``with`` blocks the exception
+    left. Only reached when world size > 1, i.e. in a rank process of its own.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _chunks(args: argparse.Namespace) -> int:
