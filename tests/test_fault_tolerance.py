@@ -3,7 +3,7 @@
 Every job is real processes (`mpt train` starting its ranks, torchrun, or bare ranks) on gpt-tiny,
 synthetic data, fp32, two pipeline stages. Faults come from the test-only ``MPT_FAULTS`` hook
 (`mp_toolkit.launch.Faults`: a rank SIGKILLs itself at a step or inside a save; a rank's gradients or
-loss turn non-finite) or from outside (SIGSTOP, SIGKILL of the launcher). Each test asserts that no
+loss turn non-finite) or from outside (SIGKILL of the launcher). Each test asserts that no
 process of its job survives, and kills any in its finally.
 """
 
@@ -69,36 +69,20 @@ def test_a_killed_rank_is_named_and_restarts_resume_bitwise(tmp_path, reference)
     assert_same_run(root, metrics, reference)
 
 
-# "stop" (a SIGSTOPped peer, rank 0 stopping after --timeout) passes alone in ~30 s but once hung
-# for over 90 s inside a full-suite run; it stays out of the default suite until that is understood.
-@pytest.mark.parametrize("fault", ["kill"])
-def test_ranks_without_a_watchdog_stop_on_their_own(tmp_path, fault):
+# A SIGSTOPped (hung) peer, which rank 0 finds only after --timeout, belongs to the hung-rank issue (issue 22).
+def test_ranks_without_a_watchdog_stop_on_their_own(tmp_path):
     """Bare ranks (only RANK, WORLD_SIZE, MASTER_* set, as a launcher without an agent would): a
     SIGKILLed peer closes its sockets and rank 0 stops at once naming it (found dead by pid, not yet
-    reaped); a SIGSTOPped peer answers nothing and rank 0 stops after --timeout. One line, exit 1."""
+    reaped). One line, exit 1."""
     metrics = tmp_path / "m.jsonl"
-    faults = {"kill": {"rank": 1, "step": 3}} if fault == "kill" else None
-    r0, r1 = bare_ranks(tmp_path, "--timeout", "20", "--steps", "400", "--metrics", str(metrics), faults=faults)
+    r0, r1 = bare_ranks(tmp_path, "--timeout", "20", "--steps", "400", "--metrics", str(metrics),
+                        faults={"kill": {"rank": 1, "step": 3}})
     try:
-        if fault == "stop":
-            deadline = time.monotonic() + 60
-            while not (metrics.exists() and len(rows(metrics)) >= 2) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            r1.proc.send_signal(signal.SIGSTOP)
-            t0 = time.monotonic()
-        else:
-            t0 = time.monotonic()  # rank 1 dies at step 3, a few seconds after start-up
-        assert r0.wait(90) == 1, r0.stderr
-        waited = time.monotonic() - t0
+        assert r0.wait(90) == 1, r0.stderr  # rank 1 dies at step 3; 90 s bounds a hang, not a speed
         lines = r0.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in r0.stderr, r0.stderr
-        if fault == "kill":
-            assert lines[0].startswith(f"mpt train: error: rank 0 lost rank 1 (pid {r1.proc.pid}) during step 3 ("), lines
-            assert r1.wait(5) == -signal.SIGKILL
-        else:
-            assert lines[0].startswith("mpt train: error: rank 0: communication with another rank failed during step ")
-            assert "Timed out waiting 20000ms" in lines[0] and 18 < waited < 60, (lines, waited)
-        assert waited < 60
+        assert lines[0].startswith(f"mpt train: error: rank 0 lost rank 1 (pid {r1.proc.pid}) during step 3 ("), lines
+        assert r1.wait(5) == -signal.SIGKILL
         assert r0.survivors() == []
     finally:
         r0.kill()

@@ -1,44 +1,66 @@
 """`measure_layers`: per-micro-batch times inside rounds of accumulating micro-batches."""
 
-import time
-
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mp_toolkit.layers import LayerList
+from mp_toolkit.partition import measure
 from mp_toolkit.partition.measure import measure_layers, one_f_one_b
 
-FWD_S, BWD_S = 0.010, 0.020
-SLACK_S = 0.015  # a sleep lasts at least its time, and a little more on a loaded machine
+FWD, BWD = 1.0, 2.0  # a layer's forward and backward cost per unit of work, in clock seconds
 
 
-class _Sleep(torch.autograd.Function):
-    """Identity whose forward takes FWD_S * k seconds and backward BWD_S * k."""
+class Clock:
+    """The clock `measure` reads, made virtual: it moves only when a `_Work` runs, by the work's
+    cost, and stands still during real computation. A timing is then the work that fell inside
+    its window, exactly (whole numbers, no rounding), whatever the machine's load; a window that
+    missed a layer's work, or caught another's, is off by a whole unit. No test asserts a duration."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(measure, "time", clock)  # measure's `time.perf_counter()` only
+    return clock
+
+
+class _Work(torch.autograd.Function):
+    """Identity whose forward advances the clock by FWD * k and whose backward by BWD * k."""
 
     @staticmethod
-    def forward(ctx, x, k):
-        ctx.k = k
-        time.sleep(FWD_S * k)
+    def forward(ctx, x, k, clock):
+        ctx.k, ctx.clock = k, clock
+        clock.advance(FWD * k)
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(BWD_S * ctx.k)
-        return g, None
+        ctx.clock.advance(BWD * ctx.k)
+        return g, None, None
 
 
 class Timed(torch.nn.Module):
-    """A layer of known cost: a scale (one weight) then a sleep of ``k`` units."""
+    """A layer of known cost: a scale (one weight) then ``k`` units of work."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, clock: Clock | None = None):
         super().__init__()
-        self.k = k
+        self.k, self.clock = k, clock or Clock()
         self.w = torch.nn.Parameter(torch.ones(4))
         self.grads_seen: list[torch.Tensor] = []
         self.w.register_post_accumulate_grad_hook(lambda p: self.grads_seen.append(p.grad.clone()))
 
     def forward(self, x):
-        return _Sleep.apply(x * self.w, self.k)
+        return _Work.apply(x * self.w, self.k, self.clock)
 
 
 def test_one_f_one_b_order():
@@ -47,11 +69,14 @@ def test_one_f_one_b_order():
 
 
 @pytest.mark.parametrize("microbatches", [1, 3])
-def test_times_are_per_microbatch_and_in_proportion(microbatches):
-    layers = LayerList([("one", Timed(1)), ("three", Timed(3))])
+def test_times_are_per_microbatch_and_in_proportion(clock, microbatches):
+    # Bounds the windows: each layer's forward (backward) window holds its own work of every
+    # micro-batch of a round and nothing else (not the other layer's, not the untimed pass that
+    # counts kept bytes), and the round's total is divided by the micro-batch count.
+    layers = LayerList([("one", Timed(1, clock)), ("three", Timed(3, clock))])
     one, three = measure_layers(layers, torch.ones(2, 4), warmup=0, repeats=1, microbatches=microbatches)
-    assert FWD_S <= one.forward_s < FWD_S + SLACK_S and BWD_S <= one.backward_s < BWD_S + SLACK_S
-    assert 3 * FWD_S <= three.forward_s < 3 * FWD_S + SLACK_S and 3 * BWD_S <= three.backward_s < 3 * BWD_S + SLACK_S
+    assert (one.name, one.forward_s, one.backward_s) == ("one", FWD, BWD)
+    assert (three.name, three.forward_s, three.backward_s) == ("three", 3 * FWD, 3 * BWD)
 
 
 def test_gradients_accumulate_within_a_round_and_are_dropped_after_it():
@@ -66,33 +91,62 @@ def test_gradients_accumulate_within_a_round_and_are_dropped_after_it():
     assert layer.w.grad is None and torch.equal(layer.w.detach(), before)  # the model is left as it was
 
 
-def test_last_layer_is_timed_with_its_loss():
-    layers = LayerList([("a", Timed(1)), ("b", Timed(1))])
-    loss = lambda y, labels: (y * labels).sum()  # noqa: E731
-    _, last = measure_layers(layers, torch.ones(2, 4), loss, torch.ones(2, 4), warmup=0, repeats=1)
+def test_last_layer_is_timed_with_its_loss(clock):
+    # Bounds where the loss's cost lands: 4 units of work in the loss show up in the last layer's
+    # forward and backward (1 + 4 units), and in no other layer's.
+    layers = LayerList([("a", Timed(1, clock)), ("b", Timed(1, clock))])
+    loss = lambda y, labels: (_Work.apply(y, 4, clock) * labels).sum()  # noqa: E731
+    first, last = measure_layers(layers, torch.ones(2, 4), loss, torch.ones(2, 4), warmup=0, repeats=1)
+    assert (first.forward_s, first.backward_s) == (FWD, BWD)
+    assert (last.forward_s, last.backward_s) == (5 * FWD, 5 * BWD)
     assert last.activation_bytes > 0  # x * w keeps x for w's gradient: 2 x 4 fp32 = 32 bytes at least
-    assert BWD_S <= last.backward_s < BWD_S + SLACK_S
 
 
-def test_split_times_zbh1s_input_and_weight_passes():
+class WorkedEmbedding(torch.nn.Module):
+    """An embedding, then ``k`` units of work on its output: backward work all on the weight's path."""
+
+    def __init__(self, k: int, clock: Clock):
+        super().__init__()
+        self.embed, self.k, self.clock = torch.nn.Embedding(64, 32), k, clock
+
+    def forward(self, ids):
+        return _Work.apply(self.embed(ids), self.k, self.clock)
+
+
+class WorkedLinear(torch.nn.Module):
+    """A linear layer whose input passes through ``k_in`` units of work and its weight through
+    ``k_w``: backward work on the input's path only (ZB-H1's I) and on the weight's only (W)."""
+
+    def __init__(self, k_in: int, k_w: int, clock: Clock):
+        super().__init__()
+        self.lin, self.k_in, self.k_w, self.clock = torch.nn.Linear(32, 32), k_in, k_w, clock
+
+    def forward(self, x):
+        return F.linear(_Work.apply(x, self.k_in, self.clock), _Work.apply(self.lin.weight, self.k_w, self.clock),
+                        self.lin.bias)
+
+
+def test_split_times_zbh1s_input_and_weight_passes(clock):
+    # Bounds which pass each backward's work is timed in: I holds exactly the work on the paths to
+    # the layer's inputs, W exactly the work on the paths to its weights, and I + W is the backward.
     torch.manual_seed(0)
-    embed, lin = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32)
-    layers = LayerList([("embed", embed), ("lin", lin)])
+    layers = LayerList([("embed", WorkedEmbedding(1, clock)), ("lin", WorkedLinear(2, 3, clock))])
     e, l = measure_layers(layers, torch.randint(0, 64, (4, 16)), warmup=0, repeats=1, split=True)
     # token ids need no gradient: the embedding's backward is all weight work, as on a first stage
-    assert e.input_s < 1e-4 and e.weight_s > 0 and e.backward_s == pytest.approx(e.input_s + e.weight_s)
-    assert l.input_s > 0 and l.weight_s > 0 and l.backward_s == pytest.approx(l.input_s + l.weight_s)
+    assert (e.input_s, e.weight_s, e.backward_s) == (0.0, BWD, BWD)
+    assert (l.forward_s, l.input_s, l.weight_s, l.backward_s) == (5 * FWD, 2 * BWD, 3 * BWD, 5 * BWD)
     # I records the gradient of the product's output for W: (4 x 16 tokens, 32 features) fp32
     assert l.recorded_bytes == 4 * 16 * 32 * 4 and e.recorded_bytes == 0
     plain = measure_layers(layers, torch.randint(0, 64, (4, 16)), warmup=0, repeats=1)
     assert plain[1].input_s == plain[1].weight_s == plain[1].recorded_bytes == 0  # not split: the whole backward
+    assert plain[1].backward_s == 5 * BWD
 
 
-def test_split_puts_backward_work_on_the_path_to_the_input_into_i_once():
-    # Timed: x * w, then a sleep in backward. The sleep lies between the root and the input, so
-    # I runs it; W re-enters at x * w for w alone and does not sleep again
-    (t,) = measure_layers(LayerList([("t", Timed(1))]), torch.ones(2, 4), warmup=0, repeats=1, split=True)
-    assert BWD_S <= t.input_s < BWD_S + SLACK_S and t.weight_s < SLACK_S
+def test_split_puts_backward_work_on_the_path_to_the_input_into_i_once(clock):
+    # Timed: x * w, then work in backward. The work lies between the root and the input, so I runs
+    # it; W re-enters at x * w for w alone and does not run it again (it would show as 1 unit in W)
+    (t,) = measure_layers(LayerList([("t", Timed(1, clock))]), torch.ones(2, 4), warmup=0, repeats=1, split=True)
+    assert (t.input_s, t.weight_s) == (BWD, 0.0)
 
 
 class Logged(torch.nn.Module):
