@@ -6,7 +6,9 @@ order a generator chose, this code runs it as written.
 
 State per (stage, micro-batch) lives only between its F and its B: the stage's inputs (leaves that
 collect the input gradient), its outputs (the graph to differentiate), and, on the last stage, the
-micro-batch loss already divided by the number of micro-batches (invariant 5).
+micro-batch loss already divided by the number of micro-batches (invariant 5). An output sent to
+another rank keeps its graph but, once the send has completed, not its storage
+(`mp_toolkit.engine.free_sent`); the backward therefore starts from the outputs' gradient edges.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from mp_toolkit.engine.free_sent import release, releasable
 from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import StageModule
 from mp_toolkit.parallel.p2p import P2P, TensorSpec, as_tuple
@@ -51,19 +56,28 @@ class Executor:
         p2p: transport for messages to other ranks.
         input_specs: stage index -> specs of the message that stage receives (agreed once).
         loss_fn: (last stage output, labels) -> scalar loss of one micro-batch.
+        free_sent_outputs: free the storage of a stage output sent to another rank once its send
+            has completed, keeping its graph for the backward (`mp_toolkit.engine.free_sent`
+            says which outputs qualify); ``run`` needs ``sends_received`` to know when. Default True;
+            False keeps every output whole until its backward (the comparison of
+            ``tools/bench_memory.py --no-free-sent``).
     """
 
     def __init__(self, stages: dict[int, StageModule], stage_to_rank: Sequence[int], rank: int,
-                 p2p: P2P | None, input_specs: dict[int, list[TensorSpec]], loss_fn: Callable):
+                 p2p: P2P | None, input_specs: dict[int, list[TensorSpec]], loss_fn: Callable,
+                 free_sent_outputs: bool = True):
         self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
         self.p2p, self.input_specs, self.loss_fn = p2p, input_specs, loss_fn
+        self.free_sent_outputs = free_sent_outputs
+        self.freed_bytes = 0  # storage released by the last run (what free_sent_outputs saved)
         self.last_stage = len(self.stage_to_rank) - 1
         self.handlers = {Kind.F: self._forward, Kind.B: self._backward,
                          Kind.I: self._backward_input, Kind.W: self._backward_weight}
 
     def run(self, actions: Sequence[Action], microbatches: Sequence[MicroBatch],
             loss_divisor: int = 1, loss_scale: float = 1.0, grad: bool = True,
-            on_grads_final: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+            on_grads_final: Callable[[int], None] | None = None,
+            sends_received: dict[int, list[int]] | None = None) -> list[torch.Tensor]:
         """Run ``actions``; return the losses / m of the micro-batches (last stage only).
 
         ``loss_divisor`` divides each micro-batch loss before backward (m, for accumulation);
@@ -73,6 +87,10 @@ class Executor:
         ``on_grads_final(stage)`` is called right after a stage's last weight-gradient action of
         this batch (`final_weight_grad_actions`): from then on its gradients no longer change, so
         the data-parallel all-reduce of that stage can start while the rest of the schedule runs.
+        ``sends_received`` ({position of a comm run's last action: positions of sends whose receive
+        is then known posted}, `mp_toolkit.schedule.completion.sends_known_received`) says when a
+        sent output's send can be waited for without risk of deadlock, and so freed; without it,
+        no output is freed.
         """
         final = final_weight_grad_actions(actions) if on_grads_final is not None else {}
         self._mbs, self._div, self._scale, self._grad = microbatches, loss_divisor, loss_scale, grad
@@ -81,6 +99,10 @@ class Executor:
         self._grads: dict = {}
         self._losses: dict = {}
         self._deferred: dict = {}  # (stage, mb) -> what W differentiates, kept from I
+        self._sent_specs: dict = {}  # (stage, mb) -> specs of its sent outputs, for RECV_B
+        self._to_free: dict = {}  # position of a SEND_F -> (stage, mb) whose outputs may be freed
+        self._received_plan = sends_received if self.free_sent_outputs else None
+        self.freed_bytes = 0
         i = 0
         with torch.set_grad_enabled(grad):
             while i < len(actions):
@@ -88,7 +110,7 @@ class Executor:
                 while j < len(actions) and actions[j].kind.is_comm:
                     j += 1
                 if j > i:
-                    self._communicate(actions[i:j])
+                    self._communicate(actions[i:j], i)
                     i = j
                     continue
                 handler = self.handlers.get(actions[i].kind)
@@ -124,7 +146,7 @@ class Executor:
             self._inputs[(s + 1, k)] = outputs
         self._outputs[(s, k)] = (inputs, outputs)
 
-    def _roots(self, s: int, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _roots(self, s: int, k: int) -> tuple[list[torch.Tensor | GradientEdge], list[torch.Tensor] | None]:
         """What to differentiate for (stage, micro-batch): the scaled loss, or outputs and their grads."""
         if s == self.last_stage:
             loss = self._losses[k]
@@ -132,7 +154,9 @@ class Executor:
             return [loss * self._scale if self._scale != 1.0 else loss], None
         _, outputs = self._outputs[(s, k)]
         grads = self._grads.pop((s, k))
-        pairs = [(o, g) for o, g in zip(_float_parts(outputs), grads) if o.requires_grad]
+        # Gradient edges, not the tensors: torch.autograd checks a gradient against the edge's
+        # recorded shape, which a freed output (one element now) no longer has.
+        pairs = [(get_gradient_edge(o), g) for o, g in zip(_float_parts(outputs), grads) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def _hand_back(self, s: int, k: int, input_grads: tuple[torch.Tensor, ...]) -> None:
@@ -182,20 +206,26 @@ class Executor:
         return self.stage_to_rank[stage] == self.rank
 
     # --- communication -----------------------------------------------------------------------
-    def _communicate(self, comms: Sequence[Action]) -> None:
-        sends, recvs, recv_keys = [], [], []
-        for a in comms:
+    def _communicate(self, comms: Sequence[Action], first: int) -> None:
+        """Run the comm actions at positions ``first, first + 1, ...`` as one batch."""
+        sends, send_keys, recvs, recv_keys = [], [], [], []
+        for pos, a in enumerate(comms, first):
             s, k = a.stage, a.microbatch
             if a.kind is Kind.SEND_F:
-                sends.append((s + 1, self._outputs[(s, k)][1]))
+                outputs = self._outputs[(s, k)][1]
+                self._sent_specs[(s, k)] = [TensorSpec.of(t) for t in _float_parts(outputs)]
+                if self._received_plan is not None and any(t.grad_fn is not None for t in outputs):
+                    self._to_free[pos] = (s, k)
+                sends.append((s + 1, outputs))
+                send_keys.append(pos)
             elif a.kind is Kind.SEND_B:
                 sends.append((s - 1, self._grads.pop(("send", s, k))))
+                send_keys.append(pos)
             elif a.kind is Kind.RECV_F:
                 recvs.append((s - 1, self.input_specs[s]))
                 recv_keys.append(("F", s, k))
             elif a.kind is Kind.RECV_B:
-                specs = [TensorSpec.of(t) for t in _float_parts(self._outputs[(s, k)][1])]
-                recvs.append((s + 1, specs))
+                recvs.append((s + 1, self._sent_specs.pop((s, k))))
                 recv_keys.append(("B", s, k))
         remote_sends = []
         for peer_stage, tensors in sends:
@@ -203,12 +233,29 @@ class Executor:
                 raise NotImplementedError("sends between stages on one rank are not supported yet")
             remote_sends.append((self.stage_to_rank[peer_stage], tensors))
         remote_recvs = [(self.stage_to_rank[peer], specs) for peer, specs in recvs]
-        received = self.p2p.exchange(remote_sends, remote_recvs)
+        received = self.p2p.exchange(remote_sends, remote_recvs, send_keys)
         for (direction, s, k), message in zip(recv_keys, received):
             if direction == "F":
                 self._inputs[(s, k)] = message
             else:
                 self._grads[(s, k)] = message
+        if self._received_plan is not None:
+            self._free_received(self._received_plan.get(first + len(comms) - 1, ()))
+
+    def _free_received(self, known: Sequence[int]) -> None:
+        """Wait for the sends ``known`` to have their receive posted (no deadlock: the transfer
+        needs nobody else), then free what `releasable` allows of their outputs."""
+        done = [pos for pos in known if pos in self._to_free]
+        if not done:
+            return
+        self.p2p.wait_sends(set(done))  # drops the wire buffers, which shared the outputs' storage
+        for pos in done:
+            entry = self._outputs.get(self._to_free.pop(pos))
+            if entry is None:  # its backward already ran
+                continue
+            for t in entry[1]:
+                if releasable(t):
+                    self.freed_bytes += release(t)
 
 
 def agree_specs(stages: dict[int, StageModule], stage_to_rank: Sequence[int], rank: int,

@@ -47,6 +47,7 @@ from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.data_parallel import BUCKET_BYTES, DataParallelGrads
 from mp_toolkit.parallel.p2p import P2P
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
+from mp_toolkit.schedule.completion import sends_known_received
 
 _TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
@@ -104,13 +105,18 @@ class PipelineEngine:
         loss_scaler: scaler of the loss before backward (fp16); None means a scale of 1.
         chunks: model chunks per rank (interleaved 1F1B); stage s runs on pipeline rank s % pp.
         dp_bucket_bytes: size of the data-parallel gradient buckets (fp32 bytes).
+        free_sent_outputs: free a stage output's storage once its send to the next stage's rank
+            has completed, keeping its autograd graph for the backward (Megatron-LM's
+            ``deallocate_output_tensor``; which outputs qualify: `mp_toolkit.engine.free_sent`).
+            Saves one activation message per micro-batch in flight; gradients are bitwise those
+            of False, which keeps every output whole until its backward.
     """
 
     def __init__(self, layer_list: LayerList, ctx: ParallelContext, boundaries: Sequence[int],
                  num_microbatches: int, schedule: str, optimizer: Callable, loss_fn: Callable,
                  clip_grad: float | None = None, precision: str = "fp32",
                  loss_scaler: DynamicLossScaler | None = None, chunks: int = 1,
-                 dp_bucket_bytes: int = BUCKET_BYTES):
+                 dp_bucket_bytes: int = BUCKET_BYTES, free_sent_outputs: bool = True):
         if ctx.tp > 1 and not any(is_tensor_parallel(p) for p in layer_list.parameters()):
             raise ValueError(f"tp={ctx.tp} but no parameter of the layer list is tensor-parallel: "
                              "apply_tensor_parallel(layer_list, ctx, plan) before building the engine")
@@ -138,6 +144,9 @@ class PipelineEngine:
         self.step = OptimizerStep(ctx, self.masters, self.optimizer, self.ties, clip_grad, loss_scaler,
                                   self.dp_grads)
         self.executor: Executor | None = None
+        self.free_sent_outputs = free_sent_outputs
+        # when each send of this rank is known received (pure data, from the whole schedule)
+        self._sends_received = sends_known_received(self.schedule)[ctx.pp_rank] if ctx.pp > 1 else None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters over all its stages, named as in the unsplit LayerList."""
@@ -173,7 +182,8 @@ class PipelineEngine:
     def _executor(self, sample_inputs) -> Executor:
         if self.executor is None:  # shapes are agreed once, on the first batch, and cached
             specs = agree_specs(self.stages, self.stage_to_rank, self.ctx.rank, self.p2p, sample_inputs)
-            self.executor = Executor(self.stages, self.stage_to_rank, self.ctx.rank, self.p2p, specs, self.loss_fn)
+            self.executor = Executor(self.stages, self.stage_to_rank, self.ctx.rank, self.p2p, specs, self.loss_fn,
+                                     free_sent_outputs=self.free_sent_outputs)
         return self.executor
 
     def train_batch(self, data_iter: Iterator) -> StepStats:
@@ -188,7 +198,7 @@ class PipelineEngine:
         actions = self.schedule.rank_actions(self.ctx.pp_rank)
         post = self.dp_grads.start_grad_sync if self.dp_grads is not None else None
         losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, loss_scale=self.step.loss_scale,
-                                               on_grads_final=post)
+                                               on_grads_final=post, sends_received=self._sends_received)
         result = self.step(nonfinite_loss=bool(losses) and not bool(torch.stack(losses).isfinite().all()))
         return StepStats(loss=global_mean_loss(losses, self.ctx, self.stage_to_rank[-1]), grad_norm=result.grad_norm,
                          skipped=result.skipped, loss_scale=result.loss_scale, nonfinite=result.nonfinite)

@@ -165,18 +165,19 @@ def _groups(parents: dict[Node, list[Node]], roots: set[Node], region: set[Node]
     return groups
 
 
-def split_backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
+def split_backward_input(roots: Sequence[torch.Tensor | GradientEdge], grads: Sequence[torch.Tensor] | None,
                          leaves: Sequence[torch.Tensor], params: Sequence[torch.nn.Parameter]
                          ) -> tuple[tuple[torch.Tensor | None, ...], WeightPass | None]:
     """``I``: the gradients of ``leaves`` (the stage inputs that require one) and what ``W`` needs.
 
+    ``roots`` are tensors (the loss) or gradient edges (stage outputs, whose storage may be freed).
     Returns the input gradients (None for an input the roots do not depend on) and the
     `WeightPass`, or None when the split does not apply (the graph is kept whole either way:
     ``retain_graph=True``).
     """
     if not roots or not leaves:
         return (None,) * len(leaves), None
-    root_nodes = [get_gradient_edge(r).node for r in roots]
+    root_nodes = [(r if isinstance(r, GradientEdge) else get_gradient_edge(r)).node for r in roots]
     parents = _reverse_graph(root_nodes)
     input_nodes = [n for n in (get_gradient_edge(x).node for x in leaves) if n in parents]
     region, _ = _upward(input_nodes, parents, set())

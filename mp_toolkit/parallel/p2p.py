@@ -8,8 +8,10 @@ never carry gradients.
 All the transfers of one run of consecutive communication actions go into a single
 `torch.distributed.batch_isend_irecv` call, so a send to a peer and a receive from the same peer
 cannot deadlock each other under NCCL (Megatron's ``send_forward_recv_backward``). Receives are
-waited for at once; sends are only waited for by `wait_sends` (end of step), so a send never
-blocks the compute that follows it.
+waited for at once; sends are waited for by `wait_sends`: all of them at the end of the step, or,
+during it, those the caller names once it knows their receive has been posted (the executor
+freeing sent outputs, `mp_toolkit.schedule.completion`), so a send never blocks the compute that
+follows it.
 """
 
 from __future__ import annotations
@@ -71,20 +73,22 @@ class P2P:
 
     def __init__(self, device: torch.device, group=None):
         self.device, self.group = device, group
-        self._pending: list = []  # (work, buffer) of posted sends
+        self._pending: list = []  # (key, work, buffer) of posted sends
         self.bytes_sent = 0
 
     def exchange(self, sends: list[tuple[int, tuple[torch.Tensor, ...]]],
-                 recvs: list[tuple[int, list[TensorSpec]]]) -> list[tuple[torch.Tensor, ...]]:
+                 recvs: list[tuple[int, list[TensorSpec]]],
+                 send_keys: list | None = None) -> list[tuple[torch.Tensor, ...]]:
         """Post every send and receive in one batch; return the received tuples in order.
 
-        sends: (peer rank, tensors); recvs: (peer rank, specs of the tensors expected).
+        sends: (peer rank, tensors); recvs: (peer rank, specs of the tensors expected);
+        send_keys: a name per send for `wait_sends` (default None).
         """
         ops, buffers, out = [], [], []
-        for peer, tensors in sends:
+        for (peer, tensors), key in zip(sends, send_keys or [None] * len(sends)):
             for t in tensors:
                 buf = _wire(t.detach())
-                buffers.append(buf)
+                buffers.append((key, buf))
                 self.bytes_sent += buf.numel() * buf.element_size()
                 ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
         for peer, specs in recvs:
@@ -99,8 +103,8 @@ class P2P:
             return []
         works = dist.batch_isend_irecv(ops)
         n_send = len(buffers)
-        for work, buf in zip(works[:n_send], buffers):
-            self._pending.append((work, buf))  # keep the buffer alive until the send completes
+        for work, (key, buf) in zip(works[:n_send], buffers):
+            self._pending.append((key, work, buf))  # keep the buffer alive until the send completes
         for work in works[n_send:]:
             work.wait()
         return [
@@ -108,10 +112,19 @@ class P2P:
             for msg, (_, specs) in zip(out, recvs)
         ]
 
-    def wait_sends(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+    def wait_sends(self, keys=None) -> None:
+        """Wait for the posted sends named by ``keys`` (all when None) and drop their buffers.
+
+        Only name a send whose matching receive is known to be posted: gloo sends rendezvous, so
+        waiting on any other could deadlock a schedule that is safe under non-blocking sends.
+        """
+        keep = []
+        for key, work, buf in self._pending:
+            if keys is None or key in keys:
+                work.wait()
+            else:
+                keep.append((key, work, buf))
+        self._pending = keep
 
     def send_specs(self, peer: int, tensors: tuple[torch.Tensor, ...]) -> None:
         """Tell ``peer`` the shapes and dtypes of a message (blocking; used once per channel)."""

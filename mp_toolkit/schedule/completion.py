@@ -1,0 +1,100 @@
+"""When a rank may know that a send of its own has been received: a plan read off the schedule.
+
+A posted send may still be in flight for a while, and the transport has no cheap way to ask:
+gloo's send ``Work`` reports ``is_completed()`` only once ``wait()`` has run, and gloo sends
+rendezvous (the bytes move once the peer has posted the matching receive). Waiting on a send whose
+receive the peer has *not* posted yet could deadlock a schedule the validator proved under
+non-blocking sends (`mp_toolkit.schedule.validate`). Waiting on one whose receive is *known* to be
+posted cannot: the transfer finishes without anyone doing anything else.
+
+A rank knows that much from what it receives. Executing a batch (a run of consecutive comm
+actions, posted together in one ``batch_isend_irecv``; see ``actions``) posts all of its
+operations at once, and a message carries what its sender knew when it posted it. With vector
+clocks (Lamport 1978; Mattern 1989), ``clock[p]`` being the number of actions of rank ``p`` known
+to be posted, a rank that completed the receives of a batch can wait, without blocking on anything
+but the transfer itself, on each earlier send of its own whose matching receive lies within
+``clock[peer]``. The pipeline engine uses this to free stage outputs once their send has completed
+(`mp_toolkit.engine.executor`).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .actions import Action, Schedule
+
+__all__ = ["comm_batches", "sends_known_received"]
+
+
+def comm_batches(actions: tuple[Action, ...] | list[Action]) -> list[tuple[int, int]]:
+    """``(first, last)`` positions of each maximal run of consecutive comm actions."""
+    out, i = [], 0
+    while i < len(actions):
+        j = i
+        while j < len(actions) and actions[j].kind.is_comm:
+            j += 1
+        if j > i:
+            out.append((i, j - 1))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def _pairs(schedule: Schedule) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """((sending rank, position), (receiving rank, position)) of every message, paired in FIFO
+    order per channel."""
+    owner = schedule.stage_to_rank
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for rank, acts in enumerate(schedule.actions):
+        for pos, a in enumerate(acts):
+            if a.kind.is_send:
+                sends[(rank, owner[a.peer_stage])].append(pos)
+            elif a.kind.is_recv:
+                recvs[(owner[a.peer_stage], rank)].append(pos)
+    return [((src, s), (dst, r)) for (src, dst), ss in sends.items() for s, r in zip(ss, recvs[(src, dst)])]
+
+
+def sends_known_received(schedule: Schedule) -> list[dict[int, list[int]]]:
+    """Per rank: {position of a batch's last action: positions of this rank's sends whose matching
+    receive is known posted once that batch's receives have completed}.
+
+    A send not listed (no proof before the rank's last batch) is waited for at the end of the step,
+    as before. The schedule is assumed valid (`validate`); the sweep is `simulate_order`'s, one
+    batch at a time.
+    """
+    n = schedule.num_ranks
+    pairs = _pairs(schedule)
+    receiver = dict(pairs)                       # send -> its receive
+    sender = {r: s for s, r in pairs}            # receive -> its send
+    batches = [comm_batches(acts) for acts in schedule.actions]
+    clock = [[0] * n for _ in range(n)]
+    carried: dict[tuple[int, int], list[int]] = {}  # send -> its rank's clock when it was posted
+    pending: list[list[int]] = [[] for _ in range(n)]  # send positions not yet known received
+    plan: list[dict[int, list[int]]] = [{} for _ in range(n)]
+    cursor, posted = [0] * n, [False] * n
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, acts in enumerate(schedule.actions):
+            while cursor[rank] < len(batches[rank]):
+                first, last = batches[rank][cursor[rank]]
+                positions = range(first, last + 1)
+                if not posted[rank]:  # every operation of the batch is posted with what is known now
+                    clock[rank][rank] = last + 1
+                    for pos in positions:
+                        if acts[pos].kind.is_send:
+                            carried[(rank, pos)] = list(clock[rank])
+                            pending[rank].append(pos)
+                    posted[rank] = progressed = True
+                sends = [sender[(rank, pos)] for pos in positions if acts[pos].kind.is_recv]
+                if any(s not in carried for s in sends):
+                    break  # a receive of this batch waits for a send not posted yet
+                for s in sends:
+                    clock[rank] = [max(a, b) for a, b in zip(clock[rank], carried[s])]
+                known = [p for p in pending[rank] if receiver[(rank, p)][1] < clock[rank][receiver[(rank, p)][0]]]
+                if known:
+                    plan[rank][last] = known
+                    pending[rank] = [p for p in pending[rank] if p not in known]
+                cursor[rank] += 1
+                posted[rank] = False
+    return plan
