@@ -18,7 +18,7 @@ from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.schedule import Action, Kind, get_schedule
-from mp_toolkit.schedule.completion import sends_known_received
+from mp_toolkit.schedule.completion import comm_batches, runs_with_waits, send_waits, sends_known_received
 from tests.dist_harness import run_world
 
 CFG = GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=False)
@@ -162,15 +162,35 @@ def test_releasable_rules():
     assert releasable(alias)
 
 
-def test_every_schedule_frees_each_send_before_its_backward():
-    """The plan of `sends_known_received` names each SEND_F of rank 0 at or before the receive of
-    its gradient, for every schedule: so each stored output is freed before its backward."""
-    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("zbh1", 1), ("interleaved", 2)]:
-        schedule = get_schedule(name, 2, 4, num_chunks=chunks)
-        for rank, plan in enumerate(sends_known_received(schedule)):
+@pytest.mark.parametrize("plan_of", [send_waits, sends_known_received], ids=["send_waits", "clocks"])
+def test_every_schedule_frees_each_send_before_its_backward(plan_of):
+    """Both plans wait for each SEND_F at or before the receive of its gradient and run every
+    schedule to its end: each stored output is freed before its backward, and nothing deadlocks."""
+    for name, pp, chunks in [("gpipe", 2, 1), ("1f1b", 2, 1), ("zbh1", 2, 1), ("interleaved", 2, 2),
+                             ("1f1b", 4, 1), ("interleaved", 4, 2), ("zbh1", 4, 1)]:
+        schedule = get_schedule(name, pp, 8, num_chunks=chunks)
+        assert runs_with_waits(schedule, plan_of(schedule)), name
+        for rank, plan in enumerate(plan_of(schedule)):
             acts = schedule.actions[rank]
             when = {pos: last for last, sends in plan.items() for pos in sends}
             for pos, a in enumerate(acts):
+                if a.kind is Kind.SEND_F and plan_of is sends_known_received and pos not in when:
+                    continue  # the clocks leave some sends to the end of the step (not the eager plan)
                 if a.kind is Kind.SEND_F:
                     recv_b = acts.index(Action(a.stage, Kind.RECV_B, a.microbatch))
                     assert pos in when and pos <= when[pos] <= recv_b, (name, rank, a)
+
+
+def test_waits_that_would_deadlock_fall_back_to_the_clocks():
+    """Interleaved 1F1B on 4 ranks deadlocks if every forward send is waited for at once (a rank
+    waits for a peer that waits for it); `send_waits` then keeps to what the clocks prove."""
+    schedule = get_schedule("interleaved", 4, 8, num_chunks=2)
+    eager = [{last: [p for p in range(first, last + 1) if acts[p].kind is Kind.SEND_F]
+              for first, last in comm_batches(acts)} for acts in schedule.actions]
+    assert not runs_with_waits(schedule, eager)
+    assert send_waits(schedule) != eager and runs_with_waits(schedule, send_waits(schedule))
+    # 1F1B runs with them: each forward send is waited for at the end of the batch that posts it
+    one_f_one_b = get_schedule("1f1b", 4, 8)
+    for acts, plan in zip(one_f_one_b.actions, send_waits(one_f_one_b)):
+        for first, last in comm_batches(acts):
+            assert plan.get(last, []) == [p for p in range(first, last + 1) if acts[p].kind is Kind.SEND_F]

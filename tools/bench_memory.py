@@ -15,6 +15,12 @@ holds two stages (interleaved) is compared with the sum of their predictions.
 
     python tools/bench_memory.py                # ~3 minutes on 2 quiet cores
     python tools/bench_memory.py --precision bf16 --no-measure --ours-only
+    python tools/bench_memory.py --compare-free-sent --shape gpt-small-cpu   # issue 18, item 5
+
+``--no-free-sent`` runs our engine with ``free_sent_outputs=False`` (every stage output kept whole
+until its backward). ``--compare-free-sent`` instead runs only our 1F1B, with the switch on and
+then off, and reports per rank the peak RSS and the peak bytes held for stage outputs (stored
+outputs plus in-flight send buffers, `tools/held_outputs.py`).
 
 Prints a table and, last, one JSON line. Peak RSS is what the kernel saw, so other processes do
 not change it; the timings of ``--measure`` do not enter the memory figures.
@@ -56,6 +62,12 @@ def per_rank(plan, pp: int) -> list[int]:
     return out
 
 
+SHAPES = {  # --shape: the workload's model and micro-batch; bench is Workload's default
+    "bench": {},
+    "gpt-small-cpu": dict(n_layer=4, n_embd=128, n_head=4, vocab=4096, seq_len=128, micro_batch=8),  # mpt train's defaults
+}
+
+
 def measure(w: Workload, spec: dict, steps: int, timeout: float) -> list[dict]:
     full = {**spec, "workload": w.__dict__, "warmup": 1, "steps": steps, "memory": True}
     return run_ranks(full, w.pp, timeout_s=timeout, threads=w.threads)
@@ -68,8 +80,16 @@ def main() -> None:
     ap.add_argument("--no-measure", action="store_true", help="only the planner's formula prediction")
     ap.add_argument("--ours-only", action="store_true", help="skip the DeepSpeed and torch rows")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--free-sent", action=argparse.BooleanOptionalAction, default=True,
+                    help="free_sent_outputs of our engine (default on)")
+    ap.add_argument("--compare-free-sent", action="store_true",
+                    help="only our 1F1B, free_sent_outputs on then off: peak RSS and peak bytes held for stage outputs")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     args = ap.parse_args()
-    w = Workload(precision=args.precision)
+    w = Workload(precision=args.precision, **SHAPES[args.shape])
+    if args.compare_free_sent:
+        compare_free_sent(w, args.steps, args.timeout)
+        return
     rows, errors = [], {}
     with tempfile.TemporaryDirectory() as d:
         config = Path(d, "config.json")
@@ -80,7 +100,7 @@ def main() -> None:
             measured_plan = None if args.no_measure else predict(w, config, schedule, chunks, measure=True)
             cut = list(formula.boundaries)
             cut_1f1b = cut if schedule == "1f1b" else cut_1f1b
-            spec = {"peer": "mpt", "schedule": schedule, "chunks": chunks, "boundaries": cut}
+            spec = {"peer": "mpt", "schedule": schedule, "chunks": chunks, "boundaries": cut, "free_sent": args.free_sent}
             try:
                 got = measure(w, spec, args.steps, args.timeout)
             except RunError as e:
@@ -117,6 +137,29 @@ def main() -> None:
     print_table(rows, w)
     print(json.dumps({"bench": "memory", "date": time.strftime("%Y-%m-%d"), "nproc": os.cpu_count(),
                       "torch": torch.__version__, "workload": w.__dict__, "rows": rows, "errors": errors}))
+
+
+def compare_free_sent(w: Workload, steps: int, timeout: float) -> None:
+    """Our 1F1B on the planner's cut, free_sent_outputs on and off: a table and one JSON line."""
+    with tempfile.TemporaryDirectory() as d:
+        config = Path(d, "config.json")
+        config.write_text(json.dumps(w.gpt_config().to_dict()))
+        cut = list(predict(w, config, "1f1b", 1, measure=False).boundaries)
+    rows = []
+    for free in (True, False):
+        spec = {"peer": "mpt", "schedule": "1f1b", "boundaries": cut, "free_sent": free, "held_outputs": True}
+        for r in measure(w, spec, steps, timeout):
+            rows.append({"free_sent": free, "rank": r["rank"], "cut": cut, "peak_rss_bytes": r["peak_bytes"],
+                         "held_outputs_peak_bytes": r["held_outputs_peak_bytes"],
+                         "freed_bytes_last_step": r["freed_bytes_last_step"]})
+    print(f"\n1F1B, pp={w.pp}, cut {cut}: {w.n_layer} x {w.n_embd}, vocab {w.vocab}, {w.microbatches} micro-batches of "
+          f"{w.micro_batch} x {w.seq_len}, {w.precision}; bytes after the first step")
+    print(f"{'free_sent':>9s} {'rank':>4s} {'held outputs peak':>18s} {'freed per step':>15s} {'peak RSS MB':>12s}")
+    for r in rows:
+        print(f"{str(r['free_sent']):>9s} {r['rank']:4d} {r['held_outputs_peak_bytes']:18,d} "
+              f"{r['freed_bytes_last_step']:15,d} {r['peak_rss_bytes'] / MB:12.1f}")
+    print(json.dumps({"bench": "memory-free-sent", "date": time.strftime("%Y-%m-%d"), "nproc": os.cpu_count(),
+                      "torch": torch.__version__, "workload": w.__dict__, "rows": rows}))
 
 
 def print_table(rows: list[dict], w: Workload) -> None:

@@ -151,7 +151,8 @@ class MptPeer:
         self.boundaries = spec.get("boundaries") or plan_boundaries(layers, w.pp, "parameters", chunks)
         self.engine = PipelineEngine(layers, ctx, self.boundaries, w.microbatches, spec["schedule"],
                                      optimizer=lambda named: optimizer(w, spec, named), loss_fn=lm_loss,
-                                     clip_grad=None, precision=w.precision, chunks=chunks)
+                                     clip_grad=None, precision=w.precision, chunks=chunks,
+                                     free_sent_outputs=spec.get("free_sent", True))
         del layers  # the stages keep this rank's layers; the rest of the model is freed
         self.params = sum(p.numel() for _, p in self.engine.named_parameters())
         self.dtype = str(self.engine.named_parameters()[0][1].dtype)
@@ -290,12 +291,19 @@ def train(spec: dict) -> dict:
         if memory and i == 0:  # steady state: later steps' peak (the first adds one-time set-up)
             memstats.release_free_memory()
             memstats.reset_peak()
+        if i == 0 and spec.get("held_outputs"):  # our executor exists from the first step on
+            from held_outputs import HeldOutputs
+
+            held = HeldOutputs(peer.engine.executor, peer.engine.p2p)
     _barrier()
     out = {"rank": int(os.environ.get("RANK", 0)), "times": times, "cpu_times": cpu, "losses": losses,
            "params": peer.params, "dtype": peer.dtype, "boundaries": list(peer.boundaries),
            "threads": torch.get_num_threads(), "workload": asdict(w)}
     if memory:
         out["peak_bytes"] = memstats.peak_rss_bytes() - base
+    if spec.get("held_outputs"):
+        out["held_outputs_peak_bytes"] = held.peak
+        out["freed_bytes_last_step"] = peer.engine.executor.freed_bytes
     if profiler is not None:
         out["profile"] = profiler.report(peer)
     return out

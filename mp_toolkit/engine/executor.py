@@ -58,7 +58,7 @@ class Executor:
         loss_fn: (last stage output, labels) -> scalar loss of one micro-batch.
         free_sent_outputs: free the storage of a stage output sent to another rank once its send
             has completed, keeping its graph for the backward (`mp_toolkit.engine.free_sent`
-            says which outputs qualify); ``run`` needs ``sends_received`` to know when. Default True;
+            says which outputs qualify); ``run`` needs ``send_waits`` to know when. Default True;
             False keeps every output whole until its backward (the comparison of
             ``tools/bench_memory.py --no-free-sent``).
     """
@@ -77,7 +77,7 @@ class Executor:
     def run(self, actions: Sequence[Action], microbatches: Sequence[MicroBatch],
             loss_divisor: int = 1, loss_scale: float = 1.0, grad: bool = True,
             on_grads_final: Callable[[int], None] | None = None,
-            sends_received: dict[int, list[int]] | None = None) -> list[torch.Tensor]:
+            send_waits: dict[int, list[int]] | None = None) -> list[torch.Tensor]:
         """Run ``actions``; return the losses / m of the micro-batches (last stage only).
 
         ``loss_divisor`` divides each micro-batch loss before backward (m, for accumulation);
@@ -87,10 +87,10 @@ class Executor:
         ``on_grads_final(stage)`` is called right after a stage's last weight-gradient action of
         this batch (`final_weight_grad_actions`): from then on its gradients no longer change, so
         the data-parallel all-reduce of that stage can start while the rest of the schedule runs.
-        ``sends_received`` ({position of a comm run's last action: positions of sends whose receive
-        is then known posted}, `mp_toolkit.schedule.completion.sends_known_received`) says when a
-        sent output's send can be waited for without risk of deadlock, and so freed; without it,
-        no output is freed.
+        ``send_waits`` ({position of a comm run's last action: positions of forward sends to wait
+        for after it}, `mp_toolkit.schedule.completion.send_waits`) says when a sent output's send
+        can be waited for without risk of deadlock, and the output then freed; without it, no
+        output is freed.
         """
         final = final_weight_grad_actions(actions) if on_grads_final is not None else {}
         self._mbs, self._div, self._scale, self._grad = microbatches, loss_divisor, loss_scale, grad
@@ -101,7 +101,7 @@ class Executor:
         self._deferred: dict = {}  # (stage, mb) -> what W differentiates, kept from I
         self._sent_specs: dict = {}  # (stage, mb) -> specs of its sent outputs, for RECV_B
         self._to_free: dict = {}  # position of a SEND_F -> (stage, mb) whose outputs may be freed
-        self._received_plan = sends_received if self.free_sent_outputs else None
+        self._wait_plan = send_waits if self.free_sent_outputs else None
         self.freed_bytes = 0
         i = 0
         with torch.set_grad_enabled(grad):
@@ -214,7 +214,7 @@ class Executor:
             if a.kind is Kind.SEND_F:
                 outputs = self._outputs[(s, k)][1]
                 self._sent_specs[(s, k)] = [TensorSpec.of(t) for t in _float_parts(outputs)]
-                if self._received_plan is not None and any(t.grad_fn is not None for t in outputs):
+                if self._wait_plan is not None and any(t.grad_fn is not None for t in outputs):
                     self._to_free[pos] = (s, k)
                 sends.append((s + 1, outputs))
                 send_keys.append(pos)
@@ -239,13 +239,13 @@ class Executor:
                 self._inputs[(s, k)] = message
             else:
                 self._grads[(s, k)] = message
-        if self._received_plan is not None:
-            self._free_received(self._received_plan.get(first + len(comms) - 1, ()))
+        if self._wait_plan is not None:
+            self._free_sent(self._wait_plan.get(first + len(comms) - 1, ()))
 
-    def _free_received(self, known: Sequence[int]) -> None:
-        """Wait for the sends ``known`` to have their receive posted (no deadlock: the transfer
-        needs nobody else), then free what `releasable` allows of their outputs."""
-        done = [pos for pos in known if pos in self._to_free]
+    def _free_sent(self, waits: Sequence[int]) -> None:
+        """Wait for the sends at positions ``waits`` (the plan guarantees their receives get
+        posted without this rank's help), then free what `releasable` allows of their outputs."""
+        done = [pos for pos in waits if pos in self._to_free]
         if not done:
             return
         self.p2p.wait_sends(set(done))  # drops the wire buffers, which shared the outputs' storage

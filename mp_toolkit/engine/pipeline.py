@@ -47,7 +47,7 @@ from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.data_parallel import BUCKET_BYTES, DataParallelGrads
 from mp_toolkit.parallel.p2p import P2P
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
-from mp_toolkit.schedule.completion import sends_known_received
+from mp_toolkit.schedule.completion import send_waits
 
 _TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
@@ -145,8 +145,8 @@ class PipelineEngine:
                                   self.dp_grads)
         self.executor: Executor | None = None
         self.free_sent_outputs = free_sent_outputs
-        # when each send of this rank is known received (pure data, from the whole schedule)
-        self._sends_received = sends_known_received(self.schedule)[ctx.pp_rank] if ctx.pp > 1 else None
+        # when this rank may wait for each of its forward sends (pure data, from the whole schedule)
+        self._send_waits = send_waits(self.schedule)[ctx.pp_rank] if ctx.pp > 1 else None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters over all its stages, named as in the unsplit LayerList."""
@@ -198,7 +198,7 @@ class PipelineEngine:
         actions = self.schedule.rank_actions(self.ctx.pp_rank)
         post = self.dp_grads.start_grad_sync if self.dp_grads is not None else None
         losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, loss_scale=self.step.loss_scale,
-                                               on_grads_final=post, sends_received=self._sends_received)
+                                               on_grads_final=post, send_waits=self._send_waits)
         result = self.step(nonfinite_loss=bool(losses) and not bool(torch.stack(losses).isfinite().all()))
         return StepStats(loss=global_mean_loss(losses, self.ctx, self.stage_to_rank[-1]), grad_norm=result.grad_norm,
                          skipped=result.skipped, loss_scale=result.loss_scale, nonfinite=result.nonfinite)

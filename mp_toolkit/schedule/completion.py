@@ -1,4 +1,4 @@
-"""When a rank may know that a send of its own has been received: a plan read off the schedule.
+"""When a rank may wait for a send of its own to complete: a plan read off the schedule.
 
 A posted send may still be in flight for a while, and the transport has no cheap way to ask:
 gloo's send ``Work`` reports ``is_completed()`` only once ``wait()`` has run, and gloo sends
@@ -13,16 +13,25 @@ operations at once, and a message carries what its sender knew when it posted it
 clocks (Lamport 1978; Mattern 1989), ``clock[p]`` being the number of actions of rank ``p`` known
 to be posted, a rank that completed the receives of a batch can wait, without blocking on anything
 but the transfer itself, on each earlier send of its own whose matching receive lies within
-``clock[peer]``. The pipeline engine uses this to free stage outputs once their send has completed
-(`mp_toolkit.engine.executor`).
+``clock[peer]``. That proof often comes late, though: a warm-up forward's send is known received
+only when the first gradient comes back.
+
+`send_waits` therefore first tries Megatron-LM's order, each forward send waited for at the end of
+the batch that posts it (the compute after it then starts once the peer has taken the message),
+and keeps it when the schedule still runs to the end with those waits (`runs_with_waits`, the
+validator's sweep with one more blocking condition); otherwise it falls back to the waits the
+clocks prove, which never block on a peer. The pipeline engine uses it to free stage outputs once
+their send has completed (`mp_toolkit.engine.executor`).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .actions import Action, Schedule
+from .actions import Action, Kind, Schedule
 
-__all__ = ["comm_batches", "sends_known_received"]
+__all__ = ["comm_batches", "runs_with_waits", "send_waits", "sends_known_received"]
+
+Plan = list[dict[int, list[int]]]  # per rank: {last position of a comm batch: send positions to wait for}
 
 
 def comm_batches(actions: tuple[Action, ...] | list[Action]) -> list[tuple[int, int]]:
@@ -54,7 +63,51 @@ def _pairs(schedule: Schedule) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     return [((src, s), (dst, r)) for (src, dst), ss in sends.items() for s, r in zip(ss, recvs[(src, dst)])]
 
 
-def sends_known_received(schedule: Schedule) -> list[dict[int, list[int]]]:
+def send_waits(schedule: Schedule) -> Plan:
+    """Per rank: {last position of a comm batch: positions of its forward sends (``SEND_F``) to wait
+    for once that batch's receives are done}, deadlock-free by construction (module docstring)."""
+    eager: Plan = []
+    for acts in schedule.actions:
+        plan = {}
+        for first, last in comm_batches(acts):
+            sends = [p for p in range(first, last + 1) if acts[p].kind is Kind.SEND_F]
+            if sends:
+                plan[last] = sends
+        eager.append(plan)
+    if runs_with_waits(schedule, eager):
+        return eager
+    known = sends_known_received(schedule)
+    return [{last: [p for p in sends if acts[p].kind is Kind.SEND_F] for last, sends in plan.items()}
+            for acts, plan in zip(schedule.actions, known)]
+
+
+def runs_with_waits(schedule: Schedule, plan: Plan) -> bool:
+    """Whether every rank reaches its end when, besides waiting for its receives, it leaves a batch
+    only once the receives matching the sends ``plan`` names for it have been posted."""
+    pairs = _pairs(schedule)
+    receiver, sender = dict(pairs), {r: s for s, r in pairs}
+    batches = [comm_batches(acts) for acts in schedule.actions]
+    posted: set[tuple[int, int]] = set()  # (rank, position) of every operation posted so far
+    cursor = [0] * schedule.num_ranks
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, acts in enumerate(schedule.actions):
+            while cursor[rank] < len(batches[rank]):
+                first, last = batches[rank][cursor[rank]]
+                new = {(rank, p) for p in range(first, last + 1)} - posted
+                posted |= new
+                progressed = progressed or bool(new)
+                needs = [sender[(rank, p)] for p in range(first, last + 1) if acts[p].kind.is_recv]
+                needs += [receiver[(rank, p)] for p in plan[rank].get(last, ())]
+                if not all(op in posted for op in needs):
+                    break
+                cursor[rank] += 1
+                progressed = True
+    return all(c == len(b) for c, b in zip(cursor, batches))
+
+
+def sends_known_received(schedule: Schedule) -> Plan:
     """Per rank: {position of a batch's last action: positions of this rank's sends whose matching
     receive is known posted once that batch's receives have completed}.
 
