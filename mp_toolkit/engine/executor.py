@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from mp_toolkit.engine.free_sent import release, releasable

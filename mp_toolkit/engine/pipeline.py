@@ -108,8 +108,8 @@ class PipelineEngine:
         free_sent_outputs: free a stage output's storage once its send to the next stage's rank
             has completed, keeping its autograd graph for the backward (Megatron-LM's
             ``deallocate_output_tensor``; which outputs qualify: `mp_toolkit.engine.free_sent`).
-            Saves one activation message per micro-batch in flight; gradients are bitwise those
-            of False, which keeps every output whole until its backward.
+            Gradients are bitwise those of False, where each sent output's storage lives until
+            its backward and, through its send buffer, until the end of the step.
     """
 
     def __init__(self, layer_list: LayerList, ctx: ParallelContext, boundaries: Sequence[int],
@@ -146,7 +146,7 @@ class PipelineEngine:
         self.executor: Executor | None = None
         self.free_sent_outputs = free_sent_outputs
         # when this rank may wait for each of its forward sends (pure data, from the whole schedule)
-        self._send_waits = send_waits(self.schedule)[ctx.pp_rank] if ctx.pp > 1 else None
+        self._send_waits = send_waits(self.schedule)[ctx.pp_rank] if ctx.pp > 1 and free_sent_outputs else None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters over all its stages, named as in the unsplit LayerList."""

@@ -76,9 +76,11 @@ def send_waits(schedule: Schedule) -> Plan:
         eager.append(plan)
     if runs_with_waits(schedule, eager):
         return eager
-    known = sends_known_received(schedule)
-    return [{last: [p for p in sends if acts[p].kind is Kind.SEND_F] for last, sends in plan.items()}
-            for acts, plan in zip(schedule.actions, known)]
+    proven = []
+    for acts, plan in zip(schedule.actions, sends_known_received(schedule)):
+        forward = {last: [p for p in sends if acts[p].kind is Kind.SEND_F] for last, sends in plan.items()}
+        proven.append({last: sends for last, sends in forward.items() if sends})
+    return proven
 
 
 def runs_with_waits(schedule: Schedule, plan: Plan) -> bool:
@@ -86,25 +88,18 @@ def runs_with_waits(schedule: Schedule, plan: Plan) -> bool:
     only once the receives matching the sends ``plan`` names for it have been posted."""
     pairs = _pairs(schedule)
     receiver, sender = dict(pairs), {r: s for s, r in pairs}
-    batches = [comm_batches(acts) for acts in schedule.actions]
     posted: set[tuple[int, int]] = set()  # (rank, position) of every operation posted so far
-    cursor = [0] * schedule.num_ranks
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, acts in enumerate(schedule.actions):
-            while cursor[rank] < len(batches[rank]):
-                first, last = batches[rank][cursor[rank]]
-                new = {(rank, p) for p in range(first, last + 1)} - posted
-                posted |= new
-                progressed = progressed or bool(new)
-                needs = [sender[(rank, p)] for p in range(first, last + 1) if acts[p].kind.is_recv]
-                needs += [receiver[(rank, p)] for p in plan[rank].get(last, ())]
-                if not all(op in posted for op in needs):
-                    break
-                cursor[rank] += 1
-                progressed = True
-    return all(c == len(b) for c, b in zip(cursor, batches))
+
+    def post(rank: int, positions: range) -> None:
+        posted.update((rank, p) for p in positions)
+
+    def ready(rank: int, positions: range) -> bool:
+        acts = schedule.actions[rank]
+        needs = [sender[(rank, p)] for p in positions if acts[p].kind.is_recv]
+        needs += [receiver[(rank, p)] for p in plan[rank].get(positions[-1], ())]
+        return all(op in posted for op in needs)
+
+    return _sweep(schedule, post, ready, lambda rank, positions: None)
 
 
 def sends_known_received(schedule: Schedule) -> Plan:
@@ -112,42 +107,57 @@ def sends_known_received(schedule: Schedule) -> Plan:
     receive is known posted once that batch's receives have completed}.
 
     A send not listed (no proof before the rank's last batch) is waited for at the end of the step,
-    as before. The schedule is assumed valid (`validate`); the sweep is `simulate_order`'s, one
-    batch at a time.
+    as before. The schedule is assumed valid (`validate`).
     """
     n = schedule.num_ranks
     pairs = _pairs(schedule)
-    receiver = dict(pairs)                       # send -> its receive
-    sender = {r: s for s, r in pairs}            # receive -> its send
-    batches = [comm_batches(acts) for acts in schedule.actions]
+    receiver, sender = dict(pairs), {r: s for s, r in pairs}
     clock = [[0] * n for _ in range(n)]
     carried: dict[tuple[int, int], list[int]] = {}  # send -> its rank's clock when it was posted
     pending: list[list[int]] = [[] for _ in range(n)]  # send positions not yet known received
-    plan: list[dict[int, list[int]]] = [{} for _ in range(n)]
-    cursor, posted = [0] * n, [False] * n
+    plan: Plan = [{} for _ in range(n)]
+
+    def post(rank: int, positions: range) -> None:  # with what is known now
+        clock[rank][rank] = positions[-1] + 1
+        for p in positions:
+            if schedule.actions[rank][p].kind.is_send:
+                carried[(rank, p)] = list(clock[rank])
+                pending[rank].append(p)
+
+    def senders(rank: int, positions: range) -> list[tuple[int, int]]:
+        return [sender[(rank, p)] for p in positions if schedule.actions[rank][p].kind.is_recv]
+
+    def leave(rank: int, positions: range) -> None:
+        for s in senders(rank, positions):
+            clock[rank] = [max(a, b) for a, b in zip(clock[rank], carried[s])]
+        known = [p for p in pending[rank] if receiver[(rank, p)][1] < clock[rank][receiver[(rank, p)][0]]]
+        if known:
+            plan[rank][positions[-1]] = known
+            pending[rank] = [p for p in pending[rank] if p not in known]
+
+    _sweep(schedule, post, lambda rank, positions: all(s in carried for s in senders(rank, positions)), leave)
+    return plan
+
+
+def _sweep(schedule: Schedule, post, ready, leave) -> bool:
+    """`simulate_order`'s sweep, one comm batch at a time: a rank reaching a batch posts all of its
+    operations (``post(rank, positions)``), stays while ``ready(rank, positions)`` is false, then
+    leaves it (``leave(rank, positions)``). Returns whether every rank reached its end."""
+    batches = [comm_batches(acts) for acts in schedule.actions]
+    cursor, posted = [0] * schedule.num_ranks, [False] * schedule.num_ranks
     progressed = True
     while progressed:
         progressed = False
-        for rank, acts in enumerate(schedule.actions):
+        for rank in range(schedule.num_ranks):
             while cursor[rank] < len(batches[rank]):
                 first, last = batches[rank][cursor[rank]]
                 positions = range(first, last + 1)
-                if not posted[rank]:  # every operation of the batch is posted with what is known now
-                    clock[rank][rank] = last + 1
-                    for pos in positions:
-                        if acts[pos].kind.is_send:
-                            carried[(rank, pos)] = list(clock[rank])
-                            pending[rank].append(pos)
+                if not posted[rank]:
+                    post(rank, positions)
                     posted[rank] = progressed = True
-                sends = [sender[(rank, pos)] for pos in positions if acts[pos].kind.is_recv]
-                if any(s not in carried for s in sends):
-                    break  # a receive of this batch waits for a send not posted yet
-                for s in sends:
-                    clock[rank] = [max(a, b) for a, b in zip(clock[rank], carried[s])]
-                known = [p for p in pending[rank] if receiver[(rank, p)][1] < clock[rank][receiver[(rank, p)][0]]]
-                if known:
-                    plan[rank][last] = known
-                    pending[rank] = [p for p in pending[rank] if p not in known]
+                if not ready(rank, positions):
+                    break
+                leave(rank, positions)
                 cursor[rank] += 1
                 posted[rank] = False
-    return plan
+    return all(c == len(b) for c, b in zip(cursor, batches))
