@@ -7,7 +7,8 @@ live only in the profiled process:
 * compute: ``Executor._forward`` / ``_backward`` (and ZB-H1's ``_backward_input`` / ``_backward_weight``),
   per stage and per micro-batch;
 * p2p: ``P2P.exchange`` (post + wait for the receives of one batched call; the post alone is
-  ``dist.batch_isend_irecv``) and ``P2P.wait_sends`` at the end of the schedule;
+  ``dist.batch_isend_irecv``) and ``P2P.wait_sends`` (forward sends waited for before their
+  outputs are freed, and the rest at the end of the schedule);
 * the step: ``OptimizerStep.__call__`` split into unscale (``grads_to_master``), the
   gradients' 2-norms (one pass, for the inf/nan test and the norm), the inf/nan test on them,
   the overflow all-reduce, the global norm (with its all-reduce), the optimizer step;
@@ -200,7 +201,7 @@ def breakdown(prof: dict, step_ms: float) -> dict[str, float]:
             rows[f"compute {kind}"] = v
     rows["p2p post (batch_isend_irecv)"] = t["p2p post"]
     rows["p2p wait for receives"] = t["p2p exchange"] - t["p2p post"]
-    rows["p2p wait_sends (end)"] = t["p2p wait_sends"]
+    rows["p2p wait_sends (freed outputs + end)"] = t["p2p wait_sends"]
     run = t["schedule (Executor.run)"]
     rows["executor bookkeeping"] = run - sum(compute.values()) - t["p2p exchange"] - t["p2p wait_sends"]
     rows["loss broadcast"] = t["loss broadcast"]
