@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from model_zoo.bert_config import ACTIVATIONS, PRESETS, BertConfig, get_config
 from model_zoo.bert_hf import hf_state_dict_map, load_hf_state_dict, to_hf_state_dict
+from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules
 
 __all__ = [
     "PRESETS", "TP_PLAN", "BertConfig", "BertForPreTraining", "get_config", "hf_state_dict_map",
@@ -227,11 +228,15 @@ class BertPreTrainingHeads(nn.Module):
 
 
 class BertForPreTraining(nn.Module):
-    """BERT with MLM and NSP heads as an ordered list of layers (see the module docstring)."""
+    """BERT with MLM and NSP heads as an ordered list of layers (see the module docstring).
 
-    def __init__(self, config: BertConfig):
+    Built inside ``with torch.device("meta")`` it holds shapes only: `initial_value` draws any one
+    parameter's starting value on demand (model_zoo/init.py)."""
+
+    def __init__(self, config: BertConfig, seed: int | None = None):
         super().__init__()
         self.config = config
+        self.init_seed = draw_seed() if seed is None else seed
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.heads = BertPreTrainingHeads(config)
@@ -239,25 +244,38 @@ class BertForPreTraining(nn.Module):
             # One Parameter object in two places; pipeline stages holding one end each keep a copy
             # and sum gradients through tie_groups().
             self.heads.predictions.decoder.weight = self.embeddings.word_embeddings.weight
+        self.init_rules = self._init_rules()
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """HF's BERT init; deterministic under torch.manual_seed (modules visited in layer order)."""
+    def _init_rules(self) -> dict[str, InitRule]:
+        """HF's BERT init as data: N(0, initializer_range) for Linear and Embedding weights (the
+        padding row zero), zero biases, unit LayerNorms; a tied decoder is the word embedding."""
         std = self.config.initializer_range
-        tied = self.embeddings.word_embeddings.weight
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                if module.weight is not tied:  # the tied decoder keeps the embedding's init
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.padding_idx is not None:
-                    with torch.no_grad():
-                        module.weight[module.padding_idx].zero_()
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+        rules: dict[str, InitRule] = {}
+        for layer_name, layer in self.named_layers():
+            for path, module in layer.named_modules():
+                prefix = f"{layer_name}.{path}" if path else layer_name
+                for pname, p in module.named_parameters(recurse=False):
+                    name, shape = f"{prefix}.{pname}", tuple(p.shape)
+                    if isinstance(module, nn.LayerNorm):
+                        rules[name] = InitRule(shape, "ones" if pname == "weight" else "zeros", name)
+                    elif pname == "bias":
+                        rules[name] = InitRule(shape, "zeros", name)
+                    else:
+                        pad = module.padding_idx if isinstance(module, nn.Embedding) else None
+                        rules[name] = InitRule(shape, "normal", name, std, zero_row=pad)
+        if self.config.tie_word_embeddings:
+            rules["heads.predictions.decoder.weight"] = rules["embeddings.word_embeddings.weight"]
+        return rules
+
+    def initial_value(self, name: str) -> torch.Tensor:
+        """The starting value of parameter ``name`` ("{layer}.{path}"), full size, float32 on CPU."""
+        return initial_value(self.init_rules[name], self.init_seed)
+
+    def reset_parameters(self) -> None:
+        """Every parameter from its own generator, seeded by (init_seed, its name); nothing is drawn
+        on the meta device."""
+        reset_from_rules(self, self.init_rules, self.init_seed)
 
     def named_layers(self) -> list[tuple[str, nn.Module]]:
         """Layers in execution order: embeddings, encoder.layer.0 ... encoder.layer.{L-1}, heads."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from model_zoo.config_io import check_type, read_config_json
+from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules
 
 import torch
 import torch.nn as nn
@@ -236,11 +237,16 @@ class GPTLMHead(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 as an ordered list of one-tensor-in, one-tensor-out layers."""
+    """GPT-2 as an ordered list of one-tensor-in, one-tensor-out layers.
 
-    def __init__(self, config: GPTConfig):
+    Built inside ``with torch.device("meta")`` it holds shapes only: `initial_value` draws any one
+    parameter's starting value on demand (model_zoo/init.py), so a pipeline rank can materialise
+    its own layers alone and still start from the unsplit model's weights."""
+
+    def __init__(self, config: GPTConfig, seed: int | None = None):
         super().__init__()
         self.config = config
+        self.init_seed = draw_seed() if seed is None else seed
         self.embed = GPTEmbedding(config)
         self.h = nn.ModuleList(GPTBlock(config) for _ in range(config.n_layer))
         self.ln_f = GPTFinalNorm(config)
@@ -249,28 +255,40 @@ class GPT(nn.Module):
             # One Parameter object in two places; pipeline stages that hold both ends keep the
             # tie, stages that hold one end sync its gradient through tie_groups().
             self.lm_head.weight = self.embed.wte.weight
+        self.init_rules = self._init_rules()
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """GPT-2 init; deterministic under torch.manual_seed (modules visited in layer order)."""
+    def _init_rules(self) -> dict[str, InitRule]:
+        """GPT-2 init as data: N(0, initializer_range) for Linear / Embedding weights and the LM
+        head, zero biases, unit LayerNorms; the residual projections N(0, std / sqrt(2 * n_layer)),
+        since each block adds two of them to the residual stream (GPT-2 paper, section 2.3)."""
         std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, GPTLMHead) and not self.config.tie_word_embeddings:
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-        # Residual projections scaled by 1/sqrt(2 * n_layer): each block adds two of them to the
-        # residual stream (GPT-2 paper, section 2.3).
         residual_std = std / math.sqrt(2 * self.config.n_layer)
-        for block in self.h:
-            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+        rules: dict[str, InitRule] = {}
+        for layer_name, layer in self.named_layers():
+            for path, module in layer.named_modules():
+                prefix = f"{layer_name}.{path}" if path else layer_name
+                for pname, p in module.named_parameters(recurse=False):
+                    name, shape = f"{prefix}.{pname}", tuple(p.shape)
+                    if isinstance(module, nn.LayerNorm):
+                        rules[name] = InitRule(shape, "ones" if pname == "weight" else "zeros", name)
+                    elif pname == "bias":
+                        rules[name] = InitRule(shape, "zeros", name)
+                    else:  # Linear / Embedding weights and the LM head
+                        scaled = path.endswith(("attn.proj", "mlp.proj"))
+                        rules[name] = InitRule(shape, "normal", name, residual_std if scaled else std)
+        if self.config.tie_word_embeddings:  # the head is the embedding: the same draw wherever held
+            rules["lm_head.weight"] = rules["embed.wte.weight"]
+        return rules
+
+    def initial_value(self, name: str) -> torch.Tensor:
+        """The starting value of parameter ``name`` ("{layer}.{path}"), full size, float32 on CPU."""
+        return initial_value(self.init_rules[name], self.init_seed)
+
+    def reset_parameters(self) -> None:
+        """Every parameter from its own generator, seeded by (init_seed, its name); on the meta
+        device nothing is drawn (each rank draws its own layers when it materialises them)."""
+        reset_from_rules(self, self.init_rules, self.init_seed)
 
     def named_layers(self) -> list[tuple[str, nn.Module]]:
         """Layers in execution order: embed, h.0 ... h.{n_layer-1}, ln_f, lm_head."""

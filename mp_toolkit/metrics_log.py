@@ -73,6 +73,10 @@ class MetricsLog:
         skipped = sum(bool(r.get("skipped")) for r in self.rows)
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(self.rows)} steps, "
               f"{tok_s:.0f} tokens/s, {skipped} skipped, loss scale {last['loss_scale']:g}")
+        if "peak_rss_bytes" in last:  # per rank, from process start: imports, build, load and steps
+            print("  peak resident memory per rank: " + ", ".join(
+                f"{b / 2**20:.0f} MiB" for b in last["peak_rss_bytes"]) + " (steady-state steps above the "
+                "post-import baseline: " + ", ".join(f"{b / 2**20:.0f}" for b in last["peak_memory_bytes"]) + " MiB)")
         for t in last.get("trust_ratio", []):
             print(f"  stage {t['stage']} trust ratio min {t['min']:.4g} median {t['median']:.4g} max {t['max']:.4g}")
         if self.cfg.metrics:

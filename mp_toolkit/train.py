@@ -18,6 +18,7 @@ written at such a step, so `latest` stays on the last good one (RELIABILITY.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -44,6 +45,7 @@ from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.lr import WarmupDecay, set_lr
 from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.parallel.context import ParallelContext, build_context
+from mp_toolkit.parallel.materialize import is_meta, materialize, rank_layers
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
 from mp_toolkit.partition.train_cut import CutWorkload, config_of, flops_cut, time_cut
@@ -174,10 +176,16 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
        the modules the model's TP plan names for this rank's shards over the whole list at once,
        so the tied embedding and LM head (MLM decoder), which may land on different stages, are
        split alike (and stay one Parameter where one stage holds both). It must come before the
-       cut: a stage is a slice of whatever modules the list holds.
-    3. Pipeline: the engine keeps this rank's stages of the sharded list; the others are freed
+       cut: a stage is a slice of whatever modules the list holds. A model built on the meta
+       device is split on meta: shapes only.
+    3. Materialise (a meta-built model only): this rank draws the starting value of each parameter
+       of its own stages' layers, keeps its shard, and drops the full value before the next
+       (`parallel.materialize`, DESIGN.md invariant 9); every other layer stays on meta and is
+       never allocated here. A model built for real on every rank (HF directories, the DeepSpeed
+       engine) skips this step.
+    4. Pipeline: the engine keeps this rank's stages of the sharded list; the others are freed
        with ``model`` once the caller drops it.
-    4. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
+    5. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
        once its backward is done; nothing is wrapped, the modules stay plain.
 
     ``model`` must be built identically on every rank (same seed): each keeps its own slice.
@@ -185,10 +193,15 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
     layers = LayerList.from_model(model)
     boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks,  # 1
                                  CutWorkload.of(cfg, config_of(model), ctx))
-    layers = tensor_parallel(model, layers, ctx)  # 2
+    on_meta = is_meta(model)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        layers = tensor_parallel(model, layers, ctx)  # 2
+    if on_meta:  # 3
+        stages = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(ctx.pp_rank)
+        materialize(layers, rank_layers(boundaries, stages), model.initial_value, ctx, ctx.device)
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
     options = OptimizerOptions.of(cfg)
-    return PipelineEngine(  # 3 and 4
+    return PipelineEngine(  # 4 and 5
         layers, ctx, boundaries, cfg.microbatches, cfg.schedule,
         optimizer=lambda named: build_optimizer(cfg.optimizer, named, cfg.lr, cfg.weight_decay, tp_group=tp_group,
                                                 options=options),
@@ -371,8 +384,10 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         keep_freed_memory()  # a step's freed activations stay in the heap for the next (memstats)
     warm_runtime()  # torch's one-time costs (lazy imports, kernel set-up) before the baseline
     base_rss = rss_bytes()  # what the model, its activations and optimizer add is measured from here
-    torch.manual_seed(cfg.seed)  # every rank builds the same full model, then keeps its shard of its stage
-    model = spec.build()
+    torch.manual_seed(cfg.seed)  # the same init_seed on every rank; each draws only its own layers
+    on_meta = spec.builds_on_meta and cfg.engine == "mp_toolkit"
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = spec.build()
     names = ModelNames.of(model)
     engine = build_engine(cfg, ctx, model) if cfg.engine == "mp_toolkit" else deepspeed_engine(cfg, ctx, model)
     del model
@@ -382,6 +397,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
             print(f"the checkpoint is at step {progress.step}, --steps is {cfg.steps}: nothing to train")
         return []
     release_free_memory()
+    peak_since_start = peak_rss_bytes()  # imports, build and load: the counter restarts below
     reset_peak()
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
     scaler, streak, saves = engine.step.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
@@ -392,7 +408,9 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         stats, row = _one_step(cfg, env, engine, data, progress, step)
         if step == cfg.steps:
             row["peak_memory_bytes"] = gather_ints(peak_rss_bytes() - base_rss, ctx.device)
+            row["peak_rss_bytes"] = gather_ints(max(peak_since_start, peak_rss_bytes()), ctx.device)
         if step == first:  # steady state: later steps' peak (the first adds one-time shape agreement)
+            peak_since_start = max(peak_since_start, peak_rss_bytes())
             reset_peak()
         log.step(row)
         counted = streak.update(step, stats, scaler)

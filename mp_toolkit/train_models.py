@@ -60,6 +60,12 @@ class ModelSpec:
             return dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size, vocab=c.vocab_size)
         return dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size, vocab=c.vocab_size)
 
+    @property
+    def builds_on_meta(self) -> bool:
+        """GPT and BERT draw each parameter by name (model_zoo/init.py), so they can be built on the
+        meta device and materialised per rank; an HF directory is loaded whole (from_pretrained)."""
+        return self.family != "hf"
+
     def build(self) -> nn.Module:
         """The plain model, initialised from torch's current RNG state (hf: the directory's weights)."""
         if self.family == "hf":

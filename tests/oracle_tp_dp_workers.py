@@ -3,7 +3,9 @@
 Every rank trains the reference too: the unsplit gpt-tiny in one process, LAMB and
 `torch.nn.utils.clip_grad_norm_`, on the whole global batch of dp x m micro-batches (each loss
 divided by dp x m). The parallel run is built by `mp_toolkit.train.build_engine` (apply TP, cut
-stages, average over dp) from the same seed; data-parallel replica d trains on micro-batches
+stages, average over dp) from the same seed, on the meta device, each rank materialising only its
+own layers' shards (DESIGN.md invariant 9) -- so the oracle also proves every layout starts from
+the unsplit model's weights; data-parallel replica d trains on micro-batches
 d*m .. d*m + m - 1 of that global batch. Each rank compares its parameters after the last step
 and its clipped gradients of the first, gathered to full tensors with `gather_full`, against the
 reference's and returns the errors, with the losses, norms and `eval_batch`'s loss on a held-out
@@ -144,7 +146,9 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb):
                             precision="fp32", dp_bucket_mb=bucket_mb,
                             chunks=2 if schedule == "interleaved" else 1)
     torch.manual_seed(0)
-    engine = build_engine(train_cfg, ctx, GPT(cfg))
+    with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers and shards
+        model = GPT(cfg)
+    engine = build_engine(train_cfg, ctx, model)
     named = engine.named_parameters()
     replicated = [p for _, p in named if not is_tensor_parallel(p)]
     calls = _log_dp_calls(engine)

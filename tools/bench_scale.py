@@ -1,0 +1,143 @@
+"""How large a model the ranks of this machine can hold: each rank's measured peak resident memory
+against `mpt plan`'s prediction for its stage, and the largest GPT under a per-rank cap (issue 18).
+
+Part 1 (``--runs``): for GPT-2-medium / -large shapes, pp in {1, 2, 4, 8}, tp in {1, 2}, fp32 or
+bf16: `mpt plan` (method flops, AdamW, micro-batch 1, sequence 128, 8 micro-batches) gives the cut
+and each stage's predicted bytes; `mpt train` trains that very cut (``--partition a,b,...``) for
+2 steps on synthetic data and reports, per rank, ``peak_rss_bytes`` (resident memory from process
+start: imports, meta build, materialisation and the steps) and ``peak_memory_bytes`` (the steady
+steps above the post-import baseline, what the planner predicts). A rank holding several
+stages (tp ranks share a stage's prediction / tp) is compared with its share.
+
+Part 2 (``--largest``): the largest GPT (n_layer x n_embd, vocabulary 50257, 128 positions) whose
+every rank stays under ``--cap-gib`` (default 3 GiB, a stand-in for one device's memory; here all
+ranks share one machine, so the per-rank peak is what pipeline parallelism divides) at pp in
+{1, 2, 4, 8}: the planner's memory model plus the measured post-import baseline over a grid of
+depths and widths; ``--verify`` trains the largest found at each pp for 2 steps and reports the
+measured per-rank peak.
+
+    python tools/bench_scale.py --runs gpt2-medium:1,2,4,8:1 --precision fp32
+    python tools/bench_scale.py --runs gpt2-large:8:1 gpt2-large:1:1 --largest --verify
+
+Prints a table and, last, one JSON line. Nothing here is timed; the runs are slow on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mp_toolkit.partition.planner import PlanRequest, make_plan
+
+GIB = 2**30
+MIB = 2**20
+WORKLOAD = dict(micro_batch=1, microbatches=8, seq_len=128, optimizer="adamw")
+
+
+def plan(model: str, pp: int, tp: int, precision: str):
+    """`mpt plan`'s cut and per-stage bytes for the workload (no timing: tflops given)."""
+    return make_plan(PlanRequest(model=model, pp=pp, tp=tp, method="flops", dtype=precision, tflops=1.0,
+                                 micro_batch=WORKLOAD["micro_batch"], microbatches=WORKLOAD["microbatches"],
+                                 seq_len=WORKLOAD["seq_len"], optimizer=WORKLOAD["optimizer"], load=False))
+
+
+def train(model: str, pp: int, tp: int, precision: str, boundaries: list[int], out: Path, timeout: float) -> dict:
+    """One `mpt train` run of 2 steps on that cut: its last metrics row (per-rank memory figures)."""
+    metrics = out / f"{Path(model).stem}-pp{pp}-tp{tp}-{precision}.jsonl"
+    cmd = [sys.executable, "-m", "mp_toolkit.cli", "train", "--model", model, "--pp", str(pp), "--tp", str(tp),
+           "--partition", ",".join(map(str, boundaries)), "--precision", precision, "--optimizer", "adamw",
+           "--micro-batch", "1", "--seq-len", "128", "--microbatches", "8", "--steps", "2", "--data", "synthetic",
+           "--threads", "1", "--no-progress", "--metrics", str(metrics), "--timeout", str(int(timeout))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}\n{r.stderr[-2000:]}")
+    return json.loads(metrics.read_text().splitlines()[-1])
+
+
+def per_rank_prediction(p, pp: int, tp: int) -> list[int]:
+    """Predicted bytes of each global rank (pipeline rank major, as the grid orders ranks)."""
+    stage = [0] * pp
+    for s in p.stages:
+        stage[s.index % pp] += s.memory_bytes
+    return [stage[r // tp] for r in range(pp * tp)]
+
+
+def run_row(model: str, pp: int, tp: int, precision: str, out: Path, timeout: float) -> dict:
+    p = plan(model, pp, tp, precision)
+    row = train(model, pp, tp, precision, p.boundaries, out, timeout)
+    predicted = per_rank_prediction(p, pp, tp)
+    return {"model": model, "pp": pp, "tp": tp, "precision": precision, "boundaries": p.boundaries,
+            "params": sum(s.params for s in p.stages), "predicted_bytes": predicted,
+            "peak_memory_bytes": row["peak_memory_bytes"], "peak_rss_bytes": row["peak_rss_bytes"],
+            "ratio": [m / max(1, q) for m, q in zip(row["peak_memory_bytes"], predicted)]}
+
+
+def config_file(n_layer: int, n_embd: int, folder: Path) -> str:
+    path = folder / f"gpt-{n_layer}x{n_embd}.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257, "n_positions": 128, "n_embd": n_embd,
+                                "n_layer": n_layer, "n_head": n_embd // 64}))
+    return str(path)
+
+
+def largest(pp: int, cap: int, baseline: int, folder: Path, precision: str) -> dict:
+    """The grid point with the most parameters whose largest predicted rank fits under ``cap``."""
+    best = None
+    for n_embd in (512, 768, 1024, 1280, 1600, 2048, 2560, 3072, 4096):
+        for n_layer in (4, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+            if n_layer < pp:
+                continue
+            model = config_file(n_layer, n_embd, folder)
+            p = plan(model, pp, 1, precision)
+            need = baseline + max(per_rank_prediction(p, pp, 1))
+            params = sum(s.params for s in p.stages)
+            if need <= cap and (best is None or params > best["params"]):
+                best = {"pp": pp, "model": model, "n_layer": n_layer, "n_embd": n_embd, "params": params,
+                        "predicted_peak_bytes": need, "boundaries": p.boundaries}
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", nargs="*", default=[], metavar="MODEL:PPS:TPS",
+                    help="e.g. gpt2-medium:1,2,4,8:1,2 (every combination is run)")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--largest", action="store_true", help="part 2: the largest GPT under --cap-gib per rank")
+    ap.add_argument("--cap-gib", type=float, default=3.0)
+    ap.add_argument("--verify", action="store_true", help="train the largest found at each pp for 2 steps")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
+    args = ap.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="bench_scale-"))
+    rows, fits = [], []
+    for spec in args.runs:
+        model, pps, tps = spec.split(":")
+        for pp in map(int, pps.split(",")):
+            for tp in map(int, tps.split(",")):
+                r = run_row(model, pp, tp, args.precision, out, args.timeout)
+                rows.append(r)
+                print(f"{model:12s} pp {pp} tp {tp} {args.precision}: peak RSS from start per rank "
+                      f"{[round(b / MIB) for b in r['peak_rss_bytes']]} MiB; steps above baseline "
+                      f"{[round(b / MIB) for b in r['peak_memory_bytes']]} MiB vs planned "
+                      f"{[round(b / MIB) for b in r['predicted_bytes']]} MiB (x{max(r['ratio']):.2f} worst)", flush=True)
+    if args.largest:
+        tiny = train("gpt-tiny", 1, 1, "fp32", [0, 6], out, args.timeout)
+        baseline = tiny["peak_rss_bytes"][0]  # imports and a model of kilobytes: the per-process floor
+        for pp in (1, 2, 4, 8):
+            best = largest(pp, int(args.cap_gib * GIB), baseline, out, args.precision)
+            if best and args.verify:
+                got = train(best["model"], pp, 1, args.precision, best["boundaries"], out, args.timeout)
+                best["measured_peak_rss_bytes"] = got["peak_rss_bytes"]
+            fits.append(best)
+            print(f"pp {pp}: largest under {args.cap_gib:g} GiB per rank: "
+                  + (f"{best['n_layer']} x {best['n_embd']}, {best['params'] / 1e9:.2f} B parameters, predicted "
+                     f"{best['predicted_peak_bytes'] / GIB:.2f} GiB" if best else "none of the grid")
+                  + (f", measured {max(best['measured_peak_rss_bytes']) / GIB:.2f} GiB"
+                     if best and "measured_peak_rss_bytes" in best else ""), flush=True)
+    print(json.dumps({"runs": rows, "largest": fits, "cap_gib": args.cap_gib}))
+
+
+if __name__ == "__main__":
+    main()
