@@ -93,8 +93,11 @@ def test_gpt_pp2_export_loads_and_gives_our_logits(runs, capsys, tmp_path):
 
 
 def test_tp2_checkpoint_exports_what_its_pp_equivalent_exports(runs, capsys, tmp_path):
-    """Same training up to fp32 reduction order (invariant 1); AdamW turns those ulps of near-zero
-    gradients into up to ~1e-5 of weight. Measured: whole-model relative error 2.0e-6, logits 1.7e-6."""
+    """Same training up to fp32 reduction order (invariant 1, bounded against float64 by the oracle
+    tests); AdamW turns those ulps of near-zero gradients into up to ~1e-5 of weight, so the two
+    exports agree to 1e-4 of the whole model's norm, parameters and logits alike (measured 2e-6 to
+    2e-5, depending on the CPU's kernels and the initial weights). What the export itself must
+    keep exactly -- the tp=2 checkpoint's own model -- is compared tightly."""
     export(capsys, runs["gpt_tp2"], tmp_path / "tp2")
     export(capsys, runs["gpt_pp2"], tmp_path / "pp2")
     tp2 = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2").eval()
@@ -105,7 +108,8 @@ def test_tp2_checkpoint_exports_what_its_pp_equivalent_exports(runs, capsys, tmp
     assert diff / torch.cat([ref[k].flatten() for k in got]).norm() < 1e-4
     ids = gpt_inputs()
     with torch.no_grad():
-        torch.testing.assert_close(tp2(ids).logits, pp2(ids).logits, atol=2e-5, rtol=0)
+        got_logits, ref_logits = tp2(ids).logits, pp2(ids).logits
+        assert ((got_logits - ref_logits).norm() / ref_logits.norm()).item() < 1e-4
         # and the tp=2 export is exactly its own checkpoint's model
         torch.testing.assert_close(tp2(ids).logits, zoo_model(runs["gpt_tp2"])(ids), atol=1e-5, rtol=0)
 

@@ -97,7 +97,10 @@ def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
 
 def _measured_layer_times(layer_list, family: str, work: CutWorkload) -> list[float]:
     """Forward + backward seconds per layer of a copy of ``layer_list`` in the run's precision on
-    its device; torch's random state is left as it was (every rank must draw the same data)."""
+    its device; torch's random state is left as it was (every rank must draw the same data). A
+    meta-built list (`mpt train` builds GPT and BERT on meta) is copied with random N(0, 0.02)
+    values: measuring rank 0 holds the whole model for that moment, the one exception to
+    DESIGN.md invariant 9 (``--partition flops`` needs no values)."""
     from .build import DTYPES, batch_maker
     from .measure import TIMED_MICROBATCHES, measure_layers
 
@@ -105,7 +108,12 @@ def _measured_layer_times(layer_list, family: str, work: CutWorkload) -> list[fl
     device = work.ctx.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        layers = copy.deepcopy(layer_list).to(device=device, dtype=DTYPES.get(work.precision, torch.float32))
+        layers = copy.deepcopy(layer_list)
+        if any(p.is_meta for p in layers.parameters()):  # a meta-built model: only timing needs values here
+            layers.to_empty(device=device)
+            for p in layers.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+        layers = layers.to(device=device, dtype=DTYPES.get(work.precision, torch.float32))
         inputs, labels = batch(work.micro_batch, work.seq_len)
         move = lambda x: tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)  # noqa: E731
         timings = measure_layers(layers, move(inputs), loss_fn, move(labels),
