@@ -57,8 +57,8 @@ class ModelSpec:
         if self.family == "hf":
             return {}  # `train_hf.check_hf` checks the HF plan's sizes (grouped-query heads too)
         if self.family == "gpt":
-            return dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size, vocab=c.vocab_size)
-        return dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size, vocab=c.vocab_size)
+            return dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size)  # the vocab is padded
+        return dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size)
 
     def build(self) -> nn.Module:
         """The plain model, initialised from torch's current RNG state (hf: the directory's weights)."""

@@ -2,8 +2,9 @@
 
 Plans use the format of `model_zoo.gpt.TP_PLAN` ({module path suffix: style}, matched against
 "{layer name}.{module path}") and Megatron-LM's split (Shoeybi et al. 2019): each attention and
-MLP is a column -> row pair closed by one all-reduce; embedding and LM head split the vocab rows
-(a tied pair stays one shard), so the last layer returns local logits (B, T, V / tp) for
+MLP is a column -> row pair closed by one all-reduce; embedding and LM head split the vocab rows,
+padded to a multiple of 128 x tp (a tied pair stays one shard), so the last layer returns local
+logits (B, T, Vp / tp), padded ids at -inf (`mp_toolkit.parallel.vocab_parallel`), for
 ``causal_lm_loss(logits, labels, tp_group=ctx.tp_group)``. Norms and GPT-2's position embedding
 stay replicated.
 
@@ -59,14 +60,12 @@ TP_PLANS = {"gpt2": GPT2_TP_PLAN, "llama": LLAMA_TP_PLAN}
 def check_hf_tensor_parallel(config, tp: int) -> None:
     """Raise ValueError (one line) unless ``tp`` divides every size the plan of ``config`` splits."""
     if config.model_type == "gpt2":
-        check_tensor_parallel(tp, n_head=config.n_head, hidden=config.n_embd,
-                              inner=config.n_inner or 4 * config.n_embd, vocab=config.vocab_size)
+        check_tensor_parallel(tp, n_head=config.n_head, hidden=config.n_embd, inner=config.n_inner or 4 * config.n_embd)
         return
     if config.model_type not in ("llama", "mistral", "qwen2"):
         raise ValueError(f"no tensor-parallel plan for model_type {config.model_type!r}: plans exist for "
                          "gpt2, llama, mistral, qwen2")
-    check_tensor_parallel(tp, n_head=config.num_attention_heads, inner=config.intermediate_size,
-                          vocab=config.vocab_size)
+    check_tensor_parallel(tp, n_head=config.num_attention_heads, inner=config.intermediate_size)
     kv = config.num_key_value_heads or config.num_attention_heads
     if kv % tp:
         ok = [d for d in range(1, kv + 1) if kv % d == 0 and config.num_attention_heads % d == 0]
