@@ -11,8 +11,7 @@ import torch
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.hf import apply_hf_tensor_parallel, causal_lm_loss, from_hf, hf_name_map, layer_state_dict
 from mp_toolkit.parallel.context import build_context
-from mp_toolkit.parallel.tensor_parallel import gather_full
-from mp_toolkit.parallel.tp_comms import all_gather
+from mp_toolkit.parallel.tensor_parallel import gather_full, gather_vocab_parallel_logits
 from tests.floor import pair
 from tests.oracle_workers import OPTIMIZERS
 
@@ -111,7 +110,7 @@ def tp_rank(rank: int, world: int, names):
             got = gather_full(p, ctx.tp_group, p.grad)
             n_sharded += int(getattr(p, "tensor_model_parallel", False))
             worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
-        gathered = torch.cat(all_gather(local.detach(), ctx.tp_group), dim=-1)  # vocab blocks in rank order
+        gathered = gather_vocab_parallel_logits(local.detach(), ctx.tp_group, VOCAB)  # (B, T, 256 -> 128): unpadded
         shapes = {k: tuple(t.shape) for k, t in layer_state_dict(sharded).items()
                   if k.startswith(("h.0.block.attn", "layers.0.block.self_attn"))}
         attn = sharded["h.0"].block.attn if name == "gpt2" else None
