@@ -120,10 +120,9 @@ def tensor_parallel(model: nn.Module, layers, ctx: ParallelContext):
     """This rank's tensor-parallel shard of ``layers`` (the LayerList of ``model``) by its family's plan."""
     family = family_of(model)
     if family == "hf":
-        from mp_toolkit.hf import TP_PLANS as HF_PLANS, apply_hf_tensor_parallel, family_of as hf_family
+        from mp_toolkit.hf import apply_hf_tensor_parallel
 
-        # BERT has no HF plan; `train_hf.check_hf` allows it --tp 1 only
-        return apply_hf_tensor_parallel(layers, ctx) if hf_family(layers) in HF_PLANS else layers
+        return apply_hf_tensor_parallel(layers, ctx)
     return apply_tensor_parallel(layers, ctx, TP_PLANS[family])
 
 

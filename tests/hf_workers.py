@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from mp_toolkit.engine.pipeline import PipelineEngine
-from mp_toolkit.hf import apply_hf_tensor_parallel, causal_lm_loss, from_hf, hf_name_map, layer_state_dict
+from mp_toolkit.hf import (
+    apply_hf_tensor_parallel, causal_lm_loss, from_hf, hf_name_map, layer_state_dict, masked_lm_loss, pretraining_loss,
+)
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import gather_full, gather_vocab_parallel_logits
 from tests.floor import pair
@@ -119,6 +121,48 @@ def tp_rank(rank: int, world: int, names):
         tied = bool(sharded.tie_groups) and len({id(sharded[l].get_parameter(p)) for l, p in sharded.tie_groups[0]}) == 1
         out[name] = (gathered, full_logits.detach(), loss_tp.item(), loss_full.item(), worst, n_sharded, shapes,
                      local_sizes, tied)
+    return out
+
+
+def bert_tp_rank(rank: int, world: int, names, vocab: int = 200):
+    """`tp_rank` for HF BERT (pre-training / MLM) with ``vocab`` ids, padded to 256 at tp = 2 (rank
+    1 holds ids 128..255, 200.. of them padding) and a feed-forward tp divides. Returns {name:
+    (gathered MLM logits, full ones, tp loss, full loss, max relative grad error, facts)}."""
+    ctx = build_context(pp=1, tp=world, dp=1)
+    out = {}
+    for name in names:
+        size = dict(vocab_size=vocab, intermediate_size=64)
+        full = from_hf(tiny_hf(name, train=True, **size))
+        sharded = apply_hf_tensor_parallel(from_hf(tiny_hf(name, train=True, **size)), ctx)
+        ids, mask = causal_inputs(seed=1)
+        ids = torch.where(mask.bool(), ids + (vocab - VOCAB), 0)  # ids up to vocab - 1: both shards
+        types = (torch.arange(SEQ) >= SEQ // 2).long().expand_as(ids)
+        mlm = torch.where(mask.bool() & (torch.arange(SEQ) % 3 == 0), ids, -100)
+        labels = (mlm, torch.tensor([0, 1, 0]))
+        full_out, local_out = full(ids, types, mask), sharded(ids, types, mask)
+        if name == "bert-pretraining":
+            loss_full, loss_tp = pretraining_loss(full_out, labels), pretraining_loss(local_out, labels, ctx.tp_group)
+            full_out, local_out = full_out[0], local_out[0]
+        else:
+            loss_full, loss_tp = masked_lm_loss(full_out, mlm), masked_lm_loss(local_out, mlm, ctx.tp_group)
+        loss_full.backward()
+        loss_tp.backward()
+        full_params, worst = dict(full.named_parameters()), 0.0
+        for key, p in sharded.named_parameters():
+            if key.endswith("key.bias"):  # exact gradient 0 (softmax ignores a shift of all scores): both are noise
+                continue
+            want, got = full_params[key].grad, gather_full(p, ctx.tp_group, p.grad)
+            worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+        pred = sharded["heads"].cls.predictions
+        facts = {
+            "bias_is_decoder_bias": pred.bias is pred.decoder.bias,
+            "tied": pred.decoder.weight is sharded["embeddings"].embeddings.word_embeddings.weight,
+            "shapes": {k: tuple(t.shape) for k, t in layer_state_dict(sharded).items()
+                       if k.startswith("encoder.layer.0.block.attention") or "predictions" in k},
+            "sharded": sum(int(getattr(p, "tensor_model_parallel", False)) for p in sharded.parameters()),
+        }
+        out[name] = (gather_vocab_parallel_logits(local_out.detach(), ctx.tp_group, vocab), full_out.detach(),
+                     loss_tp.item(), loss_full.item(), worst, facts)
     return out
 
 
