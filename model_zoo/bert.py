@@ -45,8 +45,9 @@ __all__ = [
 #   "vocab":  split the vocabulary rows, padded to a multiple of 128 x tp (padding_idx handled by
 #             the shard): the word embedding, and the MLM decoder (tied to it, with a bias split
 #             alike), so each rank holds one tied shard; the decoder's logits stay vocab-sharded
-#             (B, T, Vp / tp), padded ids at -inf, for vocab_parallel_cross_entropy. Position/token-type embeddings, LayerNorms, the pooler, the MLM
-# transform and the NSP classifier are replicated (C x C or smaller; the pooler sees one token).
+#             (B, T, Vp / tp), padded ids at -inf, for vocab_parallel_cross_entropy.
+# Position/token-type embeddings, LayerNorms, the pooler, the MLM transform and the NSP classifier
+# are replicated (C x C or smaller; the pooler sees one token).
 TP_PLAN: dict[str, str] = {
     "word_embeddings": "vocab",
     "attention.self.query": "column",

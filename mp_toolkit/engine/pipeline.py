@@ -49,6 +49,7 @@ from mp_toolkit.parallel.layouts import TP_ATTRIBUTES
 from mp_toolkit.parallel.p2p import P2P
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
 
+
 def forward_only(schedule: Schedule) -> tuple[tuple, ...]:
     """Each rank's actions without backward or gradient traffic (evaluation)."""
     keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
