@@ -17,7 +17,9 @@ from mp_toolkit.parallel.tensor_parallel import gather_full, gather_vocab_parall
 from tests.floor import pair
 from tests.oracle_workers import OPTIMIZERS
 
-VOCAB, SEQ = 128, 12
+# 200 ids: at tp = 2 the vocabulary is padded to 256 and both ranks hold real rows (0..127 and
+# 128..199 + 56 padding rows); with 128 every real row would sit on rank 0.
+VOCAB, SEQ = 200, 12
 _IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, **_IDS)
@@ -112,7 +114,7 @@ def tp_rank(rank: int, world: int, names):
             got = gather_full(p, ctx.tp_group, p.grad)
             n_sharded += int(getattr(p, "tensor_model_parallel", False))
             worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
-        gathered = gather_vocab_parallel_logits(local.detach(), ctx.tp_group, VOCAB)  # (B, T, 256 -> 128): unpadded
+        gathered = gather_vocab_parallel_logits(local.detach(), ctx.tp_group, VOCAB)  # (B, T, 256 -> 200): unpadded
         shapes = {k: tuple(t.shape) for k, t in layer_state_dict(sharded).items()
                   if k.startswith(("h.0.block.attn", "layers.0.block.self_attn"))}
         attn = sharded["h.0"].block.attn if name == "gpt2" else None
@@ -124,18 +126,15 @@ def tp_rank(rank: int, world: int, names):
     return out
 
 
-def bert_tp_rank(rank: int, world: int, names, vocab: int = 200):
-    """`tp_rank` for HF BERT (pre-training / MLM) with ``vocab`` ids, padded to 256 at tp = 2 (rank
-    1 holds ids 128..255, 200.. of them padding) and a feed-forward tp divides. Returns {name:
+def bert_tp_rank(rank: int, world: int, names):
+    """`tp_rank` for HF BERT (pre-training / MLM), with a feed-forward tp divides. Returns {name:
     (gathered MLM logits, full ones, tp loss, full loss, max relative grad error, facts)}."""
     ctx = build_context(pp=1, tp=world, dp=1)
     out = {}
     for name in names:
-        size = dict(vocab_size=vocab, intermediate_size=64)
-        full = from_hf(tiny_hf(name, train=True, **size))
-        sharded = apply_hf_tensor_parallel(from_hf(tiny_hf(name, train=True, **size)), ctx)
+        full = from_hf(tiny_hf(name, train=True, intermediate_size=64))
+        sharded = apply_hf_tensor_parallel(from_hf(tiny_hf(name, train=True, intermediate_size=64)), ctx)
         ids, mask = causal_inputs(seed=1)
-        ids = torch.where(mask.bool(), ids + (vocab - VOCAB), 0)  # ids up to vocab - 1: both shards
         types = (torch.arange(SEQ) >= SEQ // 2).long().expand_as(ids)
         mlm = torch.where(mask.bool() & (torch.arange(SEQ) % 3 == 0), ids, -100)
         labels = (mlm, torch.tensor([0, 1, 0]))
@@ -161,7 +160,7 @@ def bert_tp_rank(rank: int, world: int, names, vocab: int = 200):
                        if k.startswith("encoder.layer.0.block.attention") or "predictions" in k},
             "sharded": sum(int(getattr(p, "tensor_model_parallel", False)) for p in sharded.parameters()),
         }
-        out[name] = (gather_vocab_parallel_logits(local_out.detach(), ctx.tp_group, vocab), full_out.detach(),
+        out[name] = (gather_vocab_parallel_logits(local_out.detach(), ctx.tp_group, VOCAB), full_out.detach(),
                      loss_tp.item(), loss_full.item(), worst, facts)
     return out
 

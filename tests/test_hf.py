@@ -19,7 +19,7 @@ from mp_toolkit.parallel.context import build_context
 from tests.dist_harness import run_world
 from tests.floor import assert_within
 from tests.hf_workers import (
-    CAUSAL, bert_tp_rank, causal_inputs, pp_rank, pp_tp_rank, tiny_config, tiny_hf, tp_rank,
+    CAUSAL, VOCAB, bert_tp_rank, causal_inputs, pp_rank, pp_tp_rank, tiny_config, tiny_hf, tp_rank,
 )
 
 torch.set_num_threads(1)
@@ -52,7 +52,7 @@ def test_causal_lm_logits_bitwise_equal_hf(name, attn, padded):
             assert not torch.equal(model(input_ids=ids).logits[2], want[2])
         else:  # no mask at all on either side
             want, got = model(input_ids=ids).logits, layers(ids)
-    assert got.shape == (3, 12, 128)
+    assert got.shape == (3, 12, VOCAB)
     assert bitwise(got, want), f"max |diff| {(got - want).abs().max().item()}"
 
 
@@ -178,7 +178,7 @@ def test_tp2_equals_unsharded_for_gpt2_and_llama():
     reports = run_world(tp_rank, 2, ["gpt2", "llama"], timeout_s=300)
     for rank_out in reports:
         for name, (gathered, full, loss_tp, loss_full, grad_err, n_sharded, shapes, sizes, tied) in rank_out.items():
-            assert gathered.shape == full.shape == (3, 12, 128)
+            assert gathered.shape == full.shape == (3, 12, VOCAB)
             assert ((gathered - full).abs().max() / full.abs().max()).item() < 1e-5, name
             assert loss_tp == pytest.approx(loss_full, rel=1e-6) and grad_err < 1e-5, name
             if name == "gpt2":  # Conv1D layout kept: c_attn (C, 3C / tp), c_proj rows (C / tp, C)
@@ -195,13 +195,13 @@ def test_tp2_equals_unsharded_for_gpt2_and_llama():
 
 def test_tp2_equals_unsharded_for_bert():
     """HF BERT's plan (query/key/value column, both output.dense row, intermediate column, word
-    embedding and tied MLM decoder vocab-parallel with vocab 200 padded to 256): MLM logits gathered
+    embedding and tied MLM decoder vocab-parallel, vocab 200 padded to 256): MLM logits gathered
     without the padding, the MLM (+ NSP) loss and every gradient agree with the unsharded layer
     list (fp32 reduction order; the tolerances of the GPT-2 / Llama test above)."""
     reports = run_world(bert_tp_rank, 2, ["bert-pretraining", "bert-mlm"], timeout_s=300)
     for rank_out in reports:
         for name, (gathered, full, loss_tp, loss_full, grad_err, facts) in rank_out.items():
-            assert gathered.shape == full.shape == (3, 12, 200)
+            assert gathered.shape == full.shape == (3, 12, VOCAB)
             assert ((gathered - full).abs().max() / full.abs().max()).item() < 1e-5, name
             assert loss_tp == pytest.approx(loss_full, rel=1e-6) and grad_err < 1e-5, name
             assert facts["bias_is_decoder_bias"] and facts["tied"], name
