@@ -43,11 +43,12 @@ __all__ = [
 #             split by heads, and head_dim stays fixed, so attention runs on the local heads;
 #   "row":    split the input features; one all-reduce closes the sub-layer before its LayerNorm.
 #             "output.dense" names both attention.output.dense and the feed-forward output.dense;
-#   "vocab":  split the word embedding's vocabulary rows (padding_idx handled by the shard).
-# The MLM decoder is tied to the word embedding and has a bias, so it is "column" over the same
-# vocabulary rows (one tied shard per rank); its logits stay vocab-sharded (B, T, V / tp) for
-# vocab_parallel_cross_entropy. Position/token-type embeddings, LayerNorms, the pooler, the MLM
-# transform and the NSP classifier are replicated (C x C or smaller; the pooler sees one token).
+#   "vocab":  split the vocabulary rows, padded to a multiple of 128 x tp (padding_idx handled by
+#             the shard): the word embedding, and the MLM decoder (tied to it, with a bias split
+#             alike), so each rank holds one tied shard; the decoder's logits stay vocab-sharded
+#             (B, T, Vp / tp), padded ids at -inf, for vocab_parallel_cross_entropy.
+# Position/token-type embeddings, LayerNorms, the pooler, the MLM transform and the NSP classifier
+# are replicated (C x C or smaller; the pooler sees one token).
 TP_PLAN: dict[str, str] = {
     "word_embeddings": "vocab",
     "attention.self.query": "column",
@@ -55,7 +56,7 @@ TP_PLAN: dict[str, str] = {
     "attention.self.value": "column",
     "output.dense": "row",
     "intermediate.dense": "column",
-    "predictions.decoder": "column",
+    "predictions.decoder": "vocab",
 }
 
 

@@ -46,7 +46,7 @@ from mp_toolkit.optim.lr import WarmupDecay, set_lr
 from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.parallel.context import ParallelContext, build_context
 from mp_toolkit.parallel.materialize import is_meta, materialize, rank_layers
-from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
+from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel, padded_vocab_size
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
 from mp_toolkit.partition.train_cut import CutWorkload, config_of, flops_cut, time_cut
 from mp_toolkit.schedule import get_schedule
@@ -373,8 +373,10 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     rank0 = env.rank == 0
     spec = model_spec(cfg)
     if rank0:
+        padded = padded_vocab_size(spec.vocab_size, cfg.tp)  # the vocab shards' rows (vocab_parallel)
+        pad = f" (vocab {spec.vocab_size} padded to {padded})" if padded != spec.vocab_size else ""
         print(f"model {cfg.hf or cfg.model} ({spec.label}), precision {cfg.precision}, optimizer {cfg.optimizer}, "
-              f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}, dp {cfg.dp}", flush=True)
+              f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}{pad}, dp {cfg.dp}", flush=True)
     ctx = build_context(cfg.pp, cfg.tp, cfg.dp, device=device)
     data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
     # Peak memory is reported as RSS above this baseline. It follows live tensors closely only when

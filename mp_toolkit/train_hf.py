@@ -3,8 +3,8 @@
 DIR holds config.json and model.safetensors (nothing is fetched: ``local_files_only``) of one of
 `mp_toolkit.hf.SUPPORTED`. Every rank loads the same weights from DIR; `from_hf` turns the model
 into a LayerList of HF's own modules (its layer names are the checkpoint's), tensor parallelism is
-`apply_hf_tensor_parallel` (GPT-2 and the Llama family; BERT has no plan, so ``--tp 1``) and the
-loss is `mp_toolkit.hf`'s, vocab-parallel under ``--tp > 1``.
+`apply_hf_tensor_parallel` (GPT-2, BERT and the Llama family) and the loss is `mp_toolkit.hf`'s,
+vocab-parallel under ``--tp > 1``.
 
 Data: with DIR/tokenizer.json the corpus is encoded by that tokenizer (`tokenizers` only, cached
 under --cache-dir); without one a byte-level BPE is trained on the corpus with the model's
@@ -130,14 +130,10 @@ def check_hf(source: HFSource, cfg: TrainConfig) -> None:
     if cfg.seq_len > source.positions:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {source.path}'s {source.positions} positions "
                           f"(max_position_embeddings): use at most {source.positions}")
-    if source.is_bert and cfg.tp > 1:
-        raise ConfigError(f"--tp {cfg.tp}: {source.architecture} has no tensor-parallel plan (plans exist for GPT-2, "
-                          "Llama, Mistral, Qwen2): use --tp 1 with --pp / --dp")
-    if not source.is_bert:
-        try:
-            check_hf_tensor_parallel(load_config(source.config), cfg.tp)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    try:
+        check_hf_tensor_parallel(load_config(source.config), cfg.tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if source.tokenizer_file is not None and cfg.data != "synthetic":
         _check_tokenizer(source)
     need = BPE_MIN_VOCAB + 4 * source.is_bert
@@ -165,15 +161,15 @@ def _check_tokenizer(source: HFSource) -> None:
 def loss_function(model: HFModel, ctx: ParallelContext):
     """The last stage's loss in our label convention (`mp_toolkit.hf.losses`)."""
     if model.architecture == "BertForPreTraining":
-        return pretraining_loss
+        return functools.partial(pretraining_loss, tp_group=ctx.tp_group)
     if model.architecture == "BertForMaskedLM":
-        return mlm_only_loss
+        return functools.partial(mlm_only_loss, tp_group=ctx.tp_group)
     return functools.partial(causal_lm_loss, tp_group=ctx.tp_group)  # vocab-parallel when tp > 1
 
 
-def mlm_only_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def mlm_only_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor], tp_group=None) -> torch.Tensor:
     """BertForMaskedLM on MLM + NSP batches: the masked-LM part of the labels only."""
-    return masked_lm_loss(logits, labels[0])
+    return masked_lm_loss(logits, labels[0], tp_group)
 
 
 def _eos(config: dict) -> int | None:

@@ -57,8 +57,8 @@ class ModelSpec:
         if self.family == "hf":
             return {}  # `train_hf.check_hf` checks the HF plan's sizes (grouped-query heads too)
         if self.family == "gpt":
-            return dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size, vocab=c.vocab_size)
-        return dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size, vocab=c.vocab_size)
+            return dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size)  # the vocab is padded
+        return dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size)
 
     @property
     def builds_on_meta(self) -> bool:
@@ -126,10 +126,9 @@ def tensor_parallel(model: nn.Module, layers, ctx: ParallelContext):
     """This rank's tensor-parallel shard of ``layers`` (the LayerList of ``model``) by its family's plan."""
     family = family_of(model)
     if family == "hf":
-        from mp_toolkit.hf import TP_PLANS as HF_PLANS, apply_hf_tensor_parallel, family_of as hf_family
+        from mp_toolkit.hf import apply_hf_tensor_parallel
 
-        # BERT has no HF plan; `train_hf.check_hf` allows it --tp 1 only
-        return apply_hf_tensor_parallel(layers, ctx) if hf_family(layers) in HF_PLANS else layers
+        return apply_hf_tensor_parallel(layers, ctx)
     return apply_tensor_parallel(layers, ctx, TP_PLANS[family])
 
 

@@ -52,7 +52,7 @@ from mp_toolkit.checkpoint import (
 from mp_toolkit.config import ConfigError, TrainConfig
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import ParallelContext
-from mp_toolkit.parallel.tensor_parallel import gather_full, shard_full
+from mp_toolkit.parallel.tensor_parallel import full_shape, gather_full, shard_full
 
 RUN_CONTROL = ("steps", "metrics", "plot", "progress", "threads", "timeout_s", "save_dir", "save_every", "keep",
                "resume", "cache_dir", "restarts", "max_skips")
@@ -269,14 +269,6 @@ def _check_model(meta: dict, spec, path) -> None:
                       "the model it was saved from")
 
 
-def _full_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
-    """The unsplit shape of a (possibly tensor-parallel) parameter, without communication."""
-    shape = list(p.shape)
-    if is_tensor_parallel(p):
-        shape[p.partition_dim] *= tp
-    return tuple(shape)
-
-
 def _load_weights(ck, engine, ctx: ParallelContext, names: ModelNames) -> None:
     """Model and optimizer state of this rank's parameters from the layers that hold them."""
     layers: dict[str, tuple] = {}
@@ -295,13 +287,13 @@ def _load_weights(ck, engine, ctx: ParallelContext, names: ModelNames) -> None:
             if c not in tensors:
                 raise CheckpointError(f"{ck.path}: layer {names.layer_of(c)} has no {c} (saved from another model?)")
             master = engine.masters.of(p)
-            if tensors[c].shape != _full_shape(p, ctx.tp):
+            if tensors[c].shape != full_shape(p, ctx.tp):
                 raise CheckpointError(f"{ck.path}: {c} has shape {tuple(tensors[c].shape)}, this model's is "
-                                      f"{_full_shape(p, ctx.tp)} (saved from another model?)")
+                                      f"{full_shape(p, ctx.tp)} (saved from another model?)")
             master.copy_(shard_full(tensors[c], p, ctx.tp_rank, ctx.tp))
             if c in opt_t:
-                full_shape = tensors[c].shape
-                states[n] = {k: shard_full(v, p, ctx.tp_rank, ctx.tp) if v.shape == full_shape else v
+                saved_shape = tensors[c].shape
+                states[n] = {k: shard_full(v, p, ctx.tp_rank, ctx.tp) if v.shape == saved_shape else v
                              for k, v in opt_t[c].items()}
             if c in opt_s:
                 scalars[n] = opt_s[c]

@@ -9,14 +9,17 @@ from __future__ import annotations
 import torch
 
 from mp_toolkit.engine.pipeline import PipelineEngine
-from mp_toolkit.hf import apply_hf_tensor_parallel, causal_lm_loss, from_hf, hf_name_map, layer_state_dict
+from mp_toolkit.hf import (
+    apply_hf_tensor_parallel, causal_lm_loss, from_hf, hf_name_map, layer_state_dict, masked_lm_loss, pretraining_loss,
+)
 from mp_toolkit.parallel.context import build_context
-from mp_toolkit.parallel.tensor_parallel import gather_full
-from mp_toolkit.parallel.tp_comms import all_gather
+from mp_toolkit.parallel.tensor_parallel import gather_full, gather_vocab_parallel_logits
 from tests.floor import pair
 from tests.oracle_workers import OPTIMIZERS
 
-VOCAB, SEQ = 128, 12
+# 200 ids: at tp = 2 the vocabulary is padded to 256 and both ranks hold real rows (0..127 and
+# 128..199 + 56 padding rows); with 128 every real row would sit on rank 0.
+VOCAB, SEQ = 200, 12
 _IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, **_IDS)
@@ -111,7 +114,7 @@ def tp_rank(rank: int, world: int, names):
             got = gather_full(p, ctx.tp_group, p.grad)
             n_sharded += int(getattr(p, "tensor_model_parallel", False))
             worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
-        gathered = torch.cat(all_gather(local.detach(), ctx.tp_group), dim=-1)  # vocab blocks in rank order
+        gathered = gather_vocab_parallel_logits(local.detach(), ctx.tp_group, VOCAB)  # (B, T, 256 -> 200): unpadded
         shapes = {k: tuple(t.shape) for k, t in layer_state_dict(sharded).items()
                   if k.startswith(("h.0.block.attn", "layers.0.block.self_attn"))}
         attn = sharded["h.0"].block.attn if name == "gpt2" else None
@@ -120,6 +123,45 @@ def tp_rank(rank: int, world: int, names):
         tied = bool(sharded.tie_groups) and len({id(sharded[l].get_parameter(p)) for l, p in sharded.tie_groups[0]}) == 1
         out[name] = (gathered, full_logits.detach(), loss_tp.item(), loss_full.item(), worst, n_sharded, shapes,
                      local_sizes, tied)
+    return out
+
+
+def bert_tp_rank(rank: int, world: int, names):
+    """`tp_rank` for HF BERT (pre-training / MLM), with a feed-forward tp divides. Returns {name:
+    (gathered MLM logits, full ones, tp loss, full loss, max relative grad error, facts)}."""
+    ctx = build_context(pp=1, tp=world, dp=1)
+    out = {}
+    for name in names:
+        full = from_hf(tiny_hf(name, train=True, intermediate_size=64))
+        sharded = apply_hf_tensor_parallel(from_hf(tiny_hf(name, train=True, intermediate_size=64)), ctx)
+        ids, mask = causal_inputs(seed=1)
+        types = (torch.arange(SEQ) >= SEQ // 2).long().expand_as(ids)
+        mlm = torch.where(mask.bool() & (torch.arange(SEQ) % 3 == 0), ids, -100)
+        labels = (mlm, torch.tensor([0, 1, 0]))
+        full_out, local_out = full(ids, types, mask), sharded(ids, types, mask)
+        if name == "bert-pretraining":
+            loss_full, loss_tp = pretraining_loss(full_out, labels), pretraining_loss(local_out, labels, ctx.tp_group)
+            full_out, local_out = full_out[0], local_out[0]
+        else:
+            loss_full, loss_tp = masked_lm_loss(full_out, mlm), masked_lm_loss(local_out, mlm, ctx.tp_group)
+        loss_full.backward()
+        loss_tp.backward()
+        full_params, worst = dict(full.named_parameters()), 0.0
+        for key, p in sharded.named_parameters():
+            if key.endswith("key.bias"):  # exact gradient 0 (softmax ignores a shift of all scores): both are noise
+                continue
+            want, got = full_params[key].grad, gather_full(p, ctx.tp_group, p.grad)
+            worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+        pred = sharded["heads"].cls.predictions
+        facts = {
+            "bias_is_decoder_bias": pred.bias is pred.decoder.bias,
+            "tied": pred.decoder.weight is sharded["embeddings"].embeddings.word_embeddings.weight,
+            "shapes": {k: tuple(t.shape) for k, t in layer_state_dict(sharded).items()
+                       if k.startswith("encoder.layer.0.block.attention") or "predictions" in k},
+            "sharded": sum(int(getattr(p, "tensor_model_parallel", False)) for p in sharded.parameters()),
+        }
+        out[name] = (gather_vocab_parallel_logits(local_out.detach(), ctx.tp_group, VOCAB), full_out.detach(),
+                     loss_tp.item(), loss_full.item(), worst, facts)
     return out
 
 

@@ -46,8 +46,9 @@ def _named(model: LayerList) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def reference(cfg, batches, held_out, dtype=torch.float32) -> dict:
-    """Unsplit model in ``dtype``, plain accumulation over the global batch, clip_grad_norm_, LAMB.
+def reference(cfg, batches, held_out, dtype=torch.float32, optimizer: str = "lamb") -> dict:
+    """Unsplit model in ``dtype``, plain accumulation over the global batch, clip_grad_norm_, LAMB
+    (or another ``optimizer`` of `build_optimizer`).
 
     Returns the final parameters ("params") and the first step's clipped gradients ("grads") by
     name (tied weights under both names), the per-step mean losses and pre-clip norms, the trained
@@ -57,7 +58,7 @@ def reference(cfg, batches, held_out, dtype=torch.float32) -> dict:
     torch.manual_seed(0)
     model = LayerList.from_model(GPT(cfg)).to(dtype)  # the same initial values, widened
     named = _named(model)
-    opt = build_optimizer("lamb", named, LR, WD)
+    opt = build_optimizer(optimizer, named, LR, WD)
     losses, norms, first_grads = [], [], None
     for step in batches:
         total = torch.zeros((), dtype=dtype)

@@ -18,7 +18,9 @@ from mp_toolkit.hf import (
 from mp_toolkit.parallel.context import build_context
 from tests.dist_harness import run_world
 from tests.floor import assert_within
-from tests.hf_workers import CAUSAL, causal_inputs, pp_rank, pp_tp_rank, tiny_config, tiny_hf, tp_rank
+from tests.hf_workers import (
+    CAUSAL, VOCAB, bert_tp_rank, causal_inputs, pp_rank, pp_tp_rank, tiny_config, tiny_hf, tp_rank,
+)
 
 torch.set_num_threads(1)
 
@@ -50,7 +52,7 @@ def test_causal_lm_logits_bitwise_equal_hf(name, attn, padded):
             assert not torch.equal(model(input_ids=ids).logits[2], want[2])
         else:  # no mask at all on either side
             want, got = model(input_ids=ids).logits, layers(ids)
-    assert got.shape == (3, 12, 128)
+    assert got.shape == (3, 12, VOCAB)
     assert bitwise(got, want), f"max |diff| {(got - want).abs().max().item()}"
 
 
@@ -156,11 +158,11 @@ def test_unsupported_architecture_is_a_one_line_error(arch):
 
 def test_tensor_parallel_sizes_are_checked_with_one_line_errors():
     check_hf_tensor_parallel(tiny_config("llama"), 2)
-    for name in ("gpt2", "llama"):  # tp = 1 validates the plan and returns the layer list itself
+    for name in ("gpt2", "llama", "bert-pretraining", "bert-mlm"):  # tp = 1 validates the plan, returns the list
         layers = from_hf(tiny_hf(name))
         assert apply_hf_tensor_parallel(layers, build_context(1)) is layers
-    with pytest.raises(ValueError, match=r"^no tensor-parallel plan for bert layer lists: plans exist for gpt2, llama$"):
-        apply_hf_tensor_parallel(from_hf(tiny_hf("bert-mlm")), build_context(1))
+    with pytest.raises(ValueError, match=r"^--tp 2 does not divide inner=37: choose --tp in \[1\]$"):
+        check_hf_tensor_parallel(tiny_config("bert-mlm"), 2)  # the vocabulary needs no check: it is padded
     with pytest.raises(ValueError, match=r"^--tp 4 does not divide num_key_value_heads=2: .* choose --tp in \[1, 2\]$"):
         check_hf_tensor_parallel(tiny_config("llama"), 4)
     with pytest.raises(ValueError, match=r"^--tp 3 does not divide n_head=4: choose --tp in \[1, 2, 4\]$"):
@@ -176,7 +178,7 @@ def test_tp2_equals_unsharded_for_gpt2_and_llama():
     reports = run_world(tp_rank, 2, ["gpt2", "llama"], timeout_s=300)
     for rank_out in reports:
         for name, (gathered, full, loss_tp, loss_full, grad_err, n_sharded, shapes, sizes, tied) in rank_out.items():
-            assert gathered.shape == full.shape == (3, 12, 128)
+            assert gathered.shape == full.shape == (3, 12, VOCAB)
             assert ((gathered - full).abs().max() / full.abs().max()).item() < 1e-5, name
             assert loss_tp == pytest.approx(loss_full, rel=1e-6) and grad_err < 1e-5, name
             if name == "gpt2":  # Conv1D layout kept: c_attn (C, 3C / tp), c_proj rows (C / tp, C)
@@ -189,6 +191,28 @@ def test_tp2_equals_unsharded_for_gpt2_and_llama():
                 assert shapes["layers.0.block.self_attn.k_proj.weight"] == (8, 32)
                 assert shapes["layers.0.block.self_attn.o_proj.weight"] == (32, 16)
                 assert n_sharded == 4 * 7 + 2  # q k v o gate up down per block, embed, lm_head
+
+
+def test_tp2_equals_unsharded_for_bert():
+    """HF BERT's plan (query/key/value column, both output.dense row, intermediate column, word
+    embedding and tied MLM decoder vocab-parallel, vocab 200 padded to 256): MLM logits gathered
+    without the padding, the MLM (+ NSP) loss and every gradient agree with the unsharded layer
+    list (fp32 reduction order; the tolerances of the GPT-2 / Llama test above)."""
+    reports = run_world(bert_tp_rank, 2, ["bert-pretraining", "bert-mlm"], timeout_s=300)
+    for rank_out in reports:
+        for name, (gathered, full, loss_tp, loss_full, grad_err, facts) in rank_out.items():
+            assert gathered.shape == full.shape == (3, 12, VOCAB)
+            assert ((gathered - full).abs().max() / full.abs().max()).item() < 1e-5, name
+            assert loss_tp == pytest.approx(loss_full, rel=1e-6) and grad_err < 1e-5, name
+            assert facts["bias_is_decoder_bias"] and facts["tied"], name
+            shapes = facts["shapes"]
+            assert shapes["encoder.layer.0.block.attention.self.query.weight"] == (16, 32)  # 2 of 4 heads
+            assert shapes["encoder.layer.0.block.attention.output.dense.weight"] == (32, 16)
+            assert shapes["heads.cls.predictions.decoder.weight"] == (128, 32)  # 256 / 2 rows
+            assert shapes["heads.cls.predictions.bias"] == (128,)
+            # per layer q, k, v (weight, bias), 2 row weights, intermediate (weight, bias); word
+            # embedding (= decoder weight) and the decoder's bias
+            assert facts["sharded"] == 2 * 10 + 2, name
 
 
 # --- pipeline: pp=2 1F1B vs single-process accumulation on the HF model --------------------------

@@ -172,6 +172,18 @@ def test_bert_mlm_without_a_tokenizer(tmp_path, corpus):
     assert losses[0] == pytest.approx(math.log(VOCAB), abs=0.05)
 
 
+def test_bert_tp2_equals_tp1(tmp_path, corpus):
+    """--hf BERT under --tp 2 (its plan: heads, feed-forward, and the word embedding with the tied
+    MLM decoder over the vocabulary, 320 padded to 512): the MLM + NSP losses of a single rank to
+    1e-5 relative (tests/test_cli.py's tp tolerance: fp32 reduction order)."""
+    d = save_model(tmp_path / "bert", "BertForPreTraining")
+    run = ["--hf", d, "--data", corpus, "--pp", "1", "--seq-len", "64"]
+    one, _ = losses_of(tmp_path, "tp1", *run)
+    two, out = losses_of(tmp_path, "tp2", *run, "--tp", "2")
+    assert f"tp 2 (vocab {VOCAB} padded to 512)" in out, out
+    assert two == pytest.approx(one, rel=1e-5) and one[0] != one[-1]
+
+
 def test_mpt_plan_takes_the_directory(tmp_path):
     """`mpt plan --model DIR` reads DIR/config.json: by parameters the untied embedding and head
     (10k each) balance two blocks (9k each) on either side of the cut."""
@@ -208,7 +220,7 @@ def test_bad_hf_directories_are_one_line_exit_2(capsys, tmp_path, corpus):
     assert_one_line_exit_2(capsys, [*args, "--hf", llama, "--tp", "4"],
                            mentions="--tp 4 does not divide num_key_value_heads=2")
     bert = save_model(tmp_path / "bert", "BertForPreTraining")
-    assert_one_line_exit_2(capsys, [*args, "--hf", bert, "--tp", "2"], mentions="has no tensor-parallel plan")
+    assert_one_line_exit_2(capsys, [*args, "--hf", bert, "--tp", "3"], mentions="--tp 3 does not divide n_head=4")
     big = save_model(tmp_path / "big_tok", "llama", bpe_tokenizer(corpus, vocab_size=400))
     assert_one_line_exit_2(capsys, [*args, "--hf", big],
                            mentions=f"tokenizer.json has 400 tokens but the model's vocab_size is {VOCAB}")

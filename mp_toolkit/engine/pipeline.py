@@ -45,11 +45,10 @@ from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.master import MasterWeights, precision_dtype
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.data_parallel import BUCKET_BYTES, DataParallelGrads
+from mp_toolkit.parallel.layouts import TP_ATTRIBUTES
 from mp_toolkit.parallel.p2p import P2P
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
 from mp_toolkit.schedule.completion import send_waits
-
-_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
 def forward_only(schedule: Schedule) -> tuple[tuple, ...]:
@@ -63,7 +62,7 @@ def carry_tp_attributes(masters: MasterWeights) -> None:
     read them from the tensors they see, which under fp16 / bf16 are the masters."""
     for p, m in zip(masters.model, masters.master):
         if m is not p:
-            for name in _TP_ATTRIBUTES:
+            for name in TP_ATTRIBUTES:
                 if hasattr(p, name):
                     setattr(m, name, getattr(p, name))
 

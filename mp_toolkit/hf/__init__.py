@@ -4,7 +4,7 @@
   MistralForCausalLM, Qwen2ForCausalLM -> LayerList reusing HF's own modules (`adapters.py`).
 * `causal_lm_loss`, `shift_labels`, `masked_lm_loss`, `pretraining_loss`: losses in our label
   convention (labels pre-shifted, as our data pipeline yields them) (`losses.py`).
-* `apply_hf_tensor_parallel`, `GPT2_TP_PLAN`, `LLAMA_TP_PLAN`: Megatron-style TP plans (`tp_plans.py`).
+* `apply_hf_tensor_parallel`, `GPT2_TP_PLAN`, `LLAMA_TP_PLAN`, `BERT_TP_PLAN`: Megatron-style TP plans (`tp_plans.py`).
 * `export_hf`, `export_checkpoint`, `hf_name_map`, `to_hf_state_dict`: HF directories that
   ``from_pretrained`` loads (`export.py`); checkpoints of our model_zoo GPT / BERT too (`zoo_export.py`).
 * `export_run`: ``mpt export`` (checkpoint + tokenizer -> one HF directory, all or nothing) (`export_run.py`).
@@ -24,12 +24,14 @@ from mp_toolkit.hf.export import (
 )
 from mp_toolkit.hf.export_run import export_run
 from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss, shift_labels
-from mp_toolkit.hf.tp_plans import GPT2_TP_PLAN, LLAMA_TP_PLAN, TP_PLANS, apply_hf_tensor_parallel, check_hf_tensor_parallel
+from mp_toolkit.hf.tp_plans import (
+    BERT_TP_PLAN, GPT2_TP_PLAN, LLAMA_TP_PLAN, TP_PLANS, apply_hf_tensor_parallel, check_hf_tensor_parallel,
+)
 
 __all__ = [
     "SUPPORTED", "UnsupportedModelError", "from_hf", "family_of", "layer_state_dict",
     "causal_lm_loss", "shift_labels", "masked_lm_loss", "pretraining_loss",
-    "GPT2_TP_PLAN", "LLAMA_TP_PLAN", "TP_PLANS", "apply_hf_tensor_parallel", "check_hf_tensor_parallel",
+    "GPT2_TP_PLAN", "LLAMA_TP_PLAN", "BERT_TP_PLAN", "TP_PLANS", "apply_hf_tensor_parallel", "check_hf_tensor_parallel",
     "export_hf", "export_checkpoint", "hf_name_map", "to_hf_state_dict", "load_config", "read_checkpoint_state",
     "copy_tokenizer", "export_run",
 ]

@@ -33,7 +33,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) ->
 
     ``logits`` (B, T, V) from the layer list, ``labels`` (B, T) pre-shifted (our convention, see
     the module docstring). Computed in fp32 as HF does. With tensor parallelism pass the local
-    (B, T, V / tp) logits and ``tp_group``: the vocab-parallel cross-entropy never gathers them.
+    (B, T, Vp / tp) logits and ``tp_group``: the vocab-parallel cross-entropy never gathers them.
     """
     if tp_group is not None:
         return vocab_parallel_cross_entropy(logits, labels, tp_group, ignore_index=IGNORE_INDEX)
@@ -44,21 +44,25 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) ->
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
-def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
     """BertForMaskedLM's loss: mean cross-entropy over positions whose label is not -100
-    (labels (B, T) are the original tokens at masked positions; no shift)."""
+    (labels (B, T) are the original tokens at masked positions; no shift). With tensor
+    parallelism pass the local (B, T, Vp / tp) logits and ``tp_group`` (vocab-parallel)."""
+    if tp_group is not None:
+        return vocab_parallel_cross_entropy(logits, labels, tp_group, ignore_index=IGNORE_INDEX)
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
-def pretraining_loss(outputs: tuple[torch.Tensor, torch.Tensor], labels: tuple[torch.Tensor, torch.Tensor]
-                     ) -> torch.Tensor:
+def pretraining_loss(outputs: tuple[torch.Tensor, torch.Tensor], labels: tuple[torch.Tensor, torch.Tensor],
+                     tp_group=None) -> torch.Tensor:
     """BertForPreTraining's total loss: masked-LM loss + next-sentence cross-entropy.
 
     ``outputs`` is (prediction_logits (B, T, V), seq_relationship_logits (B, 2)); ``labels`` is
-    (mlm_labels (B, T), next_sentence_label (B,)).
+    (mlm_labels (B, T), next_sentence_label (B,)). ``tp_group``: the MLM logits are local and
+    vocab-parallel (`masked_lm_loss`); the (B, 2) NSP logits are replicated.
     """
     if not isinstance(outputs, (tuple, list)) or len(outputs) != 2:
         raise TypeError(f"pretraining_loss needs (prediction_logits, seq_relationship_logits), got "
                         f"{type(outputs).__name__}")
     (mlm, nsp), (mlm_labels, nsp_labels) = outputs, labels
-    return masked_lm_loss(mlm, mlm_labels) + F.cross_entropy(nsp.view(-1, 2), nsp_labels.view(-1))
+    return masked_lm_loss(mlm, mlm_labels, tp_group) + F.cross_entropy(nsp.view(-1, 2), nsp_labels.view(-1))

@@ -2,8 +2,9 @@
 
 Plans use the format of `model_zoo.gpt.TP_PLAN` ({module path suffix: style}, matched against
 "{layer name}.{module path}") and Megatron-LM's split (Shoeybi et al. 2019): each attention and
-MLP is a column -> row pair closed by one all-reduce; embedding and LM head split the vocab rows
-(a tied pair stays one shard), so the last layer returns local logits (B, T, V / tp) for
+MLP is a column -> row pair closed by one all-reduce; embedding and LM head split the vocab rows,
+padded to a multiple of 128 x tp (a tied pair stays one shard), so the last layer returns local
+logits (B, T, Vp / tp), padded ids at -inf (`mp_toolkit.parallel.vocab_parallel`), for
 ``causal_lm_loss(logits, labels, tp_group=ctx.tp_group)``. Norms and GPT-2's position embedding
 stay replicated.
 
@@ -17,6 +18,12 @@ stay replicated.
   reshapes with ``view(*input_shape, -1, head_dim)`` and keeps only ``num_key_value_groups =
   heads / kv_heads`` (unchanged when both divide by tp), so the local head counts follow from the
   shard shapes and nothing needs setting; rank r's q heads use exactly rank r's k/v heads.
+* BERT (pre-training and MLM): query / key / value column (whole heads: BertSelfAttention
+  reshapes with ``(..., -1, head_size)``, so the local head count follows from the shapes), both
+  ``output.dense`` row, ``intermediate.dense`` column; the word embedding and the MLM decoder
+  (tied, with a bias) "vocab". HF's ``predictions.bias`` is the decoder's bias under a second
+  name: it is pointed at the decoder's shard. Position and token-type embeddings, LayerNorms,
+  the pooler, the MLM transform and the NSP classifier stay replicated (`model_zoo.bert.TP_PLAN`).
 
     layers = apply_hf_tensor_parallel(from_hf(model), ctx)   # modifies the (shared) modules in place
 """
@@ -30,7 +37,7 @@ from mp_toolkit.hf.adapters import family_of
 from mp_toolkit.hf.conv1d_parallel import Conv1DColumnParallel, Conv1DRowParallel
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
-from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from mp_toolkit.parallel.tensor_parallel import VocabParallelLMHead, apply_tensor_parallel, check_tensor_parallel
 
 GPT2_TP_PLAN: dict[str, str] = {
     "embed.wte": "vocab",
@@ -53,20 +60,32 @@ LLAMA_TP_PLAN: dict[str, str] = {
     "lm_head": "vocab",
 }
 
-TP_PLANS = {"gpt2": GPT2_TP_PLAN, "llama": LLAMA_TP_PLAN}
+BERT_TP_PLAN: dict[str, str] = {
+    "embeddings.word_embeddings": "vocab",
+    "attention.self.query": "column",
+    "attention.self.key": "column",
+    "attention.self.value": "column",
+    "output.dense": "row",  # attention.output.dense and the feed-forward's output.dense
+    "intermediate.dense": "column",
+    "predictions.decoder": "vocab",  # tied to the word embedding: the same vocab shard, its bias split alike
+}
+
+TP_PLANS = {"gpt2": GPT2_TP_PLAN, "llama": LLAMA_TP_PLAN, "bert": BERT_TP_PLAN}
 
 
 def check_hf_tensor_parallel(config, tp: int) -> None:
     """Raise ValueError (one line) unless ``tp`` divides every size the plan of ``config`` splits."""
     if config.model_type == "gpt2":
-        check_tensor_parallel(tp, n_head=config.n_head, hidden=config.n_embd,
-                              inner=config.n_inner or 4 * config.n_embd, vocab=config.vocab_size)
+        check_tensor_parallel(tp, n_head=config.n_head, hidden=config.n_embd, inner=config.n_inner or 4 * config.n_embd)
+        return
+    if config.model_type == "bert":
+        check_tensor_parallel(tp, n_head=config.num_attention_heads, hidden=config.hidden_size,
+                              inner=config.intermediate_size)
         return
     if config.model_type not in ("llama", "mistral", "qwen2"):
         raise ValueError(f"no tensor-parallel plan for model_type {config.model_type!r}: plans exist for "
-                         "gpt2, llama, mistral, qwen2")
-    check_tensor_parallel(tp, n_head=config.num_attention_heads, inner=config.intermediate_size,
-                          vocab=config.vocab_size)
+                         "gpt2, llama, mistral, qwen2, bert")
+    check_tensor_parallel(tp, n_head=config.num_attention_heads, inner=config.intermediate_size)
     kv = config.num_key_value_heads or config.num_attention_heads
     if kv % tp:
         ok = [d for d in range(1, kv + 1) if kv % d == 0 and config.num_attention_heads % d == 0]
@@ -103,6 +122,15 @@ def _set_local_attention_sizes(layer_list: LayerList) -> None:
                 m.num_heads = m.split_size // m.head_dim
 
 
+def _point_bias_names_at_shards(layer_list: LayerList) -> None:
+    """HF BERT's ``predictions.bias`` is ``predictions.decoder.bias``: keep it so after the split."""
+    for layer in layer_list.layers:
+        for m in layer.modules():
+            decoder = getattr(m, "decoder", None)
+            if isinstance(decoder, VocabParallelLMHead) and isinstance(getattr(m, "bias", None), nn.Parameter):
+                m.bias = decoder.bias
+
+
 def _config_of(layer_list: LayerList):
     for layer in layer_list.layers:
         if getattr(layer, "config", None) is not None:
@@ -137,4 +165,5 @@ def apply_hf_tensor_parallel(layer_list: LayerList, ctx: ParallelContext, plan: 
         setattr(parent, attr, new)
     out = apply_tensor_parallel(layer_list, ctx, rest)
     _set_local_attention_sizes(out)
+    _point_bias_names_at_shards(out)
     return out

@@ -26,7 +26,7 @@ from torch import nn
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import ParallelContext
-from mp_toolkit.parallel.tensor_parallel import mark_tensor_parallel, shard_full
+from mp_toolkit.parallel.layouts import TP_ATTRIBUTES, shard_full
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -68,7 +68,8 @@ def materialize(layer_list: LayerList, keep: Iterable[int], initial_value: Calla
 
 
 def _real(meta: nn.Parameter, full: torch.Tensor, name: str, ctx: ParallelContext, device) -> nn.Parameter:
-    """``meta``'s real counterpart: its shard of ``full`` (the whole of it when replicated)."""
+    """``meta``'s real counterpart: its shard of ``full`` (the whole of it when replicated; a
+    vocabulary padded for tensor parallelism is padded with zero rows first, as `shard_full` does)."""
     value = shard_full(full, meta, ctx.tp_rank, ctx.tp) if is_tensor_parallel(meta) else full
     if tuple(value.shape) != tuple(meta.shape):
         raise ValueError(f"{name}: initial value of shape {tuple(full.shape)} gives a {tuple(value.shape)} "
@@ -76,8 +77,9 @@ def _real(meta: nn.Parameter, full: torch.Tensor, name: str, ctx: ParallelContex
     real = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=meta.requires_grad)
     with torch.no_grad():
         real.copy_(value)  # the full value (and a strided shard's view of it) is dropped on return
-    if is_tensor_parallel(meta):
-        mark_tensor_parallel(real, meta.partition_dim, meta.partition_stride)
+    for attr in TP_ATTRIBUTES:  # the sharding layout optimizers, clipping and checkpoints read
+        if hasattr(meta, attr):
+            setattr(real, attr, getattr(meta, attr))
     return real
 
 
