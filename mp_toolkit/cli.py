@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-from mp_toolkit.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -235,7 +235,7 @@ def _pipeline_stages(path: Path) -> int | None:
 
 
 def _ds_overrides(path: Path, given: dict, world_size: int | None) -> tuple[dict, list[str]]:
-    from mp_toolkit.ds_config import read_ds_config
+    from mp_toolkit.ds.config import read_ds_config
 
     dp = given.get("dp")
     if dp is None:
@@ -270,9 +270,9 @@ def _blame(error: ConfigError, from_file: dict, source) -> ConfigError:
 
 
 def _train(argv: list[str], args: argparse.Namespace) -> int:
-    from mp_toolkit.launch import LaunchEnv, launcher_env, local_faults, spawn_local
+    from mp_toolkit.run.launch import LaunchEnv, launcher_env, local_faults, spawn_local
     from mp_toolkit.parallel.context import GridError, check_grid
-    from mp_toolkit.train import validate
+    from mp_toolkit.run.loop import validate
 
     env = launcher_env()
     given, from_file, notes = _sources(args, env.world_size if env is not None else None)
@@ -303,8 +303,8 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
 
 def _run(cfg: TrainConfig, env) -> int:
     """Train this rank; a lost peer (exit 1) and a diverged run (exit 3, said once by rank 0) end in one line."""
-    from mp_toolkit.launch import EXIT_DIVERGED, PeerLost
-    from mp_toolkit.train import Diverged, run_training
+    from mp_toolkit.run.launch import EXIT_DIVERGED, PeerLost
+    from mp_toolkit.run.loop import Diverged, run_training
 
     try:
         run_training(cfg, env)
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     from mp_toolkit.partition.cost import CostModelError
     from mp_toolkit.checkpoint import CheckpointError
     from mp_toolkit.schedule import ScheduleError
-    from mp_toolkit.train_state import PeerFailed
+    from mp_toolkit.run.state import PeerFailed
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)

@@ -1,9 +1,9 @@
 """The tokenizer an exported model ships with: one the user names, or the one its run trained.
 
 `mpt train` trains a byte-level BPE per (corpus, vocabulary) and caches it as
-``<cache_dir>/tokenizer-<key>.json`` (`mp_toolkit.data.train_tokenizer`); the manifest records the
+``<cache_dir>/tokenizer-<key>.json`` (`mp_toolkit.data.lm.train_tokenizer`); the manifest records the
 run's ``data`` and ``cache_dir``, which give the key again. BERT runs add [PAD] [CLS] [SEP] [MASK]
-after the BPE (`mp_toolkit.data_mlm.bert_tokenizer`). A GPT run on ``--data synthetic`` draws
+after the BPE (`mp_toolkit.data.mlm.bert_tokenizer`). A GPT run on ``--data synthetic`` draws
 random ids and has no tokenizer. An ``--hf DIR`` run ships DIR's tokenizer files. The HF files
 are written by ``PreTrainedTokenizerFast.save_pretrained`` (tokenizer.json + tokenizer_config.json),
 which ``AutoTokenizer.from_pretrained`` loads.
@@ -21,8 +21,8 @@ from mp_toolkit.hf.export import copy_tokenizer
 
 def _run_texts(family: str, run: Mapping) -> list[str] | None:
     """The documents the run tokenized, or None when it used no tokenizer."""
-    from mp_toolkit.data import read_texts, stdlib_files
-    from mp_toolkit.train_models import synthetic_documents
+    from mp_toolkit.data.lm import read_texts, stdlib_files
+    from mp_toolkit.run.families import synthetic_documents
 
     data = str(run.get("data"))
     if data == "synthetic":
@@ -32,8 +32,8 @@ def _run_texts(family: str, run: Mapping) -> list[str] | None:
 
 def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
     """(the tokenizer the checkpoint's run trained, or None; a note on where it came from or why none)."""
-    from mp_toolkit.data import DataError, _cache_key  # the cache file's name: the key the run computed
-    from mp_toolkit.data_mlm import SPECIAL_TOKENS, bert_tokenizer
+    from mp_toolkit.data.lm import DataError, _cache_key  # the cache file's name: the key the run computed
+    from mp_toolkit.data.mlm import SPECIAL_TOKENS, bert_tokenizer
 
     run, model = manifest.get("config", {}), manifest["model"]
     family, vocab = model["family"], model["config"]["vocab_size"]
@@ -56,7 +56,7 @@ def save_tokenizer(tokenizer: Tokenizer, family: str, max_length: int, out_dir) 
     """Write ``tokenizer`` as HF files, naming the special tokens the model was trained with."""
     from transformers import PreTrainedTokenizerFast
 
-    from mp_toolkit.data import EOS_TOKEN
+    from mp_toolkit.data.lm import EOS_TOKEN
 
     vocab = tokenizer.get_vocab()
     if family == "bert":

@@ -33,8 +33,8 @@ import transformers
 
 from model_zoo import bert, bert_hf, gpt
 from mp_toolkit.hf.export import write_hf_model
-from mp_toolkit.train_models import ModelSpec
-from mp_toolkit.train_state import ModelNames
+from mp_toolkit.run.families import ModelSpec
+from mp_toolkit.run.state import ModelNames
 
 HF_CLASS = {"gpt": "GPT2LMHeadModel", "bert": "BertForPreTraining"}
 # GPTConfig fields GPT2Config spells and computes the same way; `bias` is checked on its own.
@@ -81,7 +81,7 @@ def hf_config(spec: ModelSpec) -> transformers.PretrainedConfig:
     if not spec.config.bias:
         raise ExportError("this GPT has bias=False: HF GPT2LMHeadModel always has Linear and LayerNorm biases, "
                           "so it cannot hold this model (train with bias=true to export to GPT-2)")
-    # our tokenizers put <|endoftext|> at id 0 (mp_toolkit.data.train_tokenizer); GPT-2's 50256 may not exist
+    # our tokenizers put <|endoftext|> at id 0 (mp_toolkit.data.lm.train_tokenizer); GPT-2's 50256 may not exist
     return transformers.GPT2Config(**{k: d[k] for k in _GPT2_FIELDS}, bos_token_id=0, eos_token_id=0,
                                    architectures=[HF_CLASS["gpt"]])
 

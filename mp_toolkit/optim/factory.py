@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_toolkit.config import OPTIMIZERS
+from mp_toolkit.run.config import OPTIMIZERS
 from mp_toolkit.optim.groups import lamb_param_groups
 from mp_toolkit.optim.lamb import LAMB
 from mp_toolkit.optim.lars import LARS

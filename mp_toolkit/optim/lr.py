@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mp_toolkit.config import LR_DECAYS as DECAYS
+from mp_toolkit.run.config import LR_DECAYS as DECAYS
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 from mp_toolkit.layers import LayerList
 
 from .cost import CostModelError, ModelShape
-from mp_toolkit.memstats import keep_freed_memory, release_free_memory, rss_bytes, warm_runtime
+from mp_toolkit.partition.memstats import keep_freed_memory, release_free_memory, rss_bytes, warm_runtime
 
 from .measure import TIMED_MICROBATCHES, LayerTiming, measure_layers, measure_optimizer_step
 

@@ -49,7 +49,7 @@ from mp_toolkit.checkpoint import (
     optimizer_state_by_name, param_groups_by_name, restore_rng, write_layer_shard, write_optimizer_shard,
     write_rng_shard,
 )
-from mp_toolkit.config import ConfigError, TrainConfig
+from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import gather_full, shard_full
@@ -353,7 +353,7 @@ def _load(path, cfg: TrainConfig, engine, ctx: ParallelContext, names: ModelName
 def load_state(path, cfg: TrainConfig, engine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
     """Restore a checkpoint into this rank's engine, data iterator and generators (every rank calls it).
     A refused file or an impossible resume raises on every rank (`agree`)."""
-    from mp_toolkit.data import DataError
+    from mp_toolkit.data.lm import DataError
 
     error, out = None, None
     try:

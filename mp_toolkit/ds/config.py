@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mp_toolkit.config import SCHEDULES, ConfigError, TrainConfig
-from mp_toolkit.ds_json import Block, load_json, show
+from mp_toolkit.run.config import SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.ds.json_doc import Block, load_json, show
 from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 OPTIMIZER_TYPES = ("Adam", "AdamW", "Lamb", "Lars")

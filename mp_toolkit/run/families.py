@@ -1,5 +1,5 @@
 """The model families `mpt train` trains: GPT (causal LM), BERT (MLM + NSP pre-training) and "hf", a
-HuggingFace save_pretrained directory (`mp_toolkit.train_hf`, ``--hf DIR``).
+HuggingFace save_pretrained directory (`mp_toolkit.run.hf_family`, ``--hf DIR``).
 
 Each family gives the trainer the same things: a config checked without any process group, a
 plain single-device model (`model_zoo`), its tensor-parallel plan (data next to the model), the
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_zoo import bert, gpt
-from mp_toolkit.config import ConfigError, TrainConfig
+from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
@@ -98,7 +98,7 @@ TP_PLANS = {"gpt": gpt.TP_PLAN, "bert": bert.TP_PLAN}
 
 
 def family_of(model: nn.Module) -> str:
-    from mp_toolkit.train_hf import HFModel
+    from mp_toolkit.run.hf_family import HFModel
 
     if isinstance(model, HFModel):
         return "hf"
@@ -131,7 +131,7 @@ def loss_function(model: nn.Module, ctx: ParallelContext):
     """The last stage's loss: on full logits, or with tp > 1 its vocab-parallel form."""
     family = family_of(model)
     if family == "hf":
-        from mp_toolkit.train_hf import loss_function as hf_loss
+        from mp_toolkit.run.hf_family import loss_function as hf_loss
 
         return hf_loss(model, ctx)
     if family == "gpt":
@@ -163,13 +163,13 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
     corpus's [PAD], so the spec returned carries it."""
     import datasets  # slow to import: validation needs none of this
 
-    from mp_toolkit.data import DataError, MicroBatches, build_lm_dataset
-    from mp_toolkit.data_mlm import MLMMicroBatches, build_mlm_corpus
+    from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset
+    from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
 
     if not cfg.progress:
         datasets.disable_progress_bars()  # the corpus's map() would draw one per rank
     if spec.family == "hf":
-        from mp_toolkit.train_hf import micro_batches as hf_micro_batches
+        from mp_toolkit.run.hf_family import micro_batches as hf_micro_batches
 
         return hf_micro_batches(spec, cfg, ctx, rank)
     try:

@@ -2,9 +2,9 @@
 
 DeepSpeed's engine (``deepspeed.pipe.PipelineModule`` + ``deepspeed.initialize``: its 1F1B
 TrainSchedule, p2p, tied-weight all-reduce, gradient accumulation and clipping) trains the plain
-model our engine trains, cut at the boundaries `mp_toolkit.train.plan_boundaries` computes, with
+model our engine trains, cut at the boundaries `mp_toolkit.run.loop.plan_boundaries` computes, with
 the optimizer `build_optimizer` makes (LAMB, LARS, AdamW, ...) as DeepSpeed's *client* optimizer.
-The loop, the data and the per-step metrics rows stay `mp_toolkit.train`'s: `DeepSpeedPipeline`
+The loop, the data and the per-step metrics rows stay `mp_toolkit.run.loop`'s: `DeepSpeedPipeline`
 answers the calls that loop makes of our PipelineEngine (``train_batch``, ``optimizer`` whose lr
 the loop sets before every step, ``trust_ratio_stats``), so the two engines can be compared step
 by step (tests/test_ds_engine.py) and a user can move between them::
@@ -14,7 +14,7 @@ by step (tests/test_ds_engine.py) and a user can move between them::
 
 TrainConfig -> DeepSpeed: micro_batch -> ``train_micro_batch_size_per_gpu``, microbatches ->
 ``gradient_accumulation_steps``, clip_grad -> ``gradient_clipping`` (the global norm over all
-stages: `mp_toolkit.ds_pipe.count_in_norm_once`), precision -> ``bf16`` / ``fp16`` blocks (fp16 with
+stages: `mp_toolkit.ds.pipe.count_in_norm_once`), precision -> ``bf16`` / ``fp16`` blocks (fp16 with
 the loss-scale fields), ZeRO stage 0. The loss is computed on fp32 logits, as our executor does.
 DeepSpeed divides each micro-batch loss by the accumulation steps before backward and reports the
 mean over micro-batches, exactly as ours (DESIGN.md invariant 5).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_toolkit.config import ENGINES, ConfigError, TrainConfig
+from mp_toolkit.run.config import ENGINES, ConfigError, TrainConfig
 from mp_toolkit.engine.pipeline import StepStats
 from mp_toolkit.engine.reductions import trust_ratio_rows
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
@@ -119,17 +119,17 @@ class NoOwnScaler:
 
 
 class DeepSpeedPipeline:
-    """DeepSpeed's PipelineEngine for this rank, behind the interface `mp_toolkit.train`'s loop uses.
+    """DeepSpeed's PipelineEngine for this rank, behind the interface `mp_toolkit.run.loop`'s loop uses.
 
     ``model`` is the plain model every rank built alike (same seed); this rank keeps its stage.
     """
 
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module):
-        from mp_toolkit import ds_pipe  # imports DeepSpeed (seconds): only runs that ask for it
+        from mp_toolkit.ds import pipe as ds_pipe  # imports DeepSpeed (seconds): only runs that ask for it
         from mp_toolkit.layers import LayerList
         from mp_toolkit.partition.train_cut import CutWorkload, config_of
-        from mp_toolkit.train import plan_boundaries
-        from mp_toolkit.train_models import loss_function
+        from mp_toolkit.run.loop import plan_boundaries
+        from mp_toolkit.run.families import loss_function
 
         precision = resolve_precision(cfg.precision, ctx.device)
         _check_precision(cfg, precision)

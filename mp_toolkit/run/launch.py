@@ -67,7 +67,7 @@ class Faults:
 
     @classmethod
     def parse(cls, text: str | None) -> "Faults":
-        from mp_toolkit.config import ConfigError
+        from mp_toolkit.run.config import ConfigError
 
         if not text:
             return cls()

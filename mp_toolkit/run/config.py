@@ -31,7 +31,7 @@ class TrainConfig:
     hf: str | None = None
     """A local HuggingFace save_pretrained directory (config.json + model.safetensors, optionally
     tokenizer.json) of a GPT-2, BERT, Llama, Mistral or Qwen2 model, trained from its weights instead
-    of ``model`` (`mp_toolkit.train_hf`); None: ``model``."""
+    of ``model`` (`mp_toolkit.run.hf_family`); None: ``model``."""
     pp: int = 2
     """Pipeline stages (ranks along the slowest grid axis)."""
     tp: int = 1
@@ -43,7 +43,7 @@ class TrainConfig:
     """Data-parallel gradient buckets: MiB of fp32 gradients per all-reduce (DDP's bucket_cap_mb)."""
     engine: str = "mp_toolkit"
     """Which pipeline engine trains: mp_toolkit (ours: every schedule, tp, checkpoints) or deepspeed
-    (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.ds_engine`)."""
+    (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.ds.engine`)."""
     schedule: str = "1f1b"
     """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks) or zbh1 (zero bubble)."""
     chunks: int = 1

@@ -25,17 +25,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mp_toolkit.config import ConfigError, TrainConfig
+from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.hf import (
     UnsupportedModelError, causal_lm_loss, check_hf_tensor_parallel, from_hf, load_config, masked_lm_loss,
     pretraining_loss,
 )
 from mp_toolkit.hf.export import architecture_for
 from mp_toolkit.parallel.context import ParallelContext
-from mp_toolkit.train_models import ModelSpec, rank0_first, synthetic_documents
+from mp_toolkit.run.families import ModelSpec, rank0_first, synthetic_documents
 
 BERT = ("BertForPreTraining", "BertForMaskedLM")
-BPE_MIN_VOCAB = 257  # `mp_toolkit.data.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
+BPE_MIN_VOCAB = 257  # `mp_toolkit.data.lm.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def check_hf(source: HFSource, cfg: TrainConfig) -> None:
 def _check_tokenizer(source: HFSource) -> None:
     """Before any rank starts: the tokenizer reads and has no id the embedding lacks (the data
     pipeline checks the ids it actually produces again)."""
-    from mp_toolkit.data import DataError, load_tokenizer_file
+    from mp_toolkit.data.lm import DataError, load_tokenizer_file
 
     try:
         tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
@@ -184,8 +184,8 @@ def _eos(config: dict) -> int | None:
 def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank: int):
     """(this replica's micro-batches, the spec to build from): a BERT corpus's [PAD] becomes the model's
     pad_token_id. Rank 0 builds (and caches) first; it alone says which tokenizer is used."""
-    from mp_toolkit.data import DataError, MicroBatches, build_lm_dataset
-    from mp_toolkit.data_mlm import MLMMicroBatches
+    from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset
+    from mp_toolkit.data.mlm import MLMMicroBatches
 
     source, tok = spec.config, spec.config.tokenizer_file
     if rank == 0 and cfg.data != "synthetic":
@@ -209,11 +209,11 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
 def mlm_corpus(source: HFSource, cfg: TrainConfig, log: bool):
     """MLM + NSP sentence pairs: with the directory's tokenizer when it has all four BERT special
     tokens, else `build_mlm_corpus`'s own tokenizer (trained with the model's vocab_size)."""
-    from mp_toolkit.data_mlm import SPECIAL_TOKENS, build_mlm_corpus
+    from mp_toolkit.data.mlm import SPECIAL_TOKENS, build_mlm_corpus
 
     texts = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
     if source.tokenizer_file is not None:
-        from mp_toolkit.data import load_tokenizer_file
+        from mp_toolkit.data.lm import load_tokenizer_file
 
         tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
         ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
@@ -234,8 +234,8 @@ def _tokenized_mlm_corpus(source, tokenizer, special_ids: list[int], vocab_size:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from mp_toolkit.data import DataError, read_texts, stdlib_files
-    from mp_toolkit.data_mlm import MLMCorpus, SpecialIds, _document_sentences, _pack, _pairs
+    from mp_toolkit.data.lm import DataError, read_texts, stdlib_files
+    from mp_toolkit.data.mlm import MLMCorpus, SpecialIds, _document_sentences, _pack, _pairs
 
     if isinstance(source, list):
         texts = source

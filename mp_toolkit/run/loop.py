@@ -29,16 +29,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.config import ConfigError, TrainConfig, parse_boundaries
+from mp_toolkit.run.config import ConfigError, TrainConfig, parse_boundaries
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.checkpoint import latest_step
-from mp_toolkit.launch import (
+from mp_toolkit.run.launch import (
     LaunchEnv, PeerLost, Peers, RankStatus, comm_failure_line, init_distributed, is_comm_failure,
 )
 from mp_toolkit.layers import LayerList
-from mp_toolkit.memstats import (keep_freed_memory, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes,
+from mp_toolkit.partition.memstats import (keep_freed_memory, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes,
                                  warm_runtime)
-from mp_toolkit.metrics_log import MetricsLog, gather_ints
+from mp_toolkit.run.metrics import MetricsLog, gather_ints
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer, check_optimizer_options
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.lr import WarmupDecay, set_lr
@@ -48,8 +48,8 @@ from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
 from mp_toolkit.partition.train_cut import CutWorkload, config_of, flops_cut, time_cut
 from mp_toolkit.schedule import get_schedule
-from mp_toolkit.train_models import ModelSpec, loss_function, micro_batches, resolve_model, tensor_parallel
-from mp_toolkit.train_state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
+from mp_toolkit.run.families import ModelSpec, loss_function, micro_batches, resolve_model, tensor_parallel
+from mp_toolkit.run.state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
 
 __all__ = ["Diverged", "MetricsLog", "build_engine", "plan_boundaries", "run_training", "validate"]
 
@@ -61,7 +61,7 @@ class Diverged(Exception):
 def model_spec(cfg: TrainConfig) -> ModelSpec:
     """The model ``cfg.model`` (or ``cfg.hf``) names, with the sequence length checked against it."""
     if cfg.hf is not None:
-        from mp_toolkit.train_hf import check_hf, resolve_hf
+        from mp_toolkit.run.hf_family import check_hf, resolve_hf
 
         spec = resolve_hf(cfg.hf)
         check_hf(spec.config, cfg)  # seq-len, the HF tensor-parallel plan's sizes, the tokenizer
@@ -147,7 +147,7 @@ def validate(cfg: TrainConfig) -> None:
     """Every check that needs no process group: fail before any rank starts."""
     _validate_numbers(cfg)
     _validate_paths(cfg)
-    from mp_toolkit.ds_engine import check_engine  # --engine deepspeed's limits (imports no DeepSpeed)
+    from mp_toolkit.ds.engine import check_engine  # --engine deepspeed's limits (imports no DeepSpeed)
 
     check_engine(cfg)
     spec = model_spec(cfg)
@@ -199,8 +199,8 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
 
 def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module):
     """``--engine deepspeed``: DeepSpeed's PipelineEngine with the same cut, optimizer and loss, behind
-    the calls this loop makes of ours (`mp_toolkit.ds_engine`; DeepSpeed is imported only then)."""
-    from mp_toolkit.ds_engine import DeepSpeedPipeline
+    the calls this loop makes of ours (`mp_toolkit.ds.engine`; DeepSpeed is imported only then)."""
+    from mp_toolkit.ds.engine import DeepSpeedPipeline
 
     return DeepSpeedPipeline(cfg, ctx, model)
 
@@ -264,7 +264,7 @@ def _resume(cfg: TrainConfig, engine, ctx, names, data, spec, log_rank0: bool) -
 
 @contextmanager
 def injected_nonfinite(engine: PipelineEngine, kind: str | None):
-    """Test hook (``MPT_FAULTS``, `mp_toolkit.launch.Faults`): for one step make this rank's gradients
+    """Test hook (``MPT_FAULTS``, `mp_toolkit.run.launch.Faults`): for one step make this rank's gradients
     ("grad": the first parameter's gradient becomes inf) or its loss ("loss": the last stage's output
     times inf) non-finite. Nothing happens when ``kind`` is None."""
     handle = None
