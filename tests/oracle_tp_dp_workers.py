@@ -2,7 +2,7 @@
 
 Every rank trains the reference too: the unsplit gpt-tiny in one process, LAMB and
 `torch.nn.utils.clip_grad_norm_`, on the whole global batch of dp x m micro-batches (each loss
-divided by dp x m). The parallel run is built by `mp_toolkit.run.loop.build_engine` (apply TP, cut
+divided by dp x m). The parallel run is built by `mp_toolkit.run.compose.build_engine` (apply TP, cut
 stages, average over dp) from the same seed; data-parallel replica d trains on micro-batches
 d*m .. d*m + m - 1 of that global batch. Each rank compares its parameters after the last step
 and its clipped gradients of the first, gathered to full tensors with `gather_full`, against the
@@ -134,7 +134,7 @@ def _log_dp_calls(engine) -> list:
 
 
 def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb):
-    from mp_toolkit.run.loop import build_engine  # the composition the CLI runs
+    from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
 
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
     *batches, held_out = make_batches(STEPS + 1, dp * m, cfg.vocab_size)

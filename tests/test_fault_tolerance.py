@@ -19,7 +19,7 @@ from mp_toolkit.checkpoint import open_checkpoint
 from mp_toolkit.cli import main
 from mp_toolkit.run.launch import Faults, LaunchEnv
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
-from mp_toolkit.run.loop import SkipStreak
+from mp_toolkit.run.skips import SkipStreak
 
 
 def finish(job: Job, timeout: float) -> int:
@@ -210,7 +210,7 @@ def test_nonfinite_steps_are_skipped_by_every_rank_and_a_streak_stops_the_run(tm
 def test_fp16_skips_count_only_once_the_scale_cannot_drop():
     """fp16 overflows lower the scale (the scaler's job, not a streak) until --min-loss-scale; from
     there each one counts. fp32 has no scaler: every skip counts."""
-    from mp_toolkit.engine.pipeline import StepStats
+    from mp_toolkit.engine.interface import StepStats
 
     scaler = DynamicLossScaler(initial_scale_power=2, hysteresis=1, min_loss_scale=1.0)
     streak = SkipStreak(limit=20)

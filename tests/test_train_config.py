@@ -11,7 +11,8 @@ from tests.cli_helpers import assert_one_line_exit_2
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
 from mp_toolkit.optim.lr import WarmupDecayLR, WarmupLR
-from mp_toolkit.run.loop import loss_scaler, lr_at
+from mp_toolkit.run.compose import loss_scaler
+from mp_toolkit.run.loop import lr_at
 from mp_toolkit.run.state import Progress
 
 DS = {

@@ -11,7 +11,7 @@ compute, fp32 master weights in every peer).
 Peers (each the real library, `tools/peers.py`):
 
 * mp_toolkit: 1F1B, GPipe, ZB-H1, interleaved 1F1B with 2 chunks on our default "parameters"
-  cut (`mp_toolkit.run.loop.plan_boundaries`); 1F1B on the planner's "time" cut
+  cut (`mp_toolkit.run.cut.plan_boundaries`); 1F1B on the planner's "time" cut
   (`make_plan(method="time")`, layers measured here first, ~20 s; ``--no-time-cut`` skips it),
   and interleaved on the planner's "flops" cut (deterministic; the time cut of 4 chunks moves
   with machine noise);
@@ -87,7 +87,7 @@ def planner_cut(w: Workload, method: str, chunks: int = 1) -> list[int]:
 
 def default_cut(w: Workload, chunks: int = 1) -> list[int]:
     from mp_toolkit.layers import LayerList
-    from mp_toolkit.run.loop import plan_boundaries
+    from mp_toolkit.run.cut import plan_boundaries
     from peers import build_gpt
 
     with torch.device("meta"):

@@ -142,7 +142,7 @@ class MptPeer:
         from mp_toolkit.run.launch import init_distributed, launcher_env
         from mp_toolkit.layers import LayerList
         from mp_toolkit.parallel.context import build_context
-        from mp_toolkit.run.loop import plan_boundaries
+        from mp_toolkit.run.cut import plan_boundaries
 
         device = init_distributed(launcher_env(), _timeout(spec).total_seconds())
         ctx = build_context(w.pp, device=device)

@@ -15,15 +15,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
 
+from mp_toolkit.data.lm import EOS_TOKEN, DataError, cache_key, read_texts, stdlib_files
+from mp_toolkit.data.mlm import SPECIAL_TOKENS, bert_tokenizer
+from mp_toolkit.data.synthetic import synthetic_documents
 from mp_toolkit.hf.export import copy_tokenizer
 
 
 def _run_texts(family: str, run: Mapping) -> list[str] | None:
     """The documents the run tokenized, or None when it used no tokenizer."""
-    from mp_toolkit.data.lm import read_texts, stdlib_files
-    from mp_toolkit.run.families import synthetic_documents
-
     data = str(run.get("data"))
     if data == "synthetic":
         return synthetic_documents(run["seed"]) if family == "bert" else None
@@ -32,9 +33,6 @@ def _run_texts(family: str, run: Mapping) -> list[str] | None:
 
 def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
     """(the tokenizer the checkpoint's run trained, or None; a note on where it came from or why none)."""
-    from mp_toolkit.data.lm import DataError, _cache_key  # the cache file's name: the key the run computed
-    from mp_toolkit.data.mlm import SPECIAL_TOKENS, bert_tokenizer
-
     run, model = manifest.get("config", {}), manifest["model"]
     family, vocab = model["family"], model["config"]["vocab_size"]
     try:
@@ -44,7 +42,8 @@ def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
     if texts is None:
         return None, "no tokenizer: the run trained on synthetic token ids"
     bpe_vocab = vocab - len(SPECIAL_TOKENS) if family == "bert" else vocab
-    cached = Path(run.get("cache_dir", ".")) / f"tokenizer-{_cache_key(texts, bpe_vocab)}.json"
+    # the cache file's name: the key the run computed
+    cached = Path(run.get("cache_dir", ".")) / f"tokenizer-{cache_key(texts, bpe_vocab)}.json"
     if not cached.is_file():
         return None, f"no tokenizer: the run's {cached} is gone; pass --tokenizer"
     if family == "bert":  # reads the cache (it exists) and appends the specials as the run did
@@ -54,10 +53,6 @@ def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
 
 def save_tokenizer(tokenizer: Tokenizer, family: str, max_length: int, out_dir) -> None:
     """Write ``tokenizer`` as HF files, naming the special tokens the model was trained with."""
-    from transformers import PreTrainedTokenizerFast
-
-    from mp_toolkit.data.lm import EOS_TOKEN
-
     vocab = tokenizer.get_vocab()
     if family == "bert":
         names = dict(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")

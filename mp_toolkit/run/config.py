@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # mp_toolkit.optim.lr imports this module
-    from mp_toolkit.optim.lr import DeepSpeedSchedule
+from mp_toolkit.optim.factory import OPTIMIZERS
+from mp_toolkit.optim.lr import DECAYS as LR_DECAYS, DeepSpeedSchedule
+
+__all__ = ["ENGINES", "LR_DECAYS", "OPTIMIZERS", "PARTITION_METHODS", "PRECISIONS", "SCHEDULES", "ConfigError",
+           "TrainConfig", "parse_boundaries"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 PRECISIONS = ("fp32", "fp16", "bf16", "auto")
-OPTIMIZERS = ("adamw", "adam", "adagrad", "rmsprop", "sgd", "lamb", "lars")
-LR_DECAYS = ("none", "linear", "cosine")
 PARTITION_METHODS = ("flops", "parameters", "uniform", "time")
 ENGINES = ("mp_toolkit", "deepspeed")
 

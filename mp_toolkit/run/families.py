@@ -1,9 +1,15 @@
-"""The model families `mpt train` trains: GPT (causal LM), BERT (MLM + NSP pre-training) and "hf", a
-HuggingFace save_pretrained directory (`mp_toolkit.run.hf_family`, ``--hf DIR``).
+"""The model families `mpt train` trains, one `Family` record each, in one table (`FAMILIES`).
 
-Each family gives the trainer the same things: a config checked without any process group, a
-plain single-device model (`model_zoo`), its tensor-parallel plan (data next to the model), the
-last stage's loss and the micro-batches of one data-parallel replica.
+Family names, as ``--model`` / ``--hf`` select them and checkpoints record them (``manifest["model"]
+["family"]``): ``"gpt"`` (model_zoo GPT, causal LM), ``"bert"`` (model_zoo BertForPreTraining: MLM +
+NSP pre-training) and ``"hf"`` (a HuggingFace save_pretrained directory, `mp_toolkit.run.hf_family`).
+The cost model's HF ``model_type`` names ("gpt2", "bert", "llama") describe shapes, not families.
+
+Each record gives the trainer the same things: the plain single-device model (`model_zoo`) built
+from its config, its positions and the sizes a tp degree must divide (checked without any process
+group), its tensor-parallel plan (data next to the model), the last stage's loss and the
+micro-batches of one data-parallel replica. A run looks its record up once (`ModelSpec.family_record`,
+`family_of`); nothing else compares family names.
 
 BERT under ``--tp > 1``: the MLM decoder is vocab-sharded (``TP_PLAN["predictions.decoder"]``), so
 the MLM part of the loss is `vocab_parallel_cross_entropy` over the local (B, T, V / tp) logits
@@ -14,38 +20,73 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import random
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
+import datasets
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from model_zoo import bert, gpt
-from mp_toolkit.run.config import ConfigError, TrainConfig
+from model_zoo.config_io import read_config_json
+from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset, rank0_first
+from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
+from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.hf_source import HFModel, HFSource
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything `mpt train` asks of one model family."""
+
+    name: str
+    """The family's one spelling: "gpt", "bert" or "hf"."""
+    model_class: type
+    """What `build` returns (`family_of` recognises a model by it)."""
+    config_class: type
+    """Its config: ``gpt.GPTConfig``, ``bert.BertConfig`` or `hf_family.HFSource`."""
+    build: Callable[[object], nn.Module]
+    """config -> the plain model, initialised from torch's current RNG state (hf: the directory's weights)."""
+    positions: Callable[[object], int]
+    """config -> the longest sequence the model takes."""
+    tp_sizes: Callable[[object], dict]
+    """config -> the sizes a tensor-parallel degree must divide (`check_tensor_parallel`'s keywords)."""
+    tensor_parallel: Callable[[LayerList, ParallelContext], LayerList]
+    """(LayerList, ctx) -> this rank's shard by the family's TP plan."""
+    loss: Callable[[nn.Module, ParallelContext], Callable]
+    """(model, ctx) -> the last stage's loss: on full logits, or with tp > 1 its vocab-parallel form."""
+    micro_batches: Callable[[object, TrainConfig, ParallelContext, int], tuple]
+    """(config, cfg, ctx, rank) -> (this replica's micro-batches, the config to build the model from)."""
+    label: Callable[[object], str] = lambda config: ""
+    """What the log adds to the family's name (hf: the HF architecture)."""
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model family and its config (``gpt.GPTConfig``, ``bert.BertConfig`` or ``train_hf.HFSource``)."""
+    """A model family and its config (``gpt.GPTConfig``, ``bert.BertConfig`` or ``hf_family.HFSource``)."""
 
     family: str
     config: object
 
     @property
+    def family_record(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
     def positions(self) -> int:
-        if self.family == "hf":
-            return self.config.positions
-        return self.config.n_positions if self.family == "gpt" else self.config.max_position_embeddings
+        return self.family_record.positions(self.config)
 
     @property
     def label(self) -> str:
         """What the log calls it: the family, and for "hf" the HF architecture."""
-        return f"hf {self.config.architecture}" if self.family == "hf" else self.family
+        return " ".join(filter(None, (self.family, self.family_record.label(self.config))))
 
     @property
     def vocab_size(self) -> int:
@@ -53,18 +94,11 @@ class ModelSpec:
 
     def tp_sizes(self) -> dict[str, int]:
         """The sizes a tensor-parallel degree must divide (`check_tensor_parallel`'s keywords)."""
-        c = self.config
-        if self.family == "hf":
-            return {}  # `train_hf.check_hf` checks the HF plan's sizes (grouped-query heads too)
-        if self.family == "gpt":
-            return dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size, vocab=c.vocab_size)
-        return dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size, vocab=c.vocab_size)
+        return self.family_record.tp_sizes(self.config)
 
     def build(self) -> nn.Module:
         """The plain model, initialised from torch's current RNG state (hf: the directory's weights)."""
-        if self.family == "hf":
-            return self.config.build()
-        return gpt.GPT(self.config) if self.family == "gpt" else bert.BertForPreTraining(self.config)
+        return self.family_record.build(self.config)
 
     def to_json(self) -> dict:
         return {"family": self.family, "config": self.config.to_dict()}
@@ -81,7 +115,6 @@ def resolve_model(name: str) -> ModelSpec:
         raise ConfigError(f"unknown model {name!r}: choose one of {', '.join([*gpt.PRESETS, *bert.PRESETS])} "
                           "or a path to a GPT-2 or BERT config.json")
     try:
-        from model_zoo.config_io import read_config_json
         doc = read_config_json(path, "model")
         kind = doc.get("model_type", "gpt2") if isinstance(doc, dict) else "gpt2"
         if kind == "bert":
@@ -94,18 +127,26 @@ def resolve_model(name: str) -> ModelSpec:
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
-TP_PLANS = {"gpt": gpt.TP_PLAN, "bert": bert.TP_PLAN}
+def _hf():
+    """`mp_toolkit.run.hf_family`, the rest of the family "hf", imported when an ``--hf`` run asks for it."""
+    from mp_toolkit.run import hf_family  # imports transformers (seconds, optional): only --hf runs need it
+
+    return hf_family
 
 
-def family_of(model: nn.Module) -> str:
-    from mp_toolkit.run.hf_family import HFModel
+def resolve_hf(directory: str, cfg: TrainConfig) -> ModelSpec:
+    """``--hf DIR`` -> ModelSpec("hf", HFSource), checked against the run (seq-len, the HF tensor-parallel
+    plan's sizes, the tokenizer); one-line ConfigError for a directory that cannot work."""
+    source = _hf().resolve_hf(directory)
+    _hf().check_hf(source, cfg)
+    return ModelSpec("hf", source)
 
-    if isinstance(model, HFModel):
-        return "hf"
-    if isinstance(model, gpt.GPT):
-        return "gpt"
-    if isinstance(model, bert.BertForPreTraining):
-        return "bert"
+
+def family_of(model: nn.Module) -> Family:
+    """The record of the family whose `Family.build` made ``model``."""
+    for family in FAMILIES.values():
+        if isinstance(model, family.model_class):
+            return family
     raise TypeError(f"mpt train builds GPT or BertForPreTraining models, not {type(model).__name__}")
 
 
@@ -116,73 +157,70 @@ def bert_vocab_parallel_loss(outputs, labels, group) -> torch.Tensor:
             + F.cross_entropy(nsp_logits.float(), nsp_labels.reshape(-1)))
 
 
-def tensor_parallel(model: nn.Module, layers, ctx: ParallelContext):
+def tensor_parallel(model: nn.Module, layers: LayerList, ctx: ParallelContext) -> LayerList:
     """This rank's tensor-parallel shard of ``layers`` (the LayerList of ``model``) by its family's plan."""
-    family = family_of(model)
-    if family == "hf":
-        from mp_toolkit.hf import TP_PLANS as HF_PLANS, apply_hf_tensor_parallel, family_of as hf_family
-
-        # BERT has no HF plan; `train_hf.check_hf` allows it --tp 1 only
-        return apply_hf_tensor_parallel(layers, ctx) if hf_family(layers) in HF_PLANS else layers
-    return apply_tensor_parallel(layers, ctx, TP_PLANS[family])
+    return family_of(model).tensor_parallel(layers, ctx)
 
 
 def loss_function(model: nn.Module, ctx: ParallelContext):
     """The last stage's loss: on full logits, or with tp > 1 its vocab-parallel form."""
-    family = family_of(model)
-    if family == "hf":
-        from mp_toolkit.run.hf_family import loss_function as hf_loss
-
-        return hf_loss(model, ctx)
-    if family == "gpt":
-        return gpt.lm_loss if ctx.tp_group is None else functools.partial(vocab_parallel_cross_entropy, group=ctx.tp_group)
-    return bert.pretraining_loss if ctx.tp_group is None else functools.partial(bert_vocab_parallel_loss, group=ctx.tp_group)
+    return family_of(model).loss(model, ctx)
 
 
-def synthetic_documents(seed: int, docs: int = 96, lines: int = 16, words: int = 12) -> list[str]:
-    """Documents of lines of pseudo-words from a 400-word Zipf-like vocabulary (BERT's ``--data synthetic``):
-    text with token statistics to learn, made in milliseconds without any file."""
-    rng = random.Random(seed)
-    letters = "etaoinshrdlucmfwypvbgkjqxz"
-    vocab = ["".join(rng.choice(letters[: 6 + i % 20]) for _ in range(2 + i % 7)) for i in range(400)]
-    weights = [1.0 / (1 + i) for i in range(len(vocab))]
-    return ["\n".join(" ".join(rng.choices(vocab, weights, k=words)) for _ in range(lines)) for _ in range(docs)]
-
-
-def rank0_first(build, rank: int):
-    """Rank 0 builds first (training and caching the tokenizer); the others then load the cache."""
-    out = build() if rank == 0 else None
-    if dist.is_initialized():
-        dist.barrier()
-    return out if out is not None else build()
-
-
-def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank: int):
+def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
     """(this replica's micro-batches, the spec to build the model from). Every rank of a
     data-parallel replica (its tp and pp ranks) reads the same shard. BERT's padding id is the
     corpus's [PAD], so the spec returned carries it."""
-    import datasets  # slow to import: validation needs none of this
-
-    from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset
-    from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
-
     if not cfg.progress:
         datasets.disable_progress_bars()  # the corpus's map() would draw one per rank
-    if spec.family == "hf":
-        from mp_toolkit.run.hf_family import micro_batches as hf_micro_batches
-
-        return hf_micro_batches(spec, cfg, ctx, rank)
     try:
-        if spec.family == "gpt":
-            ds = rank0_first(lambda: build_lm_dataset(cfg.data, spec.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
-                             rank)
-            return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), spec
-        source = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
-        corpus = rank0_first(lambda: build_mlm_corpus(source, spec.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
-                             rank)
-        data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
+        data, config = spec.family_record.micro_batches(spec.config, cfg, ctx, rank)
     except DataError as e:
         raise ConfigError(str(e)) from None
-    config = dataclasses.replace(spec.config, pad_token_id=corpus.special.pad)
-    return data, ModelSpec("bert", config)
+    return data, ModelSpec(spec.family, config)
 
+
+def _gpt_micro_batches(config: gpt.GPTConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
+    ds = rank0_first(lambda: build_lm_dataset(cfg.data, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir), rank)
+    return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), config
+
+
+def _bert_micro_batches(config: bert.BertConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
+    source = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
+    corpus = rank0_first(lambda: build_mlm_corpus(source, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
+                         rank)
+    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
+    return data, dataclasses.replace(config, pad_token_id=corpus.special.pad)
+
+
+def _tp_loss(full_loss: Callable, parallel_loss: Callable) -> Callable:
+    """(model, ctx) -> ``full_loss``, or ``parallel_loss`` over ``ctx.tp_group`` when tp > 1."""
+    return lambda model, ctx: full_loss if ctx.tp_group is None else functools.partial(parallel_loss,
+                                                                                         group=ctx.tp_group)
+
+
+GPT = Family(
+    name="gpt", model_class=gpt.GPT, config_class=gpt.GPTConfig, build=gpt.GPT,
+    positions=lambda c: c.n_positions,
+    tp_sizes=lambda c: dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size, vocab=c.vocab_size),
+    tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, gpt.TP_PLAN),
+    loss=_tp_loss(gpt.lm_loss, vocab_parallel_cross_entropy), micro_batches=_gpt_micro_batches,
+)
+BERT = Family(
+    name="bert", model_class=bert.BertForPreTraining, config_class=bert.BertConfig, build=bert.BertForPreTraining,
+    positions=lambda c: c.max_position_embeddings,
+    tp_sizes=lambda c: dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size,
+                            vocab=c.vocab_size),
+    tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, bert.TP_PLAN),
+    loss=_tp_loss(bert.pretraining_loss, bert_vocab_parallel_loss), micro_batches=_bert_micro_batches,
+)
+HF = Family(
+    name="hf", model_class=HFModel, config_class=HFSource, build=lambda source: source.build(),
+    positions=lambda source: source.positions,
+    tp_sizes=lambda source: {},  # `hf_family.check_hf` checks the HF plan's sizes (grouped-query heads too)
+    tensor_parallel=lambda layers, ctx: _hf().tensor_parallel(layers, ctx),
+    loss=lambda model, ctx: _hf().loss_function(model, ctx),
+    micro_batches=lambda source, cfg, ctx, rank: _hf().micro_batches(source, cfg, ctx, rank),
+    label=lambda source: source.architecture,
+)
+FAMILIES: Mapping[str, Family] = MappingProxyType({f.name: f for f in (GPT, BERT, HF)})

@@ -19,91 +19,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.hf import (
-    UnsupportedModelError, causal_lm_loss, check_hf_tensor_parallel, from_hf, load_config, masked_lm_loss,
-    pretraining_loss,
+    TP_PLANS, UnsupportedModelError, apply_hf_tensor_parallel, architecture_for, causal_lm_loss,
+    check_hf_tensor_parallel, family_of, load_config, masked_lm_loss, pretraining_loss,
 )
-from mp_toolkit.hf.export import architecture_for
+from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset, load_tokenizer_file, rank0_first
+from mp_toolkit.data.mlm import SPECIAL_TOKENS, MLMMicroBatches, build_mlm_corpus, tokenized_mlm_corpus
+from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
-from mp_toolkit.run.families import ModelSpec, rank0_first, synthetic_documents
+from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.hf_source import HFModel, HFSource
 
-BERT = ("BertForPreTraining", "BertForMaskedLM")
 BPE_MIN_VOCAB = 257  # `mp_toolkit.data.lm.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
 
 
-@dataclass(frozen=True)
-class HFSource:
-    """A save_pretrained directory: where it is, its architecture and its HF config as JSON values
-    (what checkpoints store as ``hf_config`` and resume compares; the path is not compared)."""
-
-    path: str
-    architecture: str
-    config: dict
-
-    @property
-    def positions(self) -> int:
-        return self.config.get("n_positions") or self.config["max_position_embeddings"]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config["vocab_size"]
-
-    @property
-    def is_bert(self) -> bool:
-        return self.architecture in BERT
-
-    @property
-    def tokenizer_file(self) -> Path | None:
-        f = Path(self.path) / "tokenizer.json"
-        return f if f.is_file() else None
-
-    def to_dict(self) -> dict:
-        return self.config
-
-    def build(self) -> "HFModel":
-        """The model with DIR's weights; under a meta device (validate's plan) its shapes only."""
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()  # one bar per rank says nothing
-        cls = getattr(transformers, self.architecture)
-        config = load_config(self.config)
-        if torch.get_default_device().type == "meta":
-            return HFModel(cls(config))
-        # config=: a BERT corpus's [PAD] replaces the saved pad_token_id (the embedding's padding_idx)
-        return HFModel(cls.from_pretrained(self.path, config=config, local_files_only=True, use_safetensors=True,
-                                           dtype=torch.float32))
-
-
-class HFModel(nn.Module):
-    """An HF model as the trainer sees model_zoo's: ``named_layers()`` and ``tie_groups()`` of `from_hf`."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        layers = from_hf(model)
-        self._named = list(zip(layers.names, layers.layers))
-        self._ties = layers.tie_groups
-
-    @property
-    def architecture(self) -> str:
-        return type(self.model).__name__
-
-    def named_layers(self) -> list[tuple[str, nn.Module]]:
-        return self._named
-
-    def tie_groups(self):
-        return self._ties
-
-
-def resolve_hf(directory: str) -> ModelSpec:
-    """``--hf DIR`` -> ModelSpec("hf", HFSource); one-line ConfigError for a directory that cannot work."""
+def resolve_hf(directory: str) -> HFSource:
+    """``--hf DIR`` -> its HFSource; one-line ConfigError for a directory that cannot work."""
     path = Path(directory)
     what = "a HuggingFace save_pretrained directory (config.json + model.safetensors)"
     if not path.is_dir():
@@ -122,7 +58,7 @@ def resolve_hf(directory: str) -> ModelSpec:
         raise ConfigError(f"--hf {directory}: cannot read config.json: {str(e).splitlines()[0]}") from None
     doc = json.loads(config.to_json_string())
     doc.pop("transformers_version", None)  # resuming under another transformers is the same model
-    return ModelSpec("hf", HFSource(str(path), architecture, doc))
+    return HFSource(str(path), architecture, doc)
 
 
 def check_hf(source: HFSource, cfg: TrainConfig) -> None:
@@ -150,8 +86,6 @@ def check_hf(source: HFSource, cfg: TrainConfig) -> None:
 def _check_tokenizer(source: HFSource) -> None:
     """Before any rank starts: the tokenizer reads and has no id the embedding lacks (the data
     pipeline checks the ids it actually produces again)."""
-    from mp_toolkit.data.lm import DataError, load_tokenizer_file
-
     try:
         tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
     except DataError as e:
@@ -160,6 +94,11 @@ def _check_tokenizer(source: HFSource) -> None:
     if n > source.vocab_size:
         raise ConfigError(f"--hf {source.path}: tokenizer.json has {n} tokens but the model's vocab_size is "
                           f"{source.vocab_size} (ids must be below it): use the tokenizer the model was built for")
+
+
+def tensor_parallel(layers: LayerList, ctx: ParallelContext) -> LayerList:
+    """This rank's shard by `apply_hf_tensor_parallel`; BERT has no HF plan (`check_hf` allows it --tp 1 only)."""
+    return apply_hf_tensor_parallel(layers, ctx) if family_of(layers) in TP_PLANS else layers
 
 
 def loss_function(model: HFModel, ctx: ParallelContext):
@@ -181,77 +120,34 @@ def _eos(config: dict) -> int | None:
     return eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 lists several
 
 
-def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank: int):
-    """(this replica's micro-batches, the spec to build from): a BERT corpus's [PAD] becomes the model's
-    pad_token_id. Rank 0 builds (and caches) first; it alone says which tokenizer is used."""
-    from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset
-    from mp_toolkit.data.mlm import MLMMicroBatches
-
-    source, tok = spec.config, spec.config.tokenizer_file
+def micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
+    """(this replica's micro-batches, the HFSource to build from): a BERT corpus's [PAD] becomes the
+    model's pad_token_id. Rank 0 builds (and caches) first; it alone says which tokenizer is used."""
+    tok = source.tokenizer_file
     if rank == 0 and cfg.data != "synthetic":
         print(f"tokenizer: {tok}" if tok is not None else
               f"tokenizer: {source.path} has no tokenizer.json, training a byte-level BPE on --data {cfg.data} "
               f"with the model's vocab_size {source.vocab_size}", flush=True)
-    try:
-        if not source.is_bert:
-            ds = rank0_first(lambda: build_lm_dataset(cfg.data, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir,
-                                                      tokenizer_file=tok, eos=_eos(source.config) if tok else None),
-                             rank)
-            return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), spec
-        corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank)
-        data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    config = {**source.config, "pad_token_id": corpus.special.pad}
-    return data, ModelSpec("hf", dataclasses.replace(source, config=config))
+    if not source.is_bert:  # a DataError is the caller's (`families.micro_batches`: one ConfigError line)
+        ds = rank0_first(lambda: build_lm_dataset(cfg.data, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir,
+                                                  tokenizer_file=tok, eos=_eos(source.config) if tok else None),
+                         rank)
+        return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), source
+    corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank)
+    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
+    return data, dataclasses.replace(source, config={**source.config, "pad_token_id": corpus.special.pad})
 
 
 def mlm_corpus(source: HFSource, cfg: TrainConfig, log: bool):
     """MLM + NSP sentence pairs: with the directory's tokenizer when it has all four BERT special
     tokens, else `build_mlm_corpus`'s own tokenizer (trained with the model's vocab_size)."""
-    from mp_toolkit.data.mlm import SPECIAL_TOKENS, build_mlm_corpus
-
     texts = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
     if source.tokenizer_file is not None:
-        from mp_toolkit.data.lm import load_tokenizer_file
-
         tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
         ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
         if None not in ids:
-            return _tokenized_mlm_corpus(texts, tokenizer, ids, source.vocab_size, cfg)
+            return tokenized_mlm_corpus(texts, tokenizer, ids, source.vocab_size, cfg.seq_len, cfg.seed)
         if log:
             print(f"{source.tokenizer_file} lacks {', '.join(t for t, i in zip(SPECIAL_TOKENS, ids) if i is None)}: "
                   f"training a byte-level BPE with BERT's special tokens instead", flush=True)
     return build_mlm_corpus(texts, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir)
-
-
-def _tokenized_mlm_corpus(source, tokenizer, special_ids: list[int], vocab_size: int, cfg: TrainConfig):
-    """`build_mlm_corpus`'s pairing and packing over an HF tokenizer's ids: lines are encoded without
-    its post-processor (the packing adds [CLS] / [SEP] itself)."""
-    import dataclasses as dc
-
-    import datasets
-    import numpy as np
-    from tokenizers import Tokenizer
-
-    from mp_toolkit.data.lm import DataError, read_texts, stdlib_files
-    from mp_toolkit.data.mlm import MLMCorpus, SpecialIds, _document_sentences, _pack, _pairs
-
-    if isinstance(source, list):
-        texts = source
-    else:
-        texts, _ = read_texts(stdlib_files() if source == "stdlib" else [source])
-    doc = json.loads(tokenizer.to_str())
-    doc["post_processor"] = None
-    plain = Tokenizer.from_str(json.dumps(doc))
-    special = SpecialIds(*special_ids)
-    rows = _pairs(_document_sentences(texts, plain), cfg.seq_len, 0.5, cfg.seed)
-    packed = _pack(rows.pop("a"), rows.pop("b"), special, cfg.seq_len)
-    top = int(packed["input_ids"].max())
-    if top >= vocab_size:
-        raise DataError(f"tokenizer gives token id {top}, but the model's vocab_size is {vocab_size}: use the "
-                        "tokenizer the model was built for (ids must be below vocab_size)")
-    columns = {**packed, **{k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}}
-    ds = datasets.Dataset.from_dict(columns).shuffle(seed=cfg.seed).with_format("numpy")
-    never = sorted(set(tokenizer.get_added_tokens_decoder()) | set(dc.astuple(special)))
-    return MLMCorpus(ds, tokenizer, special, min(tokenizer.get_vocab_size(), vocab_size), cfg.seq_len, tuple(never))

@@ -19,202 +19,30 @@ written at such a step, so `latest` stays on the last good one (RELIABILITY.md).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.run.config import ConfigError, TrainConfig, parse_boundaries
-from mp_toolkit.engine.pipeline import PipelineEngine
-from mp_toolkit.checkpoint import latest_step
+from mp_toolkit.engine.interface import TrainEngine
+from mp_toolkit.optim.lr import WarmupDecay, set_lr
+from mp_toolkit.optim.master import resolve_precision
+from mp_toolkit.parallel.context import build_context
+from mp_toolkit.partition.memstats import (keep_freed_memory, peak_rss_bytes, release_free_memory, reset_peak,
+                                           rss_bytes, warm_runtime)
+from mp_toolkit.run.checks import model_spec
+from mp_toolkit.run.compose import make_engine
+from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.run.families import micro_batches
 from mp_toolkit.run.launch import (
     LaunchEnv, PeerLost, Peers, RankStatus, comm_failure_line, init_distributed, is_comm_failure,
 )
-from mp_toolkit.layers import LayerList
-from mp_toolkit.partition.memstats import (keep_freed_memory, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes,
-                                 warm_runtime)
 from mp_toolkit.run.metrics import MetricsLog, gather_ints
-from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer, check_optimizer_options
-from mp_toolkit.optim.loss_scaler import DynamicLossScaler
-from mp_toolkit.optim.lr import WarmupDecay, set_lr
-from mp_toolkit.optim.master import resolve_precision
-from mp_toolkit.parallel.context import ParallelContext, build_context
-from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
-from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
-from mp_toolkit.partition.train_cut import CutWorkload, config_of, flops_cut, time_cut
-from mp_toolkit.schedule import get_schedule
-from mp_toolkit.run.families import ModelSpec, loss_function, micro_batches, resolve_model, tensor_parallel
+from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
 from mp_toolkit.run.state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
 
-__all__ = ["Diverged", "MetricsLog", "build_engine", "plan_boundaries", "run_training", "validate"]
-
-
-class Diverged(Exception):
-    """--max-skips consecutive steps were skipped for non-finite values (every rank raises it; exit 3)."""
-
-
-def model_spec(cfg: TrainConfig) -> ModelSpec:
-    """The model ``cfg.model`` (or ``cfg.hf``) names, with the sequence length checked against it."""
-    if cfg.hf is not None:
-        from mp_toolkit.run.hf_family import check_hf, resolve_hf
-
-        spec = resolve_hf(cfg.hf)
-        check_hf(spec.config, cfg)  # seq-len, the HF tensor-parallel plan's sizes, the tokenizer
-        return spec
-    spec = resolve_model(cfg.model)
-    if cfg.seq_len > spec.positions:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s {spec.positions} positions: "
-                          f"use at most {spec.positions}")
-    return spec
-
-
-def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int = 1,
-                    workload: CutWorkload | None = None) -> list[int]:
-    """Boundaries of ``pp * chunks`` stages by method name or explicit ``0,3,7`` text. ``flops`` and
-    ``time`` need ``workload`` (the model's config and batch; for ``time`` the context whose rank 0
-    measures and broadcasts the cut, `mp_toolkit.partition.train_cut`)."""
-    n = len(layer_list)
-    if pp * chunks > n:
-        what = f"--pp {pp}" if chunks == 1 else f"--pp {pp} x --chunks {chunks} = {pp * chunks} stages"
-        raise ConfigError(f"{what} exceeds the model's {n} layers ({', '.join(layer_list.names)}): use at most {n}")
-    pp = pp * chunks
-    given = parse_boundaries(partition)
-    try:
-        if given is not None:
-            return explicit(given, n, pp)
-        if partition == "uniform":
-            return uniform(n, pp)
-        if partition in ("flops", "time"):
-            if workload is None:
-                raise PartitionError("needs the model's config and batch (a CutWorkload)")
-            if partition == "flops":
-                return flops_cut(workload.config, n, pp, workload.micro_batch, workload.seq_len)
-            return time_cut(layer_list, pp, workload)
-        return by_parameters(layer_list.layer_parameter_counts(), pp)
-    except PartitionError as e:
-        raise ConfigError(f"--partition {partition}: {e}") from None
-
-
-def _validate_numbers(cfg: TrainConfig) -> None:
-    for name in ("pp", "tp", "dp", "microbatches", "micro_batch", "seq_len", "steps"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be at least 1")
-    for name in ("lr", "min_lr", "weight_decay", "loss_scale", "min_loss_scale"):
-        value = getattr(cfg, name)
-        if not (value >= 0 and math.isfinite(value)) or (name == "lr" and value == 0):
-            raise ConfigError(f"--{name.replace('_', '-')} {value} must be a {'positive' if name == 'lr' else 'non-negative'} finite number")
-    if not (cfg.dp_bucket_mb > 0 and math.isfinite(cfg.dp_bucket_mb)):
-        raise ConfigError(f"--dp-bucket-mb {cfg.dp_bucket_mb} must be a positive finite number")
-    if cfg.clip_grad is not None and not (cfg.clip_grad > 0 and math.isfinite(cfg.clip_grad)):
-        raise ConfigError(f"--clip-grad {cfg.clip_grad} must be a positive finite number (or none)")
-    for name in ("warmup_steps", "loss_scale_window", "hysteresis", "initial_scale_power", "save_every", "restarts",
-                 "max_skips"):
-        if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
-    if cfg.min_lr > cfg.lr:
-        raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}: the decay must end at or below the peak")
-    try:
-        check_optimizer_options(cfg.optimizer, OptimizerOptions.of(cfg))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _validate_paths(cfg: TrainConfig) -> None:
-    if cfg.data not in ("stdlib", "synthetic"):
-        path = Path(cfg.data)
-        if not path.exists() or not os.access(path, os.R_OK):
-            raise ConfigError(f"--data {cfg.data!r} is not a readable file or folder (or use stdlib / synthetic)")
-    if cfg.keep is not None and cfg.keep < 1:
-        raise ConfigError(f"--keep {cfg.keep} must be at least 1 (0 keeps every checkpoint)")
-    if cfg.resume in ("latest", "auto") and cfg.save_dir is None:
-        raise ConfigError(f"--resume {cfg.resume} needs --save-dir (the checkpoint root it resumes from), "
-                          "or give --resume DIR")
-    if cfg.resume not in (None, "latest", "auto") and not Path(cfg.resume).is_dir():
-        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint directory")
-    if cfg.save_every and cfg.save_dir is None:
-        raise ConfigError(f"--save-every {cfg.save_every} needs --save-dir")
-    if cfg.restarts and (cfg.save_dir is None or not cfg.save_every):
-        raise ConfigError(f"--restarts {cfg.restarts} needs --save-dir and --save-every N: a restart resumes from "
-                          "the latest checkpoint, and without one it would start over")
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Every check that needs no process group: fail before any rank starts."""
-    _validate_numbers(cfg)
-    _validate_paths(cfg)
-    from mp_toolkit.ds.engine import check_engine  # --engine deepspeed's limits (imports no DeepSpeed)
-
-    check_engine(cfg)
-    spec = model_spec(cfg)
-    try:
-        check_tensor_parallel(cfg.tp, **spec.tp_sizes())
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    with torch.device("meta"):
-        layers = LayerList.from_model(spec.build())
-    plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks, CutWorkload.of(cfg, spec.config))
-    try:
-        get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> PipelineEngine:
-    """Compose the parallelisms over a plain single-device GPT, BERT or HF model, for this rank.
-    The order matters:
-
-    1. Plan the pipeline cut on the *unsplit* layer list (boundaries are data), so every tp degree
-       cuts the model at the same layers.
-    2. Tensor parallelism: `apply_tensor_parallel` (an HF model: `apply_hf_tensor_parallel`) swaps
-       the modules the model's TP plan names for this rank's shards over the whole list at once,
-       so the tied embedding and LM head (MLM decoder), which may land on different stages, are
-       split alike (and stay one Parameter where one stage holds both). It must come before the
-       cut: a stage is a slice of whatever modules the list holds.
-    3. Pipeline: the engine keeps this rank's stages of the sharded list; the others are freed
-       with ``model`` once the caller drops it.
-    4. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
-       once its backward is done; nothing is wrapped, the modules stay plain.
-
-    ``model`` must be built identically on every rank (same seed): each keeps its own slice.
-    """
-    layers = LayerList.from_model(model)
-    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks,  # 1
-                                 CutWorkload.of(cfg, config_of(model), ctx))
-    layers = tensor_parallel(model, layers, ctx)  # 2
-    tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
-    options = OptimizerOptions.of(cfg)
-    return PipelineEngine(  # 3 and 4
-        layers, ctx, boundaries, cfg.microbatches, cfg.schedule,
-        optimizer=lambda named: build_optimizer(cfg.optimizer, named, cfg.lr, cfg.weight_decay, tp_group=tp_group,
-                                                options=options),
-        loss_fn=loss_function(model, ctx), clip_grad=cfg.clip_grad, precision=cfg.precision,
-        loss_scaler=loss_scaler(cfg), chunks=cfg.chunks, dp_bucket_bytes=max(1, int(cfg.dp_bucket_mb * 2**20)),
-    )
-
-
-def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module):
-    """``--engine deepspeed``: DeepSpeed's PipelineEngine with the same cut, optimizer and loss, behind
-    the calls this loop makes of ours (`mp_toolkit.ds.engine`; DeepSpeed is imported only then)."""
-    from mp_toolkit.ds.engine import DeepSpeedPipeline
-
-    return DeepSpeedPipeline(cfg, ctx, model)
-
-
-def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:
-    """fp16 scales the loss (static when --loss-scale > 0); fp32 and bf16 need no scaling."""
-    if cfg.precision != "fp16":
-        return None
-    return DynamicLossScaler(
-        initial_scale_power=cfg.initial_scale_power, loss_scale_window=cfg.loss_scale_window,
-        hysteresis=cfg.hysteresis, min_loss_scale=cfg.min_loss_scale,
-        consecutive_hysteresis=cfg.consecutive_hysteresis,
-        static_scale=cfg.loss_scale if cfg.loss_scale > 0 else None,
-    )
+__all__ = ["Diverged", "lr_at", "run_training"]
 
 
 def lr_at(cfg: TrainConfig, progress: Progress, step: int) -> float:
@@ -262,81 +90,7 @@ def _resume(cfg: TrainConfig, engine, ctx, names, data, spec, log_rank0: bool) -
     return resumed.progress
 
 
-@contextmanager
-def injected_nonfinite(engine: PipelineEngine, kind: str | None):
-    """Test hook (``MPT_FAULTS``, `mp_toolkit.run.launch.Faults`): for one step make this rank's gradients
-    ("grad": the first parameter's gradient becomes inf) or its loss ("loss": the last stage's output
-    times inf) non-finite. Nothing happens when ``kind`` is None."""
-    handle = None
-    if kind == "grad":
-        handle = engine.named_parameters()[0][1].register_hook(lambda g: torch.full_like(g, float("inf")))
-    elif kind == "loss":
-        last = engine.schedule.num_stages - 1
-        if last not in engine.stages:
-            raise ConfigError(f"MPT_FAULTS: a non-finite loss needs the rank of the last stage ({last}), "
-                              f"this one holds stages {sorted(engine.stages)}")
-        times_inf = lambda t: t * float("inf") if t.is_floating_point() else t
-        handle = engine.stages[last].register_forward_hook(
-            lambda module, args, out: tuple(map(times_inf, out)) if isinstance(out, tuple) else times_inf(out))
-    try:
-        yield
-    finally:
-        if handle is not None:
-            handle.remove()
-
-
-@dataclass
-class SkipStreak:
-    """Consecutive skipped steps that count toward --max-skips: every skip in fp32 / bf16; in fp16 only
-    those the scaler cannot answer by lowering the scale (a static scale, or one at --min-loss-scale)."""
-
-    limit: int
-    count: int = 0
-    first: int = 0
-
-    def update(self, step: int, stats, scaler: DynamicLossScaler | None) -> bool:
-        """Whether this step counts (and so may not be checkpointed)."""
-        counts = stats.skipped and (scaler is None or scaler.static or stats.loss_scale <= scaler.min_loss_scale)
-        self.first = step if counts and not self.count else self.first
-        self.count = self.count + 1 if counts else 0
-        return counts
-
-    def line(self, step: int, stats, cfg: TrainConfig, scaler: DynamicLossScaler | None) -> str:
-        what = f"non-finite {stats.nonfinite or 'values'} on some rank"
-        if self.count:
-            return (f"step {step} skipped on every rank: {what} in {cfg.precision}; parameters and optimizer state "
-                    f"unchanged ({self.count} in a row, --max-skips {self.limit})")
-        return f"step {step} skipped on every rank: fp16 overflow ({what}), loss scale {stats.loss_scale:g} -> {scaler.scale:g}"
-
-    def stop_message(self, step: int, stats, cfg: TrainConfig) -> str:
-        latest = latest_step(cfg.save_dir) if cfg.save_dir is not None else None
-        kept = (f"the last good checkpoint is {cfg.save_dir / f'step-{latest:08d}'}" if latest is not None
-                else "no checkpoint was written")
-        return (f"{self.count} consecutive steps skipped (steps {self.first}-{step}): non-finite "
-                f"{stats.nonfinite or 'values'} on some rank in {cfg.precision}; stopping, {kept} (lower --lr, check "
-                f"the data, or raise --max-skips above {self.limit})")
-
-
-@dataclass
-class SaveSchedule:
-    """Checkpoints every --save-every steps and after the last one, but never at a step that counts
-    toward --max-skips: that save waits for the next applied step, so `latest` stays on a good one."""
-
-    cfg: TrainConfig
-    deferred: bool = False
-
-    def now(self, step: int, counted: bool, log: MetricsLog) -> bool:
-        cfg = self.cfg
-        due = cfg.save_dir is not None and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0))
-        if not (due or self.deferred):
-            return False
-        if counted and due:
-            log.note(f"no checkpoint at step {step}: it was skipped; the next applied step saves")
-        self.deferred = counted
-        return not counted
-
-
-def _one_step(cfg: TrainConfig, env: LaunchEnv, engine: PipelineEngine, data, progress: Progress,
+def _one_step(cfg: TrainConfig, env: LaunchEnv, engine: TrainEngine, data, progress: Progress,
               step: int) -> tuple:
     """Train step ``step`` (advancing ``progress``); returns (StepStats, its metrics row)."""
     lr = lr_at(cfg, progress, step)
@@ -374,7 +128,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     torch.manual_seed(cfg.seed)  # every rank builds the same full model, then keeps its shard of its stage
     model = spec.build()
     names = ModelNames.of(model)
-    engine = build_engine(cfg, ctx, model) if cfg.engine == "mp_toolkit" else deepspeed_engine(cfg, ctx, model)
+    engine = make_engine(cfg, ctx, model)
     del model
     progress = _resume(cfg, engine, ctx, names, data, spec, rank0)
     if progress.step >= cfg.steps:
@@ -384,7 +138,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     release_free_memory()
     reset_peak()
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
-    scaler, streak, saves = engine.step.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
+    scaler, streak, saves = engine.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
     first = progress.step + 1
     for step in range(first, cfg.steps + 1):
         status.set(f"during step {step}")

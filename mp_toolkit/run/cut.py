@@ -15,8 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .cost import CostModelError, layer_costs, shape_from_hf_config
-from .solvers import PartitionError, min_max
+import torch.distributed as dist
+from model_zoo import bert, gpt
+
+from mp_toolkit.layers import LayerList
+from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
+from mp_toolkit.partition.build import DTYPES, batch_maker
+from mp_toolkit.partition.cost import CostModelError, layer_costs, shape_from_hf_config
+from mp_toolkit.partition.measure import TIMED_MICROBATCHES, measure_layers
+from mp_toolkit.partition.solvers import min_max
+from mp_toolkit.run.config import ConfigError, parse_boundaries
 
 
 @dataclass(frozen=True)
@@ -25,7 +33,7 @@ class CutWorkload:
 
     config: object
     """The model's config: model_zoo's GPTConfig / BertConfig, or anything whose ``to_dict()`` is a
-    HuggingFace config dict (an HF model's config, `train_hf.HFSource`)."""
+    HuggingFace config dict (an HF model's config, `mp_toolkit.run.hf_source.HFSource`)."""
     micro_batch: int
     seq_len: int
     microbatches: int = 4
@@ -42,13 +50,11 @@ class CutWorkload:
 
 
 def config_of(model) -> object:
-    """A model's config: model_zoo models carry ``.config``, `train_hf.HFModel` wraps HF's ``.model``."""
+    """A model's config: model_zoo models carry ``.config``, `mp_toolkit.run.hf_source.HFModel` wraps HF's ``.model``."""
     return getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
 
 
 def _family_and_dict(config) -> tuple[str, dict]:
-    from model_zoo import bert, gpt
-
     if isinstance(config, gpt.GPTConfig):
         return "gpt2", {**config.to_dict(), "model_type": "gpt2"}
     if isinstance(config, bert.BertConfig):
@@ -81,8 +87,6 @@ def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
     ctx = work.ctx
     if ctx is None:  # a check before the ranks start: the layers are shapes only
         return flops_cut(work.config, len(layer_list), num_stages, work.micro_batch, work.seq_len)
-    import torch.distributed as dist
-
     shared = dist.is_initialized() and dist.get_world_size() > 1
     bounds = None
     if not shared or dist.get_rank() == 0:
@@ -98,9 +102,6 @@ def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
 def _measured_layer_times(layer_list, family: str, work: CutWorkload) -> list[float]:
     """Forward + backward seconds per layer of a copy of ``layer_list`` in the run's precision on
     its device; torch's random state is left as it was (every rank must draw the same data)."""
-    from .build import DTYPES, batch_maker
-    from .measure import TIMED_MICROBATCHES, measure_layers
-
     batch, loss_fn = batch_maker(family, work.config)
     device = work.ctx.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -111,3 +112,30 @@ def _measured_layer_times(layer_list, family: str, work: CutWorkload) -> list[fl
         timings = measure_layers(layers, move(inputs), loss_fn, move(labels),
                                  microbatches=min(work.microbatches, TIMED_MICROBATCHES))
     return [t.forward_s + t.backward_s for t in timings]
+
+
+def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int = 1,
+                    workload: CutWorkload | None = None) -> list[int]:
+    """Boundaries of ``pp * chunks`` stages by method name or explicit ``0,3,7`` text. ``flops`` and
+    ``time`` need ``workload`` (the model's config and batch; for ``time`` the context whose rank 0
+    measures and broadcasts the cut, `time_cut`)."""
+    n = len(layer_list)
+    if pp * chunks > n:
+        what = f"--pp {pp}" if chunks == 1 else f"--pp {pp} x --chunks {chunks} = {pp * chunks} stages"
+        raise ConfigError(f"{what} exceeds the model's {n} layers ({', '.join(layer_list.names)}): use at most {n}")
+    pp = pp * chunks
+    given = parse_boundaries(partition)
+    try:
+        if given is not None:
+            return explicit(given, n, pp)
+        if partition == "uniform":
+            return uniform(n, pp)
+        if partition in ("flops", "time"):
+            if workload is None:
+                raise PartitionError("needs the model's config and batch (a CutWorkload)")
+            if partition == "flops":
+                return flops_cut(workload.config, n, pp, workload.micro_batch, workload.seq_len)
+            return time_cut(layer_list, pp, workload)
+        return by_parameters(layer_list.layer_parameter_counts(), pp)
+    except PartitionError as e:
+        raise ConfigError(f"--partition {partition}: {e}") from None
