@@ -20,7 +20,7 @@ Single process, pipeline (pp=2) and tensor parallel (tp=2) use::
                             loss_fn=lambda logits, y: causal_lm_loss(logits, y, ctx.tp_group))
 """
 
-from mp_toolkit.hf.adapters import SUPPORTED, UnsupportedModelError, family_of, from_hf
+from mp_toolkit.hf.adapters import SUPPORTED, UnsupportedModelError, from_hf, model_type_of
 from mp_toolkit.hf.common import layer_state_dict
 from mp_toolkit.hf.configs import architecture_for, load_config
 from mp_toolkit.hf.export import copy_tokenizer, export_hf, hf_name_map, read_checkpoint_state, to_hf_state_dict
@@ -28,7 +28,7 @@ from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_los
 from mp_toolkit.hf.tp_plans import GPT2_TP_PLAN, LLAMA_TP_PLAN, TP_PLANS, apply_hf_tensor_parallel, check_hf_tensor_parallel
 
 __all__ = [
-    "SUPPORTED", "UnsupportedModelError", "from_hf", "family_of", "layer_state_dict",
+    "SUPPORTED", "UnsupportedModelError", "from_hf", "model_type_of", "layer_state_dict",
     "causal_lm_loss", "shift_labels", "masked_lm_loss", "pretraining_loss",
     "GPT2_TP_PLAN", "LLAMA_TP_PLAN", "TP_PLANS", "apply_hf_tensor_parallel", "check_hf_tensor_parallel",
     "export_hf", "hf_name_map", "to_hf_state_dict", "load_config", "architecture_for", "read_checkpoint_state",

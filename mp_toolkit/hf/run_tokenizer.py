@@ -21,13 +21,19 @@ from mp_toolkit.data.lm import EOS_TOKEN, DataError, cache_key, read_texts, stdl
 from mp_toolkit.data.mlm import SPECIAL_TOKENS, bert_tokenizer
 from mp_toolkit.data.synthetic import synthetic_documents
 from mp_toolkit.hf.export import copy_tokenizer
+from mp_toolkit.run.families import FAMILIES
+
+
+def _mlm(family: str) -> bool:
+    """Whether the run of ``family`` trained on MLM + NSP pairs with BERT's special tokens."""
+    return family in FAMILIES and FAMILIES[family].mlm
 
 
 def _run_texts(family: str, run: Mapping) -> list[str] | None:
     """The documents the run tokenized, or None when it used no tokenizer."""
     data = str(run.get("data"))
     if data == "synthetic":
-        return synthetic_documents(run["seed"]) if family == "bert" else None
+        return synthetic_documents(run["seed"]) if _mlm(family) else None
     return read_texts(stdlib_files() if data == "stdlib" else [data])[0]
 
 
@@ -41,12 +47,12 @@ def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
         return None, f"no tokenizer: the run's data {run.get('data')!r} cannot be read again ({e}); pass --tokenizer"
     if texts is None:
         return None, "no tokenizer: the run trained on synthetic token ids"
-    bpe_vocab = vocab - len(SPECIAL_TOKENS) if family == "bert" else vocab
+    bpe_vocab = vocab - len(SPECIAL_TOKENS) if _mlm(family) else vocab
     # the cache file's name: the key the run computed
     cached = Path(run.get("cache_dir", ".")) / f"tokenizer-{cache_key(texts, bpe_vocab)}.json"
     if not cached.is_file():
         return None, f"no tokenizer: the run's {cached} is gone; pass --tokenizer"
-    if family == "bert":  # reads the cache (it exists) and appends the specials as the run did
+    if _mlm(family):  # reads the cache (it exists) and appends the specials as the run did
         return bert_tokenizer(texts, vocab, cached.parent)[1], f"tokenizer from {cached} + BERT specials"
     return Tokenizer.from_file(str(cached)), f"tokenizer from {cached}"
 
@@ -54,7 +60,7 @@ def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
 def save_tokenizer(tokenizer: Tokenizer, family: str, max_length: int, out_dir) -> None:
     """Write ``tokenizer`` as HF files, naming the special tokens the model was trained with."""
     vocab = tokenizer.get_vocab()
-    if family == "bert":
+    if _mlm(family):
         names = dict(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
     else:
         names = dict(eos_token=EOS_TOKEN, bos_token=EOS_TOKEN)
@@ -78,7 +84,7 @@ def write_tokenizer(source, manifest: Mapping, out_dir) -> str:
             raise ValueError(f"--tokenizer {source}: not a tokenizer directory nor a tokenizers JSON "
                              f"({str(e).splitlines()[0][:120]})") from None
         note = f"tokenizer from {source}"
-    elif family in ("gpt", "bert") and "config" in model:
+    elif family in FAMILIES and FAMILIES[family].config_from_dict is not None and "config" in model:  # model_zoo
         tokenizer, note = run_tokenizer(manifest)
         if tokenizer is None:
             return note

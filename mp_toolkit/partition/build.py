@@ -24,15 +24,16 @@ from .measure import TIMED_MICROBATCHES, LayerTiming, measure_layers, measure_op
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def batch_maker(family: str, config):
-    """``make_batch(b, s) -> (inputs, labels)`` of random tokens for a model_zoo GPT ("gpt2") or
-    BERT ("bert") of ``config``, and the loss its last stage applies."""
-    if family == "gpt2":
+def batch_maker(model_type: str, config):
+    """``make_batch(b, s) -> (inputs, labels)`` of random tokens for a model_zoo GPT (``model_type``
+    "gpt2") or BERT ("bert") of ``config``, and the loss its last stage applies."""
+    if model_type == "gpt2":
         def batch(b: int, s: int):
             ids = torch.randint(0, config.vocab_size, (b, s + 1))
             return ids[:, :-1], ids[:, 1:]
 
         return batch, lambda logits, labels: gpt.lm_loss(logits.float(), labels)
+
     def batch(b: int, s: int):
         ids = torch.randint(0, config.vocab_size, (b, s))
         inputs = (ids, torch.zeros_like(ids), torch.ones_like(ids))

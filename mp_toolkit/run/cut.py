@@ -16,8 +16,6 @@ from dataclasses import dataclass
 import torch
 
 import torch.distributed as dist
-from model_zoo import bert, gpt
-
 from mp_toolkit.layers import LayerList
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
 from mp_toolkit.partition.build import DTYPES, batch_maker
@@ -25,6 +23,7 @@ from mp_toolkit.partition.cost import CostModelError, layer_costs, shape_from_hf
 from mp_toolkit.partition.measure import TIMED_MICROBATCHES, measure_layers
 from mp_toolkit.partition.solvers import min_max
 from mp_toolkit.run.config import ConfigError, parse_boundaries
+from mp_toolkit.run.families import family_of_config
 
 
 @dataclass(frozen=True)
@@ -54,20 +53,20 @@ def config_of(model) -> object:
     return getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
 
 
-def _family_and_dict(config) -> tuple[str, dict]:
-    if isinstance(config, gpt.GPTConfig):
-        return "gpt2", {**config.to_dict(), "model_type": "gpt2"}
-    if isinstance(config, bert.BertConfig):
-        return "bert", {**config.to_dict(), "model_type": "bert"}
+def _cost_config(config) -> tuple[bool, dict]:
+    """(whether a ``time`` cut can measure the model, its config as an HF config dict for the cost model)."""
+    family = family_of_config(config)
+    if family is not None and family.model_type is not None:
+        return True, {**config.to_dict(), "model_type": family.model_type}
     d = config.to_dict() if hasattr(config, "to_dict") else None
     if not isinstance(d, dict):
         raise PartitionError(f"the cost model cannot read a {type(config).__name__}: use parameters or uniform")
-    return "hf", d
+    return False, d
 
 
 def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_len: int) -> list[int]:
     """The boundaries of ``mpt plan --method flops`` for the model of ``config``."""
-    _, d = _family_and_dict(config)
+    _, d = _cost_config(config)
     try:
         costs = layer_costs(shape_from_hf_config(d, "the model's config"), micro_batch, seq_len)
     except CostModelError as e:
@@ -81,8 +80,8 @@ def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_le
 def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
     """Boundaries minimising the slowest stage's measured forward + backward; measured on global
     rank 0 and broadcast (see the module docstring)."""
-    family, _ = _family_and_dict(work.config)
-    if family == "hf":
+    measurable, d = _cost_config(work.config)
+    if not measurable:
         raise PartitionError("time measures model_zoo GPT and BERT models so far: use flops or parameters")
     ctx = work.ctx
     if ctx is None:  # a check before the ranks start: the layers are shapes only
@@ -90,7 +89,7 @@ def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
     shared = dist.is_initialized() and dist.get_world_size() > 1
     bounds = None
     if not shared or dist.get_rank() == 0:
-        bounds = min_max(_measured_layer_times(layer_list, family, work), num_stages)
+        bounds = min_max(_measured_layer_times(layer_list, d["model_type"], work), num_stages)
         print(f"--partition time: layers measured on this machine, cut {bounds}", flush=True)
     if shared:
         box = [bounds]
@@ -99,10 +98,10 @@ def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
     return bounds
 
 
-def _measured_layer_times(layer_list, family: str, work: CutWorkload) -> list[float]:
+def _measured_layer_times(layer_list, model_type: str, work: CutWorkload) -> list[float]:
     """Forward + backward seconds per layer of a copy of ``layer_list`` in the run's precision on
     its device; torch's random state is left as it was (every rank must draw the same data)."""
-    batch, loss_fn = batch_maker(family, work.config)
+    batch, loss_fn = batch_maker(model_type, work.config)
     device = work.ctx.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)

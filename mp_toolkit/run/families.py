@@ -66,6 +66,15 @@ class Family:
     """(config, cfg, ctx, rank) -> (this replica's micro-batches, the config to build the model from)."""
     label: Callable[[object], str] = lambda config: ""
     """What the log adds to the family's name (hf: the HF architecture)."""
+    config_from_dict: Callable[[dict], object] | None = None
+    """A checkpoint's recorded ``config`` (``to_json``) -> the config; None: not rebuilt from it (hf)."""
+    hf_config: Callable[[object], dict | None] = lambda config: None
+    """The HF config dict a checkpoint also records (``hf_config``, for export); None for model_zoo."""
+    model_type: str | None = None
+    """The HF ``model_type`` the cost model reads the config as ("gpt2", "bert"); None: the config's own,
+    and a ``time`` cut cannot measure it (`mp_toolkit.run.cut`)."""
+    mlm: bool = False
+    """Trained on MLM + NSP sentence pairs with BERT's [PAD] [CLS] [SEP] [MASK] after the BPE."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,11 @@ class ModelSpec:
 
     def to_json(self) -> dict:
         return {"family": self.family, "config": self.config.to_dict()}
+
+
+def family_of_config(config) -> Family | None:
+    """The record whose config class ``config`` is, or None."""
+    return next((f for f in FAMILIES.values() if isinstance(config, f.config_class)), None)
 
 
 def resolve_model(name: str) -> ModelSpec:
@@ -205,6 +219,7 @@ GPT = Family(
     tp_sizes=lambda c: dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size, vocab=c.vocab_size),
     tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, gpt.TP_PLAN),
     loss=_tp_loss(gpt.lm_loss, vocab_parallel_cross_entropy), micro_batches=_gpt_micro_batches,
+    config_from_dict=gpt.GPTConfig.from_dict, model_type="gpt2",
 )
 BERT = Family(
     name="bert", model_class=bert.BertForPreTraining, config_class=bert.BertConfig, build=bert.BertForPreTraining,
@@ -213,14 +228,15 @@ BERT = Family(
                             vocab=c.vocab_size),
     tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, bert.TP_PLAN),
     loss=_tp_loss(bert.pretraining_loss, bert_vocab_parallel_loss), micro_batches=_bert_micro_batches,
+    config_from_dict=bert.BertConfig.from_dict, model_type="bert", mlm=True,
 )
 HF = Family(
     name="hf", model_class=HFModel, config_class=HFSource, build=lambda source: source.build(),
     positions=lambda source: source.positions,
     tp_sizes=lambda source: {},  # `hf_family.check_hf` checks the HF plan's sizes (grouped-query heads too)
-    tensor_parallel=lambda layers, ctx: _hf().tensor_parallel(layers, ctx),
-    loss=lambda model, ctx: _hf().loss_function(model, ctx),
-    micro_batches=lambda source, cfg, ctx, rank: _hf().micro_batches(source, cfg, ctx, rank),
-    label=lambda source: source.architecture,
+    tensor_parallel=lambda layers, ctx: _hf().hf_tensor_parallel(layers, ctx),
+    loss=lambda model, ctx: _hf().hf_loss(model, ctx),
+    micro_batches=lambda source, cfg, ctx, rank: _hf().hf_micro_batches(source, cfg, ctx, rank),
+    label=lambda source: source.architecture, hf_config=lambda source: source.to_dict(),
 )
 FAMILIES: Mapping[str, Family] = MappingProxyType({f.name: f for f in (GPT, BERT, HF)})

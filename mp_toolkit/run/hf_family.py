@@ -25,7 +25,7 @@ import torch
 
 from mp_toolkit.hf import (
     TP_PLANS, UnsupportedModelError, apply_hf_tensor_parallel, architecture_for, causal_lm_loss,
-    check_hf_tensor_parallel, family_of, load_config, masked_lm_loss, pretraining_loss,
+    check_hf_tensor_parallel, model_type_of, load_config, masked_lm_loss, pretraining_loss,
 )
 from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset, load_tokenizer_file, rank0_first
 from mp_toolkit.data.mlm import SPECIAL_TOKENS, MLMMicroBatches, build_mlm_corpus, tokenized_mlm_corpus
@@ -96,12 +96,12 @@ def _check_tokenizer(source: HFSource) -> None:
                           f"{source.vocab_size} (ids must be below it): use the tokenizer the model was built for")
 
 
-def tensor_parallel(layers: LayerList, ctx: ParallelContext) -> LayerList:
+def hf_tensor_parallel(layers: LayerList, ctx: ParallelContext) -> LayerList:
     """This rank's shard by `apply_hf_tensor_parallel`; BERT has no HF plan (`check_hf` allows it --tp 1 only)."""
-    return apply_hf_tensor_parallel(layers, ctx) if family_of(layers) in TP_PLANS else layers
+    return apply_hf_tensor_parallel(layers, ctx) if model_type_of(layers) in TP_PLANS else layers
 
 
-def loss_function(model: HFModel, ctx: ParallelContext):
+def hf_loss(model: HFModel, ctx: ParallelContext):
     """The last stage's loss in our label convention (`mp_toolkit.hf.losses`)."""
     if model.architecture == "BertForPreTraining":
         return pretraining_loss
@@ -120,7 +120,7 @@ def _eos(config: dict) -> int | None:
     return eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 lists several
 
 
-def micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
+def hf_micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
     """(this replica's micro-batches, the HFSource to build from): a BERT corpus's [PAD] becomes the
     model's pad_token_id. Rank 0 builds (and caches) first; it alone says which tokenizer is used."""
     tok = source.tokenizer_file

@@ -198,7 +198,7 @@ def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, 
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in param_groups_by_name(engine.optimizer, named)],
         # an HF model's config (`--hf DIR`): `mp_toolkit.hf.export_checkpoint` writes it back out
-        **({"hf_config": spec.config.to_dict()} if spec.family == "hf" else {}),
+        **({"hf_config": hf} if (hf := spec.family_record.hf_config(spec.config)) is not None else {}),
     }
 
 
