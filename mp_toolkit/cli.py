@@ -35,6 +35,7 @@ from mp_toolkit.partition.cost import CostModelError
 from mp_toolkit.partition.planner import MAX_MICROBATCHES, PLAN_METHODS, PlanRequest, make_plan
 from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
 from mp_toolkit.run.checks import validate
+from mp_toolkit.optim import master
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
 from mp_toolkit.run.loop import run_training
@@ -158,7 +159,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--method", default=d.method, help=", ".join(PLAN_METHODS))
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory cap")
-    p.add_argument("--dtype", default=d.dtype, type=str.lower, choices=("fp32", "fp16", "bf16"))
+    p.add_argument("--dtype", default=d.dtype, type=str.lower, choices=tuple(master.PRECISIONS))
     p.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
     p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=SCHEDULES)
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")

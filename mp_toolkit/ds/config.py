@@ -32,6 +32,7 @@ from typing import Any
 
 from mp_toolkit.run.config import SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.ds.json_doc import Block, load_json, show
+from mp_toolkit.optim.loss_scaler import LossScaleSettings
 from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 OPTIMIZER_TYPES = ("Adam", "AdamW", "Lamb", "Lars")
@@ -52,7 +53,8 @@ _SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved
 
 @dataclass(frozen=True)
 class FP16Settings:
-    """DeepSpeed's ``fp16`` block (its defaults where a key is absent)."""
+    """DeepSpeed's ``fp16`` block (its defaults where a key is absent); the six loss-scale fields are
+    `mp_toolkit.optim.loss_scaler.LossScaleSettings`'s (``LossScaleSettings.of(fp16)``)."""
 
     enabled: bool = False
     """fp16 training with fp32 master weights."""
@@ -138,10 +140,8 @@ class DeepSpeedSettings:
         fp = self.fp16
         out: dict[str, Any] = dict(
             micro_batch=self.train_micro_batch_size_per_gpu, microbatches=self.gradient_accumulation_steps,
-            clip_grad=self.gradient_clipping or None, precision=self.precision, loss_scale=fp.loss_scale,
-            initial_scale_power=fp.initial_scale_power, loss_scale_window=fp.loss_scale_window,
-            hysteresis=fp.hysteresis, min_loss_scale=fp.min_loss_scale,
-            consecutive_hysteresis=fp.consecutive_hysteresis)
+            clip_grad=self.gradient_clipping or None, precision=self.precision,
+            **LossScaleSettings.of(fp).as_dict())
         opt = self.optimizer
         if opt is not None:
             out.update(optimizer=opt.name, lr=opt.lr, weight_decay=opt.weight_decay, eps=opt.eps)

@@ -36,6 +36,7 @@ import torch
 from mp_toolkit.engine.interface import StepStats
 from mp_toolkit.engine.reductions import trust_ratio_rows
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
+from mp_toolkit.optim.loss_scaler import LossScaleSettings
 from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
@@ -97,13 +98,6 @@ def deepspeed_config(micro_batch: int, microbatches: int, dp: int, clip_grad: fl
     return config
 
 
-def fp16_block(cfg: TrainConfig) -> dict:
-    """DeepSpeed's fp16 keys from our loss-scale fields (loss_scale 0: dynamic, as in DeepSpeed)."""
-    return {"loss_scale": cfg.loss_scale, "initial_scale_power": cfg.initial_scale_power,
-            "loss_scale_window": cfg.loss_scale_window, "hysteresis": cfg.hysteresis,
-            "consecutive_hysteresis": cfg.consecutive_hysteresis, "min_loss_scale": cfg.min_loss_scale}
-
-
 def fp32_logits(loss_fn):
     """``loss_fn`` on fp32 copies of fp16 / bf16 outputs (what our executor does before the loss)."""
     def loss(outputs, labels):
@@ -138,7 +132,8 @@ class DeepSpeedPipeline:
                   f"client optimizer {cfg.optimizer}", flush=True)
         self.optimizer = build_optimizer(cfg.optimizer, self.named, cfg.lr, cfg.weight_decay,
                                          options=OptimizerOptions.of(cfg))
-        config = deepspeed_config(cfg.micro_batch, cfg.microbatches, cfg.dp, cfg.clip_grad, precision, fp16_block(cfg))
+        config = deepspeed_config(cfg.micro_batch, cfg.microbatches, cfg.dp, cfg.clip_grad, precision,
+                                  LossScaleSettings.of(cfg).as_dict())  # loss_scale 0: dynamic, as in DeepSpeed
         self.engine = ds_pipe.initialize(module, self.optimizer, config)  # casts to bf16 / fp16, keeps fp32 masters
         self.ctx, self.precision = ctx, precision
         self._layer_names = [layers.names[i] for i in range(self.boundaries[ctx.pp_rank],

@@ -14,15 +14,13 @@ import torch
 from model_zoo import bert, gpt
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
+from mp_toolkit.optim.master import PRECISIONS
 
 from .contention import concurrent_load, default_threads, helpers_for
 from .cost import CostModelError, ModelShape
 from mp_toolkit.partition.memstats import keep_freed_memory, release_free_memory, rss_bytes, warm_runtime
 
 from .measure import TIMED_MICROBATCHES, LayerTiming, measure_layers, measure_optimizer_step
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 def batch_maker(model_type: str, config):
     """``make_batch(b, s) -> (inputs, labels)`` of random tokens for a model_zoo GPT (``model_type``
@@ -73,7 +71,7 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
         warm_runtime()
         torch.manual_seed(0)
         layers, batch, loss_fn = build_layer_list(req.model, shape)
-        layers = layers.to(DTYPES[req.dtype])
+        layers = layers.to(PRECISIONS[req.dtype])
         inputs, labels = batch(req.micro_batch, req.seq_len)
         named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in layers.named_parameters()]
         build = lambda nps: build_optimizer(req.optimizer, nps, 1e-3, 0.01)  # noqa: E731

@@ -12,7 +12,8 @@ import threading
 import torch
 
 from mp_toolkit.layers import run_layers
-from mp_toolkit.partition.build import DTYPES, build_layer_list
+from mp_toolkit.optim.master import PRECISIONS
+from mp_toolkit.partition.build import build_layer_list
 from mp_toolkit.partition.cost import model_shape
 
 
@@ -22,7 +23,7 @@ def serve(model: str, micro_batch: int, seq_len: int, dtype: str, threads: int) 
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     torch.manual_seed(1)
     layers, batch, loss_fn = build_layer_list(model, model_shape(model))
-    layers = layers.to(DTYPES[dtype])
+    layers = layers.to(PRECISIONS[dtype])
     inputs, labels = batch(micro_batch, seq_len)
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     first = True

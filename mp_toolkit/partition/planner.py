@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.schedule import get_schedule, simulate
 
 from .build import measure_model
@@ -122,7 +123,7 @@ class Plan:
 
 def gemm_tflops(dtype: str, n: int = 512, k: int = 512, repeats: int = 5) -> float:
     """Measured TFLOP/s of an (n x k) @ (k x 4k) matrix product in ``dtype`` on this CPU."""
-    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    dt = PRECISIONS[dtype]
     a, b = torch.randn(n, k, dtype=dt), torch.randn(k, 4 * k, dtype=dt)
     a @ b
     times = []

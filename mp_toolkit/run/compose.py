@@ -10,7 +10,7 @@ from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
-from mp_toolkit.optim.loss_scaler import DynamicLossScaler
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler, LossScaleSettings
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.cut import CutWorkload, config_of, plan_boundaries
@@ -68,9 +68,4 @@ def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:
     """fp16 scales the loss (static when --loss-scale > 0); fp32 and bf16 need no scaling."""
     if cfg.precision != "fp16":
         return None
-    return DynamicLossScaler(
-        initial_scale_power=cfg.initial_scale_power, loss_scale_window=cfg.loss_scale_window,
-        hysteresis=cfg.hysteresis, min_loss_scale=cfg.min_loss_scale,
-        consecutive_hysteresis=cfg.consecutive_hysteresis,
-        static_scale=cfg.loss_scale if cfg.loss_scale > 0 else None,
-    )
+    return LossScaleSettings.of(cfg).scaler()

@@ -7,12 +7,13 @@ from pathlib import Path
 
 from mp_toolkit.optim.factory import OPTIMIZERS
 from mp_toolkit.optim.lr import DECAYS as LR_DECAYS, DeepSpeedSchedule
+from mp_toolkit.optim import master
 
 __all__ = ["ENGINES", "LR_DECAYS", "OPTIMIZERS", "PARTITION_METHODS", "PRECISIONS", "SCHEDULES", "ConfigError",
            "TrainConfig", "parse_boundaries"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
-PRECISIONS = ("fp32", "fp16", "bf16", "auto")
+PRECISIONS = (*master.PRECISIONS, "auto")  # "auto": bf16 where it is fast, else fp32 (`optim.master.resolve_precision`)
 PARTITION_METHODS = ("flops", "parameters", "uniform", "time")
 ENGINES = ("mp_toolkit", "deepspeed")
 

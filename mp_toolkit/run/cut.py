@@ -17,8 +17,9 @@ import torch
 
 import torch.distributed as dist
 from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
-from mp_toolkit.partition.build import DTYPES, batch_maker
+from mp_toolkit.partition.build import batch_maker
 from mp_toolkit.partition.cost import CostModelError, layer_costs, shape_from_hf_config
 from mp_toolkit.partition.measure import TIMED_MICROBATCHES, measure_layers
 from mp_toolkit.partition.solvers import min_max
@@ -105,7 +106,7 @@ def _measured_layer_times(layer_list, model_type: str, work: CutWorkload) -> lis
     device = work.ctx.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        layers = copy.deepcopy(layer_list).to(device=device, dtype=DTYPES.get(work.precision, torch.float32))
+        layers = copy.deepcopy(layer_list).to(device=device, dtype=PRECISIONS.get(work.precision, torch.float32))
         inputs, labels = batch(work.micro_batch, work.seq_len)
         move = lambda x: tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)  # noqa: E731
         timings = measure_layers(layers, move(inputs), loss_fn, move(labels),
