@@ -22,15 +22,28 @@ exits 3 after --max-skips consecutive non-finite steps, 1 when a rank died (the 
 from __future__ import annotations
 
 import argparse
-import math
 import dataclasses
-import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-from mp_toolkit.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.checkpoint import CheckpointError
+from mp_toolkit.ds.overrides import blame, ds_overrides, merge
+from mp_toolkit.parallel.context import GridError, check_grid
+from mp_toolkit.partition import PartitionError
+from mp_toolkit.partition.cost import CostModelError
+from mp_toolkit.partition.planner import MAX_MICROBATCHES, PLAN_METHODS, PlanRequest, make_plan
+from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
+from mp_toolkit.run.checks import validate
+from mp_toolkit.optim import master
+from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
+from mp_toolkit.run.loop import run_training
+from mp_toolkit.run.skips import Diverged
+from mp_toolkit.run.state import PeerFailed
+from mp_toolkit.schedule import ScheduleError, simulate_report
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,26 +70,6 @@ class _Unset:
 
 _UNSET = _Unset()
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
-_FLAG_NAMES = {"timeout_s": "--timeout", "progress": "--no-progress", "bias_correction": "--no-bias-correction"}
-_SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_decay", "min_lr")
-_OPTIMIZER_FIELDS = ("betas", "eps", "min_trust", "max_trust", "bias_correction", "momentum", "trust_coefficient")
-# The DeepSpeed key each TrainConfig field comes from, to name it when its value fails a check.
-_DS_KEYS = {"pp": "pipeline.stages", "partition": "pipeline.partition_method", "schedule": "pipeline.schedule",
-            "chunks": "pipeline.chunks", "micro_batch": "train_micro_batch_size_per_gpu",
-            "microbatches": "gradient_accumulation_steps", "clip_grad": "gradient_clipping",
-            "lr": "optimizer.params.lr (or scheduler.params)", "weight_decay": "optimizer.params.weight_decay",
-            "eps": "optimizer.params.eps", "betas": "optimizer.params.betas", "min_trust": "optimizer.params.min_coeff",
-            "max_trust": "optimizer.params.max_coeff", "momentum": "optimizer.params.momentum",
-            "trust_coefficient": "optimizer.params.trust_coefficient", "min_lr": "scheduler.params",
-            "warmup_steps": "scheduler.params.warmup_num_steps", "loss_scale": "fp16.loss_scale",
-            "min_loss_scale": "fp16.min_loss_scale", "hysteresis": "fp16.hysteresis",
-            "loss_scale_window": "fp16.loss_scale_window", "initial_scale_power": "fp16.initial_scale_power"}
-
-
-def flag_name(field: str) -> str:
-    return _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mpt", description="Pipeline model-parallel training for Transformers.")
     # the deepspeed launcher passes --local_rank=N first; LOCAL_RANK in the environment says the same
@@ -158,8 +151,6 @@ def _add_train_parser(sub) -> None:
 
 
 def _add_plan_parser(sub) -> None:
-    from mp_toolkit.partition.planner import PLAN_METHODS, PlanRequest
-
     d = PlanRequest(model="")
     p = sub.add_parser("plan", help="cut a model into stages and predict time, memory and bubble")
     p.add_argument("--model", required=True, help="preset or HuggingFace config.json (GPT-2, BERT, Llama families)")
@@ -170,7 +161,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--method", default=d.method, help=", ".join(PLAN_METHODS))
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory cap")
-    p.add_argument("--dtype", default=d.dtype, type=str.lower, choices=("fp32", "fp16", "bf16"))
+    p.add_argument("--dtype", default=d.dtype, type=str.lower, choices=tuple(master.PRECISIONS))
     p.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
     p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=SCHEDULES)
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
@@ -203,7 +194,7 @@ def train_config(args: argparse.Namespace, world_size: int | None = None) -> tup
     """(TrainConfig, log lines): TrainConfig's defaults, then the DeepSpeed config's values, then every
     flag given on the command line. ``world_size`` (a launcher's) gives DeepSpeed's dp = world / (pp x tp)."""
     given, from_file, notes = _sources(args, world_size)
-    return _merge(given, from_file), notes
+    return merge(given, from_file), notes
 
 
 def _sources(args: argparse.Namespace, world_size: int | None) -> tuple[dict, dict, list[str]]:
@@ -215,74 +206,17 @@ def _sources(args: argparse.Namespace, world_size: int | None) -> tuple[dict, di
         given["keep"] = None
     if args.ds_config is _UNSET:
         return given, {}, []
-    return (given, *_ds_overrides(args.ds_config, given, world_size))
-
-
-def _merge(given: dict, from_file: dict) -> TrainConfig:
-    if "model" in given and "hf" in given:
-        raise ConfigError(f"--model {given['model']} and --hf {given['hf']} both name the model: give one of them")
-    merged = {**from_file, **given}
-    merged.setdefault("chunks", 2 if merged.get("schedule", TrainConfig.schedule) == "interleaved" else 1)
-    return TrainConfig(**merged)
-
-
-def _pipeline_stages(path: Path) -> int | None:
-    """``pipeline.stages`` of a DeepSpeed config, peeked before the full read (which needs dp, and so pp)."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-        stages = doc["pipeline"]["stages"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # read_ds_config reports what is wrong
-    return stages if type(stages) is int and stages > 0 else None
-
-
-def _ds_overrides(path: Path, given: dict, world_size: int | None) -> tuple[dict, list[str]]:
-    from mp_toolkit.ds_config import read_ds_config
-
-    dp = given.get("dp")
-    if dp is None:
-        dp = 1
-        if world_size is not None:  # DeepSpeed's data-parallel size: what pp x tp leave of the world
-            model_parallel = (given.get("pp") or _pipeline_stages(path) or TrainConfig.pp) * given.get("tp", 1)
-            dp = world_size // model_parallel if model_parallel and world_size % model_parallel == 0 else 1
-    settings = read_ds_config(path, dp=dp)
-    base = {**settings.train_config_overrides(), "dp": dp}
-    notes = []
-    if "optimizer" in given and given["optimizer"] != base.get("optimizer"):
-        for k in _OPTIMIZER_FIELDS:  # the config's Lamb coefficients mean nothing to another optimizer
-            base.pop(k, None)
-    if given.keys() & set(_SCHEDULE_FIELDS) and base.pop("lr_schedule", None) is not None:
-        notes.append(f"{path}: the scheduler block is replaced by warm-up/decay of "
-                     f"{', '.join(flag_name(k) for k in _SCHEDULE_FIELDS if k in given)} from the command line")
-    overridden = [flag_name(k) for k in sorted(given) if k in base and given[k] != base[k]]
-    line = f"{path}: {len(base)} settings from the DeepSpeed config (dp {dp})"
-    notes.insert(0, line + (f"; overridden on the command line: {', '.join(overridden)}" if overridden else ""))
-    if settings.ignored_message():
-        notes.append(settings.ignored_message())
-    return {k: v for k, v in base.items() if k not in given}, notes
-
-
-def _blame(error: ConfigError, from_file: dict, source) -> ConfigError:
-    """A check failed on a value the DeepSpeed config set: name its key too."""
-    text = str(error)
-    for field in from_file.keys() & _DS_KEYS.keys():
-        if text.startswith(flag_name(field) + " "):
-            return ConfigError(f"{text} (from {_DS_KEYS[field]} in {source})")
-    return error
+    return (given, *ds_overrides(args.ds_config, given, world_size))
 
 
 def _train(argv: list[str], args: argparse.Namespace) -> int:
-    from mp_toolkit.launch import LaunchEnv, launcher_env, local_faults, spawn_local
-    from mp_toolkit.parallel.context import GridError, check_grid
-    from mp_toolkit.train import validate
-
     env = launcher_env()
     given, from_file, notes = _sources(args, env.world_size if env is not None else None)
-    cfg = _merge(given, from_file)
+    cfg = merge(given, from_file)
     try:
         validate(cfg)  # no process group needed: every rank fails the same way before any talks
     except ConfigError as e:
-        raise _blame(e, from_file, args.ds_config) from None
+        raise blame(e, from_file, args.ds_config) from None
     if (env.rank == 0) if env is not None else cfg.world_size == 1:  # once, by the process that trains rank 0
         for line in notes:
             print(line, flush=True)
@@ -305,9 +239,6 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
 
 def _run(cfg: TrainConfig, env) -> int:
     """Train this rank; a lost peer (exit 1) and a diverged run (exit 3, said once by rank 0) end in one line."""
-    from mp_toolkit.launch import EXIT_DIVERGED, PeerLost
-    from mp_toolkit.train import Diverged, run_training
-
     try:
         run_training(cfg, env)
     except Diverged as e:
@@ -340,9 +271,6 @@ def _chunks(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from mp_toolkit.partition.planner import PlanRequest, make_plan
-    from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
-
     req = PlanRequest(
         model=args.model, pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch,
         microbatches=args.microbatches, seq_len=args.seq_len, method=args.method, memory_gb=args.memory_gb,
@@ -362,11 +290,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from mp_toolkit.partition.report import write_json
-    from mp_toolkit.schedule import simulate_report
-
-    from mp_toolkit.partition.planner import MAX_MICROBATCHES
-
     for name, top in (("pp", 1024), ("microbatches", MAX_MICROBATCHES), ("chunks", 64)):
         value = getattr(args, name)
         if value is not None and not 1 <= value <= top:
@@ -396,8 +319,7 @@ def _add_export_parser(sub) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from mp_toolkit.checkpoint import CheckpointError
-    from mp_toolkit.hf.export_run import export_run
+    from mp_toolkit.hf.export_run import export_run  # imports transformers (seconds, optional): export only
 
     try:
         done = export_run(args.checkpoint, args.out, config=args.config, tokenizer=args.tokenizer, force=args.force)
@@ -415,12 +337,6 @@ def _check_output(gantt: Path | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mp_toolkit.partition import PartitionError
-    from mp_toolkit.partition.cost import CostModelError
-    from mp_toolkit.checkpoint import CheckpointError
-    from mp_toolkit.schedule import ScheduleError
-    from mp_toolkit.train_state import PeerFailed
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:

@@ -9,7 +9,7 @@ import queue
 import traceback
 from datetime import timedelta
 
-from mp_toolkit.launch import free_port
+from mp_toolkit.run.launch import free_port
 
 
 def _entry(fn, rank, world, port, args, results, timeout_s):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from mp_toolkit.checkpoint import open_checkpoint
-from mp_toolkit.launch import free_port
+from mp_toolkit.run.launch import free_port
 
 MARK = "MPT_FAULT_TEST_JOB"
 TRAIN = ["train", "--model", "gpt-tiny", "--data", "synthetic", "--micro-batch", "2", "--seq-len", "16",

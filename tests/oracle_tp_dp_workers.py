@@ -2,7 +2,7 @@
 
 Every rank trains the reference too: the unsplit gpt-tiny in one process, LAMB and
 `torch.nn.utils.clip_grad_norm_`, on the whole global batch of dp x m micro-batches (each loss
-divided by dp x m). The parallel run is built by `mp_toolkit.train.build_engine` (apply TP, cut
+divided by dp x m). The parallel run is built by `mp_toolkit.run.compose.build_engine` (apply TP, cut
 stages, average over dp) from the same seed, on the meta device, each rank materialising only its
 own layers' shards (DESIGN.md invariant 9) -- so the oracle also proves every layout starts from
 the unsplit model's weights; data-parallel replica d trains on micro-batches
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from model_zoo.gpt import GPT, PRESETS, lm_loss
-from mp_toolkit.config import TrainConfig
+from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.groups import is_tensor_parallel
@@ -136,7 +136,7 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb):
     """One case on this rank. Every approximate figure comes back as (err, floor): the parallel
     result's and the fp32 single process's relative error against the float64 reference
     (tests/floor.py); the test bounds one by a multiple of the other."""
-    from mp_toolkit.train import build_engine  # the composition the CLI runs
+    from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
 
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
     *batches, held_out = make_batches(STEPS + 1, dp * m, cfg.vocab_size)

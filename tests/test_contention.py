@@ -58,7 +58,7 @@ def test_a_helper_that_cannot_start_is_an_error_not_an_idle_machine():
 
 KEEP = """
 import ctypes, gc, sys, torch
-from mp_toolkit import memstats
+from mp_toolkit.partition import memstats
 kept = memstats.keep_freed_memory() if sys.argv[1] == "keep" else False
 x = torch.ones(6 << 20)  # 24 MiB, touched
 before = memstats.rss_bytes()

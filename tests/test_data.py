@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from mp_toolkit import data
-from mp_toolkit.data import (
+from mp_toolkit.data import lm as data
+from mp_toolkit.data.lm import (
     DataError, MicroBatches, build_lm_dataset, read_texts, stdlib_files, train_tokenizer,
 )
 
@@ -151,7 +151,7 @@ def test_dataset_deterministic_per_seed(corpus, tmp_path):
 def test_dataset_is_bit_identical_in_another_process(corpus, tmp_path):
     ours = build(corpus, tmp_path)[:]["input_ids"].numpy().tobytes()
     script = (
-        "import hashlib, sys; from mp_toolkit.data import build_lm_dataset; "
+        "import hashlib, sys; from mp_toolkit.data.lm import build_lm_dataset; "
         "ds = build_lm_dataset(sys.argv[1], 300, 32, 0, sys.argv[2]); "
         "print(hashlib.sha256(ds[:]['input_ids'].numpy().tobytes()).hexdigest())"
     )

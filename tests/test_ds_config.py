@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from mp_toolkit.config import ConfigError, TrainConfig
-from mp_toolkit.ds_config import FP16Settings, OptimizerSettings, read_ds_config
+from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.ds.config import FP16Settings, OptimizerSettings, read_ds_config
 from mp_toolkit.optim.lr import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 BASE = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}

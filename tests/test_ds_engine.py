@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from mp_toolkit.ds_engine import fp16_available
+from mp_toolkit.ds.engine import fp16_available
 from tests.cli_helpers import assert_one_line_exit_2
 
 BASE = ["train", "--model", "gpt-tiny", "--pp", "2", "--data", "synthetic", "--steps", "3", "--microbatches", "3",

@@ -115,8 +115,8 @@ def test_tp2_checkpoint_exports_what_its_pp_equivalent_exports(runs, capsys, tmp
 
 
 def test_bert_export_gives_mlm_and_nsp_logits_and_the_runs_tokenizer(runs, capsys, tmp_path):
-    from mp_toolkit.data_mlm import bert_tokenizer
-    from mp_toolkit.train_models import synthetic_documents
+    from mp_toolkit.data.mlm import bert_tokenizer
+    from mp_toolkit.data.synthetic import synthetic_documents
 
     line = export(capsys, runs["bert_pp2"], tmp_path / "hf")
     assert "BertForPreTraining" in line and "BERT specials" in line, line

@@ -2,7 +2,7 @@
 
 Every job is real processes (`mpt train` starting its ranks, torchrun, or bare ranks) on gpt-tiny,
 synthetic data, fp32, two pipeline stages. Faults come from the test-only ``MPT_FAULTS`` hook
-(`mp_toolkit.launch.Faults`: a rank SIGKILLs itself at a step or inside a save; a rank's gradients or
+(`mp_toolkit.run.launch.Faults`: a rank SIGKILLs itself at a step or inside a save; a rank's gradients or
 loss turn non-finite) or from outside (SIGKILL of the launcher). Each test asserts that no
 process of its job survives, and kills any in its finally.
 """
@@ -17,9 +17,9 @@ import pytest
 from tests.fault_workers import Job, bare_ranks, differing, mpt_job, rank_pid, rows, tensors, torchrun_job
 from mp_toolkit.checkpoint import open_checkpoint
 from mp_toolkit.cli import main
-from mp_toolkit.launch import Faults, LaunchEnv
+from mp_toolkit.run.launch import Faults, LaunchEnv
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
-from mp_toolkit.train import SkipStreak
+from mp_toolkit.run.skips import SkipStreak
 
 
 def finish(job: Job, timeout: float) -> int:
@@ -194,7 +194,7 @@ def test_nonfinite_steps_are_skipped_by_every_rank_and_a_streak_stops_the_run(tm
 def test_fp16_skips_count_only_once_the_scale_cannot_drop():
     """fp16 overflows lower the scale (the scaler's job, not a streak) until --min-loss-scale; from
     there each one counts. fp32 has no scaler: every skip counts."""
-    from mp_toolkit.engine.pipeline import StepStats
+    from mp_toolkit.engine.interface import StepStats
 
     scaler = DynamicLossScaler(initial_scale_power=2, hysteresis=1, min_loss_scale=1.0)
     streak = SkipStreak(limit=20)
@@ -242,7 +242,7 @@ def test_the_fault_hook_is_parsed_strictly(monkeypatch):
     assert faults.nonfinite_at(0, 3) == "loss" and faults.nonfinite_at(1, 3) is None
     env = LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, attempt=1, faults=faults)
     faults.kill_here(env, 5, "save")  # a restart (attempt 1) is never killed: this process lives on
-    from mp_toolkit.config import ConfigError
+    from mp_toolkit.run.config import ConfigError
     for text in ('{"kill": {"rank": 1}}', '{"kill": {"rank": 1, "step": 2, "in": "later"}}', "kill=1"):
         with pytest.raises(ConfigError, match="MPT_FAULTS"):
             Faults.parse(text)

@@ -13,9 +13,9 @@ import torch
 from model_zoo.bert import BertForPreTraining
 from model_zoo.bert_config import PRESETS as BERT_PRESETS
 from model_zoo.gpt import GPT, PRESETS
-from mp_toolkit.config import TrainConfig
+from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.layers import LayerList
-from mp_toolkit.memstats import rss_bytes
+from mp_toolkit.partition.memstats import rss_bytes
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.materialize import is_meta, materialize, rank_layers
@@ -103,7 +103,7 @@ def test_rank_layers_of_interleaved_stages():
 
 def grid_rank(rank, world, pp, tp, schedule, tied):
     """build_engine over a meta-built gpt-tiny: what this rank allocated, and its full tensors."""
-    from mp_toolkit.train import build_engine
+    from mp_toolkit.run.compose import build_engine
 
     ctx = build_context(pp, tp, 1)
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)

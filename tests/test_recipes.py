@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from mp_toolkit.cli import main
-from mp_toolkit.ds_config import read_ds_config
-from mp_toolkit.launch import free_port
+from mp_toolkit.ds.config import read_ds_config
+from mp_toolkit.run.launch import free_port
 from mp_toolkit.optim.lr import WarmupDecayLR, WarmupLR
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

@@ -8,11 +8,12 @@ import torch
 
 from mp_toolkit.cli import build_parser, main, train_config
 from tests.cli_helpers import assert_one_line_exit_2
-from mp_toolkit.config import TrainConfig
+from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
 from mp_toolkit.optim.lr import WarmupDecayLR, WarmupLR
-from mp_toolkit.train import loss_scaler, lr_at
-from mp_toolkit.train_state import Progress
+from mp_toolkit.run.compose import loss_scaler
+from mp_toolkit.run.loop import lr_at
+from mp_toolkit.run.state import Progress
 
 DS = {
     "train_batch_size": 48, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5,

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from model_zoo import bert, gpt
-from mp_toolkit.config import ConfigError, TrainConfig
+from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.layers import LayerList
-from mp_toolkit.partition.train_cut import CutWorkload, config_of
-from mp_toolkit.train import plan_boundaries
+from mp_toolkit.run.cut import CutWorkload, config_of, plan_boundaries
 
 BASE = ["train", "--data", "synthetic", "--steps", "2", "--microbatches", "2", "--micro-batch", "2",
         "--seq-len", "16", "--threads", "1", "--no-progress", "--lr", "1e-2"]

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM
 from model_zoo import gpt
 from mp_toolkit.checkpoint import open_checkpoint
 from mp_toolkit.cli import main
-from mp_toolkit.config import TrainConfig
+from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.parallel.tensor_parallel import padded_vocab_size
-from mp_toolkit.train import validate
+from mp_toolkit.run.checks import validate
 from tests.dist_harness import run_world
 from tests.floor import assert_within
 from tests.vocab_padding_workers import CONFIG, PADDED, VOCAB, padded_layers, padded_oracle

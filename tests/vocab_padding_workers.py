@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from model_zoo.gpt import GPT, GPTConfig
-from mp_toolkit.config import TrainConfig
+from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import (
     VocabParallelEmbedding, VocabParallelLMHead, gather_full, gather_vocab_parallel_logits, shard_full,
@@ -43,7 +43,7 @@ def padded_oracle(rank, world, optimizer: str, tied: bool) -> dict:
     the embedding or not, against the unsplit model in fp32 and float64: losses, full parameters
     and trust ratios as (err, floor) pairs, and the padded rows of the parameters and of the
     optimizer state (which must be exactly zero)."""
-    from mp_toolkit.train import build_engine  # the composition the CLI runs
+    from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
 
     ctx = build_context(1, 2, 1)
     *batches, held_out = make_batches(STEPS + 1, M, VOCAB)

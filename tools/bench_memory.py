@@ -8,7 +8,7 @@ of 4 x 128, 2 stages, one thread per rank, AdamW, no clipping). For each schedul
 the one `mpt train` uses -- and each stage's ``memory_bytes``, from its formulas and, unless
 ``--no-measure``, from layers measured on this machine (``measure=True``). The engine then
 trains that very cut on 2 gloo ranks, and each rank reports its peak resident memory measured
-with `mp_toolkit.memstats`: large blocks mapped on their own (``map_large_blocks``), torch's
+with `mp_toolkit.partition.memstats`: large blocks mapped on their own (``map_large_blocks``), torch's
 one-time costs paid (``warm_runtime``), the baseline ``rss_bytes()`` taken before the model is
 built, ``reset_peak()`` after the first step, ``peak_rss_bytes()`` after the last. A rank that
 holds two stages (interleaved) is compared with the sum of their predictions.

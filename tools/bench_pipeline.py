@@ -11,7 +11,7 @@ compute, fp32 master weights in every peer).
 Peers (each the real library, `tools/peers.py`):
 
 * mp_toolkit: 1F1B, GPipe, ZB-H1, interleaved 1F1B with 2 chunks on our default "parameters"
-  cut (`mp_toolkit.train.plan_boundaries`); 1F1B on the planner's "time" cut
+  cut (`mp_toolkit.run.cut.plan_boundaries`); 1F1B on the planner's "time" cut
   (`make_plan(method="time")`, layers measured here first, ~20 s; ``--no-time-cut`` skips it),
   and interleaved on the planner's "flops" cut (deterministic; the time cut of 4 chunks moves
   with machine noise);
@@ -22,7 +22,7 @@ Peers (each the real library, `tools/peers.py`):
 * one process, plain gradient accumulation (T1, for the bound).
 
 Rows "as mpt train" (and "mpt defaults") run our engine as ``mpt train`` does on CPU: fused
-AdamW and the heap that keeps freed pages (`mp_toolkit.memstats.keep_freed_memory`); the
+AdamW and the heap that keeps freed pages (`mp_toolkit.partition.memstats.keep_freed_memory`); the
 "heap kept" rows give DeepSpeed and the single process the same heap, so the table shows how
 much of a margin is the heap. A row's efficiency is against the bound of the single process on
 the same heap.
@@ -87,7 +87,7 @@ def planner_cut(w: Workload, method: str, chunks: int = 1) -> list[int]:
 
 def default_cut(w: Workload, chunks: int = 1) -> list[int]:
     from mp_toolkit.layers import LayerList
-    from mp_toolkit.train import plan_boundaries
+    from mp_toolkit.run.cut import plan_boundaries
     from peers import build_gpt
 
     with torch.device("meta"):

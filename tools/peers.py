@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model_zoo.gpt import GPT, GPTConfig, lm_loss
-from mp_toolkit import memstats
+from mp_toolkit.partition import memstats
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -139,10 +139,10 @@ class MptPeer:
 
     def __init__(self, w: Workload, spec: dict):
         from mp_toolkit.engine.pipeline import PipelineEngine
-        from mp_toolkit.launch import init_distributed, launcher_env
+        from mp_toolkit.run.launch import init_distributed, launcher_env
         from mp_toolkit.layers import LayerList
         from mp_toolkit.parallel.context import build_context
-        from mp_toolkit.train import plan_boundaries
+        from mp_toolkit.run.cut import plan_boundaries
 
         device = init_distributed(launcher_env(), _timeout(spec).total_seconds())
         ctx = build_context(w.pp, device=device)
@@ -164,11 +164,11 @@ class MptPeer:
 
 class DeepSpeedPeer:
     """DeepSpeed's pipeline engine over the same layers (built as ``mpt train --engine deepspeed`` builds
-    it, `mp_toolkit.ds_pipe`); DeepSpeed's own partition_method."""
+    it, `mp_toolkit.ds.pipe`); DeepSpeed's own partition_method."""
 
     def __init__(self, w: Workload, spec: dict):
-        from mp_toolkit import ds_pipe
-        from mp_toolkit.ds_engine import deepspeed_config
+        from mp_toolkit.ds import pipe as ds_pipe
+        from mp_toolkit.ds.engine import deepspeed_config
         from mp_toolkit.layers import LayerList
 
         ds_pipe.init_deepspeed(torch.device("cpu"), _timeout(spec).total_seconds())

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mp_toolkit.launch import free_port
+from mp_toolkit.run.launch import free_port
 
 PEERS_PY = Path(__file__).with_name("peers.py")
 _LIVE: list[subprocess.Popen] = []  # processes this module started and has not reaped

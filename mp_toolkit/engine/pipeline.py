@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from mp_toolkit.engine.executor import Executor, agree_specs, final_weight_grad_actions
 from mp_toolkit.engine.reductions import global_mean_loss, trust_ratio_rows
+from mp_toolkit.engine.interface import StepStats
 from mp_toolkit.engine.step import OptimizerStep
 from mp_toolkit.engine.ties import TiedGradients
 from mp_toolkit.layers import LayerList
@@ -65,22 +65,6 @@ def carry_tp_attributes(masters: MasterWeights) -> None:
             for name in TP_ATTRIBUTES:
                 if hasattr(p, name):
                     setattr(m, name, getattr(p, name))
-
-
-@dataclass
-class StepStats:
-    """What one `train_batch` measured and decided."""
-
-    loss: float
-    """Mean loss over the global batch (unscaled)."""
-    grad_norm: float
-    """Global gradient norm before clipping (nan when the step was skipped)."""
-    skipped: bool = False
-    """True when inf/nan gradients on any rank made every rank skip the step."""
-    loss_scale: float = 1.0
-    """The loss scale this batch used."""
-    nonfinite: str = ""
-    """What was not finite on some rank when skipped: "gradients", "loss" or "loss and gradients"."""
 
 
 class PipelineEngine:
@@ -205,6 +189,23 @@ class PipelineEngine:
     def trust_ratio_stats(self) -> list[dict] | None:
         """Per pipeline rank min / median / max of the last step's trust ratios (LAMB, LARS), on every rank."""
         return trust_ratio_rows(self.optimizer, self.ctx)
+
+    @property
+    def scaler(self) -> DynamicLossScaler | None:
+        """The fp16 loss scaler (None: fp32 / bf16, a scale of 1)."""
+        return self.step.scaler
+
+    def master_of(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The fp32 master the optimizer steps for model parameter ``p`` (``p`` itself in fp32)."""
+        return self.masters.of(p)
+
+    def layer_names(self) -> list[str]:
+        """The layers of this rank's stages, in stage order."""
+        return [name for index in sorted(self.stages) for name in self.stages[index].names]
+
+    def copy_back(self) -> None:
+        """Masters -> model parameters (after loading masters from a checkpoint)."""
+        self.masters.copy_back()
 
     def eval_batch(self, data_iter: Iterator) -> float:
         """Mean loss of one global batch (all data-parallel replicas), forward only, no step."""

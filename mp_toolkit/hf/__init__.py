@@ -5,9 +5,12 @@
 * `causal_lm_loss`, `shift_labels`, `masked_lm_loss`, `pretraining_loss`: losses in our label
   convention (labels pre-shifted, as our data pipeline yields them) (`losses.py`).
 * `apply_hf_tensor_parallel`, `GPT2_TP_PLAN`, `LLAMA_TP_PLAN`, `BERT_TP_PLAN`: Megatron-style TP plans (`tp_plans.py`).
-* `export_hf`, `export_checkpoint`, `hf_name_map`, `to_hf_state_dict`: HF directories that
-  ``from_pretrained`` loads (`export.py`); checkpoints of our model_zoo GPT / BERT too (`zoo_export.py`).
-* `export_run`: ``mpt export`` (checkpoint + tokenizer -> one HF directory, all or nothing) (`export_run.py`).
+* `export_hf`, `hf_name_map`, `to_hf_state_dict`: HF directories that ``from_pretrained`` loads
+  (`export.py`); `load_config`, `architecture_for`: HF configs and the class they name (`configs.py`).
+
+The `mpt export` path sits above `mp_toolkit.run` (it reads what a run recorded) and so is not
+re-exported here: `export_run.export_run` and `export_run.export_checkpoint` (checkpoint + tokenizer ->
+one HF directory), `zoo_export` (checkpoints of our model_zoo GPT / BERT), `run_tokenizer`.
 
 Single process, pipeline (pp=2) and tensor parallel (tp=2) use::
 
@@ -17,21 +20,19 @@ Single process, pipeline (pp=2) and tensor parallel (tp=2) use::
                             loss_fn=lambda logits, y: causal_lm_loss(logits, y, ctx.tp_group))
 """
 
-from mp_toolkit.hf.adapters import SUPPORTED, UnsupportedModelError, family_of, from_hf
+from mp_toolkit.hf.adapters import SUPPORTED, UnsupportedModelError, from_hf, model_type_of
 from mp_toolkit.hf.common import layer_state_dict
-from mp_toolkit.hf.export import (
-    copy_tokenizer, export_checkpoint, export_hf, hf_name_map, load_config, read_checkpoint_state, to_hf_state_dict,
-)
-from mp_toolkit.hf.export_run import export_run
+from mp_toolkit.hf.configs import architecture_for, load_config
+from mp_toolkit.hf.export import copy_tokenizer, export_hf, hf_name_map, read_checkpoint_state, to_hf_state_dict
 from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss, shift_labels
 from mp_toolkit.hf.tp_plans import (
     BERT_TP_PLAN, GPT2_TP_PLAN, LLAMA_TP_PLAN, TP_PLANS, apply_hf_tensor_parallel, check_hf_tensor_parallel,
 )
 
 __all__ = [
-    "SUPPORTED", "UnsupportedModelError", "from_hf", "family_of", "layer_state_dict",
+    "SUPPORTED", "UnsupportedModelError", "from_hf", "model_type_of", "layer_state_dict",
     "causal_lm_loss", "shift_labels", "masked_lm_loss", "pretraining_loss",
     "GPT2_TP_PLAN", "LLAMA_TP_PLAN", "BERT_TP_PLAN", "TP_PLANS", "apply_hf_tensor_parallel", "check_hf_tensor_parallel",
-    "export_hf", "export_checkpoint", "hf_name_map", "to_hf_state_dict", "load_config", "read_checkpoint_state",
-    "copy_tokenizer", "export_run",
+    "export_hf", "hf_name_map", "to_hf_state_dict", "load_config", "architecture_for", "read_checkpoint_state",
+    "copy_tokenizer",
 ]

@@ -60,10 +60,11 @@ def from_hf(model: nn.Module) -> LayerList:
     return LayerList(layers, tie_groups(layers))
 
 
-def family_of(layer_list: LayerList) -> str:
-    """"gpt2", "bert" or "llama" for a LayerList `from_hf` built (read off its layer names)."""
+def model_type_of(layer_list: LayerList) -> str:
+    """The HF ``model_type`` of a LayerList `from_hf` built, "gpt2", "bert" or "llama" (the Llama family:
+    Mistral and Qwen2 too), read off its layer names; `tp_plans.TP_PLANS` is keyed by it."""
     names = set(layer_list.names)
-    for family, marker in (("gpt2", "embed"), ("bert", "embeddings"), ("llama", "embed_tokens")):
+    for model_type, marker in (("gpt2", "embed"), ("bert", "embeddings"), ("llama", "embed_tokens")):
         if marker in names:
-            return family
+            return model_type
     raise ValueError(f"layer list {list(layer_list.names)[:4]}... was not built by from_hf")

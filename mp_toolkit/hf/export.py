@@ -1,5 +1,5 @@
 """Write HF model directories (config.json + model.safetensors, via ``save_pretrained``) from a
-LayerList, a state dict under LayerList names, or one of our checkpoints.
+LayerList or a state dict under LayerList names (one of our checkpoints: `mp_toolkit.hf.export_run`).
 
 Names: `from_hf` reuses HF's modules, so a LayerList tensor *is* an HF tensor, and the name map is
 read off identity rather than written as rules: ``hf_name_map(model)`` pairs each
@@ -10,62 +10,27 @@ weight has several). E.g. for GPT-2 ``h.0.block.attn.c_attn.weight -> transforme
 HF's too (GPT-2's Conv1D weights stay (in, out), also under tensor parallelism).
 
     export_hf(layers, model.config, "out/")              # then AutoModelForCausalLM.from_pretrained("out/")
-    export_checkpoint("runs/ckpt", "out/", config=model.config, tokenizer_dir="gpt2-tokenizer/")
+    export_checkpoint("runs/ckpt", "out/", config=model.config)   # `mp_toolkit.hf.export_run`
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import transformers
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from mp_toolkit.checkpoint import open_checkpoint
-from mp_toolkit.hf.adapters import ADAPTERS, from_hf, unsupported
+from mp_toolkit.hf.adapters import from_hf
 from mp_toolkit.hf.common import layer_state_dict
+from mp_toolkit.hf.configs import architecture_for, load_config
 from mp_toolkit.layers import LayerList
 
-DEFAULT_ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                        "qwen2": "Qwen2ForCausalLM", "bert": "BertForPreTraining"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                    "chat_template.jinja", "chat_template.json")
-
-
-def load_config(config) -> PretrainedConfig:
-    """A copy of an HF config given as a config object, a dict (with ``model_type``) or a path to a
-    config.json (or to the directory holding it)."""
-    if isinstance(config, PretrainedConfig):
-        return copy.deepcopy(config)
-    if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise ValueError(f"{path}: no HF config.json there")
-        config = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(config, Mapping) or "model_type" not in config:
-        raise ValueError("config must be an HF PretrainedConfig, a config.json path or a dict with a model_type")
-    d = dict(config)
-    return AutoConfig.for_model(d.pop("model_type"), **d)
-
-
-def architecture_for(config: PretrainedConfig, architecture: str | None = None, state: Mapping | None = None) -> type:
-    """The HF class to write: ``architecture``, else the config's first ``architectures`` entry,
-    else the default of its model_type (GPT2LMHeadModel, LlamaForCausalLM, ...); for BERT the
-    state decides: BertForPreTraining when it has the pooler (``heads.pooler.*``), else BertForMaskedLM."""
-    name = architecture or (config.architectures or [None])[0]
-    if name is None and config.model_type == "bert" and state is not None:
-        name = "BertForPreTraining" if any(k.startswith("heads.pooler.") for k in state) else "BertForMaskedLM"
-    name = name or DEFAULT_ARCHITECTURE.get(config.model_type)
-    if name not in ADAPTERS:
-        raise unsupported(name or f"model_type {config.model_type!r}")
-    return getattr(transformers, name)
 
 
 def hf_name_map(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
@@ -163,31 +128,3 @@ def read_checkpoint_state(checkpoint) -> tuple[dict[str, torch.Tensor], dict]:
     for name in ck.layer_names:
         state.update(ck.read_layer(name))
     return state, ck.manifest
-
-
-def export_checkpoint(checkpoint, out_dir, config=None, tokenizer_dir=None, architecture: str | None = None) -> Path:
-    """`export_hf` of a checkpoint written by `mp_toolkit.checkpoint` (layer-named full tensors).
-
-    ``config`` defaults to the manifest's ``hf_config`` entry (a config dict), if the run stored one.
-    A checkpoint of ``mpt train --model`` (its manifest records a `model_zoo` GPT or BERT and no
-    hf_config) is written by `mp_toolkit.hf.zoo_export` from the model it records.
-    """
-    state, manifest = read_checkpoint_state(checkpoint)
-    return export_state(state, manifest, out_dir, config, tokenizer_dir, architecture, where=checkpoint)
-
-
-def export_state(state: Mapping[str, torch.Tensor], manifest: Mapping, out_dir, config=None, tokenizer_dir=None,
-                 architecture: str | None = None, where="checkpoint") -> Path:
-    """`export_checkpoint` of tensors and a manifest already read (``where`` names them in errors)."""
-    from mp_toolkit.hf.zoo_export import export_zoo_state, zoo_spec
-
-    if manifest.get("hf_config") is None and zoo_spec(manifest) is not None:
-        if config is not None or architecture is not None:
-            raise ValueError(f"{where}: the run trained {manifest['model']['family']} from mpt's model zoo and its "
-                             "manifest records that model: export it without a config (--config is for HF-loaded runs)")
-        return export_zoo_state(state, manifest, out_dir, tokenizer_dir)
-    config = config if config is not None else manifest.get("hf_config")
-    if config is None:
-        raise ValueError(f"{where}: the manifest has no hf_config nor a model_zoo model; pass the HF config the "
-                         "run started from (config=, or mpt export --config config.json)")
-    return export_hf(state, config, out_dir, tokenizer_dir, architecture)

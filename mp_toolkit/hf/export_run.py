@@ -16,12 +16,16 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from mp_toolkit.checkpoint import open_checkpoint
-from mp_toolkit.hf.export import export_state, read_checkpoint_state
+from mp_toolkit.hf.export import export_hf, read_checkpoint_state
 from mp_toolkit.hf.run_tokenizer import write_tokenizer
+from mp_toolkit.hf.zoo_export import export_zoo_state, zoo_spec
 
 
 @dataclass(frozen=True)
@@ -74,3 +78,29 @@ def export_run(checkpoint, out_dir, config=None, tokenizer=None, force: bool = F
     architecture = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
     step = open_checkpoint(checkpoint).step  # the manifest only: the tensors were read above
     return Exported(out, architecture, sum(t.numel() for t in state.values()), step, note)
+
+
+def export_checkpoint(checkpoint, out_dir, config=None, tokenizer_dir=None, architecture: str | None = None) -> Path:
+    """`export_hf` of a checkpoint written by `mp_toolkit.checkpoint` (layer-named full tensors).
+
+    ``config`` defaults to the manifest's ``hf_config`` entry (a config dict), if the run stored one.
+    A checkpoint of ``mpt train --model`` (its manifest records a `model_zoo` GPT or BERT and no
+    hf_config) is written by `mp_toolkit.hf.zoo_export` from the model it records.
+    """
+    state, manifest = read_checkpoint_state(checkpoint)
+    return export_state(state, manifest, out_dir, config, tokenizer_dir, architecture, where=checkpoint)
+
+
+def export_state(state: Mapping[str, torch.Tensor], manifest: Mapping, out_dir, config=None, tokenizer_dir=None,
+                 architecture: str | None = None, where="checkpoint") -> Path:
+    """`export_checkpoint` of tensors and a manifest already read (``where`` names them in errors)."""
+    if manifest.get("hf_config") is None and zoo_spec(manifest) is not None:
+        if config is not None or architecture is not None:
+            raise ValueError(f"{where}: the run trained {manifest['model']['family']} from mpt's model zoo and its "
+                             "manifest records that model: export it without a config (--config is for HF-loaded runs)")
+        return export_zoo_state(state, manifest, out_dir, tokenizer_dir)
+    config = config if config is not None else manifest.get("hf_config")
+    if config is None:
+        raise ValueError(f"{where}: the manifest has no hf_config nor a model_zoo model; pass the HF config the "
+                         "run started from (config=, or mpt export --config config.json)")
+    return export_hf(state, config, out_dir, tokenizer_dir, architecture)

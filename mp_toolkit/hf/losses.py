@@ -1,6 +1,6 @@
 """Loss functions for HF layer lists, in OUR label convention.
 
-Our data pipeline (`mp_toolkit.data`) yields ``(input_ids, labels)`` already shifted by one: a
+Our data pipeline (`mp_toolkit.data.lm`) yields ``(input_ids, labels)`` already shifted by one: a
 window of T + 1 tokens gives ``input_ids = w[:-1]`` and ``labels = w[1:]``, so ``labels[:, t]`` is
 the target of position t and every position has one. HF's ``model(input_ids, labels=labels)``
 instead takes *unshifted* labels (``labels = input_ids``) and shifts inside (its

@@ -1,9 +1,9 @@
 """The tokenizer an exported model ships with: one the user names, or the one its run trained.
 
 `mpt train` trains a byte-level BPE per (corpus, vocabulary) and caches it as
-``<cache_dir>/tokenizer-<key>.json`` (`mp_toolkit.data.train_tokenizer`); the manifest records the
+``<cache_dir>/tokenizer-<key>.json`` (`mp_toolkit.data.lm.train_tokenizer`); the manifest records the
 run's ``data`` and ``cache_dir``, which give the key again. BERT runs add [PAD] [CLS] [SEP] [MASK]
-after the BPE (`mp_toolkit.data_mlm.bert_tokenizer`). A GPT run on ``--data synthetic`` draws
+after the BPE (`mp_toolkit.data.mlm.bert_tokenizer`). A GPT run on ``--data synthetic`` draws
 random ids and has no tokenizer. An ``--hf DIR`` run ships DIR's tokenizer files. The HF files
 are written by ``PreTrainedTokenizerFast.save_pretrained`` (tokenizer.json + tokenizer_config.json),
 which ``AutoTokenizer.from_pretrained`` loads.
@@ -15,26 +15,30 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
 
+from mp_toolkit.data.lm import EOS_TOKEN, DataError, cache_key, read_texts, stdlib_files
+from mp_toolkit.data.mlm import SPECIAL_TOKENS, bert_tokenizer
+from mp_toolkit.data.synthetic import synthetic_documents
 from mp_toolkit.hf.export import copy_tokenizer
+from mp_toolkit.run.families import FAMILIES
+
+
+def _mlm(family: str) -> bool:
+    """Whether the run of ``family`` trained on MLM + NSP pairs with BERT's special tokens."""
+    return family in FAMILIES and FAMILIES[family].mlm
 
 
 def _run_texts(family: str, run: Mapping) -> list[str] | None:
     """The documents the run tokenized, or None when it used no tokenizer."""
-    from mp_toolkit.data import read_texts, stdlib_files
-    from mp_toolkit.train_models import synthetic_documents
-
     data = str(run.get("data"))
     if data == "synthetic":
-        return synthetic_documents(run["seed"]) if family == "bert" else None
+        return synthetic_documents(run["seed"]) if _mlm(family) else None
     return read_texts(stdlib_files() if data == "stdlib" else [data])[0]
 
 
 def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
     """(the tokenizer the checkpoint's run trained, or None; a note on where it came from or why none)."""
-    from mp_toolkit.data import DataError, _cache_key  # the cache file's name: the key the run computed
-    from mp_toolkit.data_mlm import SPECIAL_TOKENS, bert_tokenizer
-
     run, model = manifest.get("config", {}), manifest["model"]
     family, vocab = model["family"], model["config"]["vocab_size"]
     try:
@@ -43,23 +47,20 @@ def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
         return None, f"no tokenizer: the run's data {run.get('data')!r} cannot be read again ({e}); pass --tokenizer"
     if texts is None:
         return None, "no tokenizer: the run trained on synthetic token ids"
-    bpe_vocab = vocab - len(SPECIAL_TOKENS) if family == "bert" else vocab
-    cached = Path(run.get("cache_dir", ".")) / f"tokenizer-{_cache_key(texts, bpe_vocab)}.json"
+    bpe_vocab = vocab - len(SPECIAL_TOKENS) if _mlm(family) else vocab
+    # the cache file's name: the key the run computed
+    cached = Path(run.get("cache_dir", ".")) / f"tokenizer-{cache_key(texts, bpe_vocab)}.json"
     if not cached.is_file():
         return None, f"no tokenizer: the run's {cached} is gone; pass --tokenizer"
-    if family == "bert":  # reads the cache (it exists) and appends the specials as the run did
+    if _mlm(family):  # reads the cache (it exists) and appends the specials as the run did
         return bert_tokenizer(texts, vocab, cached.parent)[1], f"tokenizer from {cached} + BERT specials"
     return Tokenizer.from_file(str(cached)), f"tokenizer from {cached}"
 
 
 def save_tokenizer(tokenizer: Tokenizer, family: str, max_length: int, out_dir) -> None:
     """Write ``tokenizer`` as HF files, naming the special tokens the model was trained with."""
-    from transformers import PreTrainedTokenizerFast
-
-    from mp_toolkit.data import EOS_TOKEN
-
     vocab = tokenizer.get_vocab()
-    if family == "bert":
+    if _mlm(family):
         names = dict(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
     else:
         names = dict(eos_token=EOS_TOKEN, bos_token=EOS_TOKEN)
@@ -83,7 +84,7 @@ def write_tokenizer(source, manifest: Mapping, out_dir) -> str:
             raise ValueError(f"--tokenizer {source}: not a tokenizer directory nor a tokenizers JSON "
                              f"({str(e).splitlines()[0][:120]})") from None
         note = f"tokenizer from {source}"
-    elif family in ("gpt", "bert") and "config" in model:
+    elif family in FAMILIES and FAMILIES[family].config_from_dict is not None and "config" in model:  # model_zoo
         tokenizer, note = run_tokenizer(manifest)
         if tokenizer is None:
             return note

@@ -33,7 +33,7 @@ from __future__ import annotations
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from mp_toolkit.hf.adapters import family_of
+from mp_toolkit.hf.adapters import model_type_of
 from mp_toolkit.hf.conv1d_parallel import Conv1DColumnParallel, Conv1DRowParallel
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
@@ -146,11 +146,11 @@ def apply_hf_tensor_parallel(layer_list: LayerList, ctx: ParallelContext, plan: 
     even for tp == 1 (which returns ``layer_list`` itself), and for tp > 1 the layers are modified
     in place, as `apply_tensor_parallel` does; tied parameters stay one shard.
     """
-    family = family_of(layer_list)
+    model_type = model_type_of(layer_list)
     if plan is None:
-        if family not in TP_PLANS:
-            raise ValueError(f"no tensor-parallel plan for {family} layer lists: plans exist for {', '.join(TP_PLANS)}")
-        plan = TP_PLANS[family]
+        if model_type not in TP_PLANS:
+            raise ValueError(f"no tensor-parallel plan for {model_type} layer lists: plans exist for {', '.join(TP_PLANS)}")
+        plan = TP_PLANS[model_type]
     check_hf_tensor_parallel(_config_of(layer_list), ctx.tp)
     convs, conv_keys = _conv1d_matches(layer_list, plan)
     rest = {k: s for k, s in plan.items() if k not in conv_keys}

@@ -25,18 +25,19 @@ rather than written as a model that computes something else.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import transformers
 
 from model_zoo import bert, bert_hf, gpt
 from mp_toolkit.hf.export import write_hf_model
-from mp_toolkit.train_models import ModelSpec
-from mp_toolkit.train_state import ModelNames
+from mp_toolkit.run.families import FAMILIES, ModelSpec
+from mp_toolkit.run.state import ModelNames
 
-HF_CLASS = {"gpt": "GPT2LMHeadModel", "bert": "BertForPreTraining"}
 # GPTConfig fields GPT2Config spells and computes the same way; `bias` is checked on its own.
 _GPT2_FIELDS = frozenset({"vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
                           "activation_function", "resid_pdrop", "embd_pdrop", "attn_pdrop",
@@ -59,31 +60,40 @@ class ExportError(ValueError):
 def zoo_spec(manifest: Mapping) -> ModelSpec | None:
     """The `ModelSpec` a `model_zoo` run recorded in its manifest, or None (not such a run)."""
     model = manifest.get("model")
-    if not isinstance(model, Mapping) or model.get("family") not in HF_CLASS:
+    if not isinstance(model, Mapping) or model.get("family") not in ZOO_HF:
         return None
     family, cfg = model["family"], model.get("config")
     try:
-        config = (gpt.GPTConfig if family == "gpt" else bert.BertConfig).from_dict(cfg)
+        config = FAMILIES[family].config_from_dict(cfg)
     except (ValueError, TypeError) as e:
         raise ExportError(f"the manifest's {family} model config is not valid: {str(e).splitlines()[0]}") from None
-    unknown = sorted(set(cfg) - (_GPT2_FIELDS | {"bias"} if family == "gpt" else _BERT_FIELDS))
+    unknown = sorted(set(cfg) - ZOO_HF[family].known_fields)
     if unknown:  # a field added to our config later: it might change what the model computes
-        raise ExportError(f"the {family} config field(s) {', '.join(unknown)} have no {HF_CLASS[family]} "
+        raise ExportError(f"the {family} config field(s) {', '.join(unknown)} have no {ZOO_HF[family].hf_class} "
                           "counterpart known to the exporter: it cannot say the HF model computes the same")
     return ModelSpec(family, config)
 
 
 def hf_config(spec: ModelSpec) -> transformers.PretrainedConfig:
     """The GPT2Config / BertConfig that makes HF compute what ``spec``'s model computes."""
-    d = spec.config.to_dict()
-    if spec.family == "bert":
-        return transformers.BertConfig(**{k: d[k] for k in _BERT_FIELDS}, architectures=[HF_CLASS["bert"]])
-    if not spec.config.bias:
+    return ZOO_HF[spec.family].hf_config(spec.config)
+
+
+def bert_hf_config(config: bert.BertConfig) -> transformers.BertConfig:
+    """The BertConfig of our BERT's config: the same fields, the same spelling."""
+    d = config.to_dict()
+    return transformers.BertConfig(**{k: d[k] for k in _BERT_FIELDS}, architectures=["BertForPreTraining"])
+
+
+def gpt2_config(config: gpt.GPTConfig) -> transformers.GPT2Config:
+    """The GPT2Config of our GPT's config; a GPT without biases has none."""
+    d = config.to_dict()
+    if not config.bias:
         raise ExportError("this GPT has bias=False: HF GPT2LMHeadModel always has Linear and LayerNorm biases, "
                           "so it cannot hold this model (train with bias=true to export to GPT-2)")
-    # our tokenizers put <|endoftext|> at id 0 (mp_toolkit.data.train_tokenizer); GPT-2's 50256 may not exist
+    # our tokenizers put <|endoftext|> at id 0 (mp_toolkit.data.lm.train_tokenizer); GPT-2's 50256 may not exist
     return transformers.GPT2Config(**{k: d[k] for k in _GPT2_FIELDS}, bos_token_id=0, eos_token_id=0,
-                                   architectures=[HF_CLASS["gpt"]])
+                                   architectures=["GPT2LMHeadModel"])
 
 
 def gpt_hf_name(name: str) -> tuple[str, bool]:
@@ -134,6 +144,27 @@ def export_zoo_state(state: Mapping[str, torch.Tensor], manifest: Mapping, out_d
                           "mpt train --model")
     cfg = hf_config(spec)
     model = load_zoo_model(spec, state)
-    hf_state = gpt_to_hf_state_dict(model) if spec.family == "gpt" else bert_hf.to_hf_state_dict(model)
-    return write_hf_model(getattr(transformers, HF_CLASS[spec.family]), cfg, hf_state, out_dir, tokenizer_dir)
+    export = ZOO_HF[spec.family]
+    return write_hf_model(getattr(transformers, export.hf_class), cfg, export.to_hf_state_dict(model), out_dir,
+                          tokenizer_dir)
+
+
+@dataclass(frozen=True)
+class ZooHF:
+    """How a model_zoo family (`mp_toolkit.run.families.FAMILIES`) is written as an HF model: the export
+    half of its record, here because it needs transformers."""
+
+    hf_class: str
+    """The HF class written (``architectures[0]``)."""
+    known_fields: frozenset
+    """Our config's fields the exporter knows HF computes alike."""
+    hf_config: Callable[[object], transformers.PretrainedConfig]
+    to_hf_state_dict: Callable[[torch.nn.Module], dict]
+    """Our model's state under the HF class's names (GPT: Conv1D weights transposed)."""
+
+
+ZOO_HF: Mapping[str, ZooHF] = MappingProxyType({
+    "gpt": ZooHF("GPT2LMHeadModel", _GPT2_FIELDS | {"bias"}, gpt2_config, gpt_to_hf_state_dict),
+    "bert": ZooHF("BertForPreTraining", _BERT_FIELDS, bert_hf_config, bert_hf.to_hf_state_dict),
+})
 

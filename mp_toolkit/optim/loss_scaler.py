@@ -25,8 +25,10 @@ or 0 means dynamic, as in DeepSpeed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +66,42 @@ def _check_number(name: str, value, need: str, ok) -> None:
 def _check_int(name: str, value, lowest: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
         raise ValueError(f"DynamicLossScaler: {name} must be an integer >= {lowest}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LossScaleSettings:
+    """The six loss-scale settings, as DeepSpeed's ``fp16`` block spells them (and `mpt train`'s flags
+    ``--loss-scale``, ``--initial-scale-power``, ...); its defaults are DeepSpeed's."""
+
+    loss_scale: float = 0.0
+    """A static loss scale when > 0; 0 means dynamic scaling."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Clean steps before the scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale halves."""
+    min_loss_scale: float = 1.0
+    """The scale never drops below this."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis on every clean step, not only when the scale grows."""
+
+    @classmethod
+    def of(cls, source) -> "LossScaleSettings":
+        """The six settings of anything that has them as attributes (a TrainConfig, DeepSpeed's fp16 block)."""
+        return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
+
+    def as_dict(self) -> dict:
+        """The settings by name: DeepSpeed's ``fp16`` keys, and TrainConfig's fields."""
+        return dataclasses.asdict(self)
+
+    def scaler(self) -> "DynamicLossScaler":
+        """The scaler these settings describe (static when loss_scale > 0)."""
+        return DynamicLossScaler(
+            initial_scale_power=self.initial_scale_power, loss_scale_window=self.loss_scale_window,
+            hysteresis=self.hysteresis, min_loss_scale=self.min_loss_scale,
+            consecutive_hysteresis=self.consecutive_hysteresis,
+            static_scale=self.loss_scale if self.loss_scale > 0 else None)
 
 
 class DynamicLossScaler:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mp_toolkit.config import LR_DECAYS as DECAYS
+DECAYS = ("none", "linear", "cosine")
+"""`WarmupDecay`'s decays after warm-up (``--lr-decay``)."""
 
 
 @dataclass(frozen=True)

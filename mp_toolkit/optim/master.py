@@ -7,11 +7,15 @@ the module's parameter: no copy, no extra memory, and bitwise the plain optimize
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRECISIONS: Mapping[str, torch.dtype] = MappingProxyType(
+    {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
+"""The precision names (``--precision``, ``mpt plan --dtype``, DeepSpeed's fp16 / bf16 blocks) and their dtypes:
+the one table of them."""
 
 
 def fast_bf16(device: torch.device) -> bool:

@@ -11,28 +11,26 @@ from dataclasses import replace
 
 import torch
 
+from model_zoo import bert, gpt
 from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.factory import build_optimizer
+from mp_toolkit.optim.master import PRECISIONS
 
+from .contention import concurrent_load, default_threads, helpers_for
 from .cost import CostModelError, ModelShape
-from mp_toolkit.memstats import keep_freed_memory, release_free_memory, rss_bytes, warm_runtime
+from mp_toolkit.partition.memstats import keep_freed_memory, release_free_memory, rss_bytes, warm_runtime
 
 from .measure import TIMED_MICROBATCHES, LayerTiming, measure_layers, measure_optimizer_step
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def batch_maker(family: str, config):
-    """``make_batch(b, s) -> (inputs, labels)`` of random tokens for a model_zoo GPT ("gpt2") or
-    BERT ("bert") of ``config``, and the loss its last stage applies."""
-    if family == "gpt2":
-        from model_zoo import gpt
-
+def batch_maker(model_type: str, config):
+    """``make_batch(b, s) -> (inputs, labels)`` of random tokens for a model_zoo GPT (``model_type``
+    "gpt2") or BERT ("bert") of ``config``, and the loss its last stage applies."""
+    if model_type == "gpt2":
         def batch(b: int, s: int):
             ids = torch.randint(0, config.vocab_size, (b, s + 1))
             return ids[:, :-1], ids[:, 1:]
 
         return batch, lambda logits, labels: gpt.lm_loss(logits.float(), labels)
-    from model_zoo import bert
 
     def batch(b: int, s: int):
         ids = torch.randint(0, config.vocab_size, (b, s))
@@ -46,13 +44,9 @@ def batch_maker(family: str, config):
 def build_layer_list(model: str, shape: ModelShape):
     """(LayerList, make_batch(b, s) -> (inputs, labels), loss_fn) for a preset or config path."""
     if shape.family == "gpt2":
-        from model_zoo import gpt
-
         config = gpt.PRESETS[model] if model in gpt.PRESETS else gpt.get_config(model)
         return (LayerList.from_model(gpt.GPT(config)), *batch_maker("gpt2", config))
     if shape.family == "bert":
-        from model_zoo import bert
-
         config = bert.get_config(model)
         return (LayerList.from_model(bert.BertForPreTraining(config)), *batch_maker("bert", config))
     raise CostModelError(f"--method time measures GPT-2 and BERT models so far; {model} is a {shape.family} "
@@ -67,10 +61,6 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
     Times are taken with the run's threads per rank and (``req.load``) beside helper processes
     that stand in for the run's other ranks on this machine (`contention`); bytes afterwards,
     alone (the helpers' memory is theirs)."""
-    from mp_toolkit.optim.factory import build_optimizer
-
-    from .contention import concurrent_load, default_threads, helpers_for
-
     ranks = req.pp * req.tp * req.dp
     threads = req.threads or default_threads(ranks)
     helpers = helpers_for(ranks, threads) if req.load else 0
@@ -81,7 +71,7 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
         warm_runtime()
         torch.manual_seed(0)
         layers, batch, loss_fn = build_layer_list(req.model, shape)
-        layers = layers.to(DTYPES[req.dtype])
+        layers = layers.to(PRECISIONS[req.dtype])
         inputs, labels = batch(req.micro_batch, req.seq_len)
         named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in layers.named_parameters()]
         build = lambda nps: build_optimizer(req.optimizer, nps, 1e-3, 0.01)  # noqa: E731

@@ -9,7 +9,7 @@ under what the last stage of a real 1F1B run spends on it. So while the layers a
 `concurrent_load` keeps ``count`` helper processes running the same model's forward and backward
 on the same micro-batch shape, each with the run's threads per rank: the neighbours a rank has.
 
-A helper is ``python -m mp_toolkit.partition.contention MODEL MICRO_BATCH SEQ DTYPE THREADS``;
+A helper is ``python -m mp_toolkit.partition.load_helper MODEL MICRO_BATCH SEQ DTYPE THREADS``;
 it prints ``ready`` after its first forward + backward and stops when its standard input closes
 (so it never outlives the planner), or when it is terminated.
 """
@@ -43,7 +43,7 @@ def concurrent_load(model: str, micro_batch: int, seq_len: int, dtype: str, thre
     fails to start is an error, not ignored: the timings would be an idle machine's."""
     procs: list[subprocess.Popen] = []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    argv = [sys.executable, "-m", "mp_toolkit.partition.contention", model, str(micro_batch), str(seq_len),
+    argv = [sys.executable, "-m", "mp_toolkit.partition.load_helper", model, str(micro_batch), str(seq_len),
             dtype, str(threads)]
     try:
         for _ in range(count):
@@ -80,33 +80,3 @@ def _stop(p: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def _serve(model: str, micro_batch: int, seq_len: int, dtype: str, threads: int) -> None:
-    import torch
-
-    from .build import DTYPES, build_layer_list
-    from .cost import model_shape
-    from mp_toolkit.layers import run_layers
-
-    torch.set_num_threads(threads)
-    stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    torch.manual_seed(1)
-    layers, batch, loss_fn = build_layer_list(model, model_shape(model))
-    layers = layers.to(DTYPES[dtype])
-    inputs, labels = batch(micro_batch, seq_len)
-    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    first = True
-    while not stop.is_set():
-        loss_fn(run_layers(layers.layers, *inputs), labels).backward()
-        for p in layers.parameters():
-            p.grad = None
-        if first:
-            print("ready", flush=True)
-            first = False
-
-
-if __name__ == "__main__":
-    name, b, s, dt, th = sys.argv[1:6]
-    _serve(name, int(b), int(s), dt, int(th))

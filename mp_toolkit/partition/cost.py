@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from model_zoo import bert, gpt
+
 FAMILIES = ("gpt2", "bert", "llama")
 HF_MODEL_TYPES = {"gpt2": "gpt2", "bert": "bert", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
 ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -125,8 +127,6 @@ def _read_shape(d: dict, source: str) -> ModelShape:
 
 def model_shape(model: str) -> ModelShape:
     """Our preset name (``gpt-tiny``, ``gpt2-xl``, ``bert-base``, ...) or a HF ``config.json`` path."""
-    from model_zoo import gpt
-
     if model in gpt.PRESETS:
         c = gpt.PRESETS[model]
         return ModelShape("gpt2", c.vocab_size, c.n_embd, c.n_layer, c.n_head, c.inner_size, c.n_positions,
@@ -159,10 +159,6 @@ _INT_KEYS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "hidden
 
 
 def _bert_presets() -> dict[str, dict]:
-    try:
-        from model_zoo import bert
-    except ImportError:
-        return {}
     return {name: c.to_dict() for name, c in bert.PRESETS.items()}
 
 

@@ -19,7 +19,7 @@ the split's own cost (walking the graph, re-entering it) is in the figures.
 Kept bytes are counted with `torch.autograd.graph.saved_tensors_hooks` in one untimed pass, one
 count per storage, parameters excluded; the transient peak beyond them (gradients of logits,
 temporaries) from the resident set size of one micro-batch alone, with large blocks mapped
-individually so that RSS follows live tensors (`mp_toolkit.memstats`).
+individually so that RSS follows live tensors (`mp_toolkit.partition.memstats`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 
 from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import LayerList, run_layers
-from mp_toolkit.memstats import map_large_blocks, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes
+from mp_toolkit.partition.memstats import map_large_blocks, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes
 
 TIMED_MICROBATCHES = 4
 """Micro-batches per timing round that callers use (gradients accumulate as in a step); more add little."""

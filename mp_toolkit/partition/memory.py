@@ -11,7 +11,7 @@ a property of (stage index, first layer, last layer), and the problem is a dynam
    sorted in descending order are lexicographically smallest (leximax: the most balanced), ties
    to the lexicographically smallest boundary list -- the same rule as `solvers.min_max`.
 
-Both steps are exact: times are compared as integers with one common scale (`_exact_weights`),
+Both steps are exact: times are compared as integers with one common scale (`exact_weights`),
 and the best prefix cut extends to the best full cut because feasibility of the rest depends
 only on (stage, position). ``O(p * n^2)`` segment checks; ``n`` = layers, ``p`` = stages.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Sequence
 
-from .solvers import PartitionError, _check_num_stages, _exact_weights, leximax_cut
+from .solvers import PartitionError, check_num_stages, exact_weights, leximax_cut
 
 __all__ = ["StageMemory", "MemoryCapError", "min_max_memory", "min_memory_cut"]
 
@@ -129,7 +129,7 @@ def _scalar_dp(n: int, p: int, seg_cost) -> tuple[float, list[int]] | None:
 
 def min_memory_cut(memory: StageMemory, num_layers: int, num_stages: int) -> tuple[int, list[int]]:
     """The smallest achievable largest-stage memory and a cut reaching it."""
-    _check_num_stages(num_layers, num_stages)
+    check_num_stages(num_layers, num_stages)
     value, bounds = _scalar_dp(num_layers, num_stages, memory)
     return int(value), bounds
 
@@ -140,10 +140,10 @@ def min_max_memory(times: Sequence[Real], memory: StageMemory, num_stages: int, 
     Raises `MemoryCapError` (with the smallest feasible cap) when nothing fits.
     """
     n = len(times)
-    _check_num_stages(n, num_stages)
+    check_num_stages(n, num_stages)
     if len(memory.inflight) < num_stages:
         raise ValueError(f"inflight gives {len(memory.inflight)} stages, need {num_stages}")
-    w = _exact_weights(times)
+    w = exact_weights(times)
     pw = _prefix(w)
     fits = lambda j, a, b: memory(j, a, b) <= cap
     found = _scalar_dp(n, num_stages, lambda j, a, b: pw[b] - pw[a] if fits(j, a, b) else None)

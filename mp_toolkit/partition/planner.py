@@ -20,6 +20,12 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
+
+from mp_toolkit.optim.master import PRECISIONS
+from mp_toolkit.schedule import get_schedule, simulate
+
+from .build import measure_model
 from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape
 from .memory import MemoryCapError, StageMemory, min_max_memory
 from .solvers import PartitionError, min_max, uniform
@@ -117,9 +123,7 @@ class Plan:
 
 def gemm_tflops(dtype: str, n: int = 512, k: int = 512, repeats: int = 5) -> float:
     """Measured TFLOP/s of an (n x k) @ (k x 4k) matrix product in ``dtype`` on this CPU."""
-    import torch
-
-    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    dt = PRECISIONS[dtype]
     a, b = torch.randn(n, k, dtype=dt), torch.randn(k, 4 * k, dtype=dt)
     a @ b
     times = []
@@ -168,8 +172,6 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> 
     ``--measure``; ZB-H1's I and W too for ``--schedule zbh1``) or from FLOPs."""
     split, recorded = None, []
     if req.method == "time" or req.measure:
-        from .build import measure_model
-
         timings, opt_s, step_bytes, residue, how = measure_model(req, shape)
         times = [(t.forward_s, t.backward_s) for t in timings]
         if req.schedule == "zbh1":
@@ -228,8 +230,6 @@ def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float
 def _inflight(req: PlanRequest):
     """Per stage peak in-flight micro-batches of the schedule the run would execute, and the
     unit-cost schedule itself (ZB-H1 keeps a micro-batch's activations until its W)."""
-    from mp_toolkit.schedule import get_schedule, simulate
-
     schedule = get_schedule(req.schedule, req.pp, req.microbatches, num_chunks=req.chunks)
     tl = simulate(schedule)
     return schedule, list(tl.peak_inflight_w if req.schedule == "zbh1" else tl.peak_inflight)
@@ -252,8 +252,6 @@ def _split_backward_ms(stage: StagePlan, bounds: list[int],
 
 def make_plan(req: PlanRequest) -> Plan:
     """Plan ``req``; raises PartitionError / CostModelError / ValueError with one-line messages."""
-    from mp_toolkit.schedule import simulate
-
     shape = model_shape(req.model)
     check_request(req, shape)
     costs = layer_costs(shape, req.micro_batch, req.seq_len, req.dtype, req.tp)
@@ -335,8 +333,6 @@ def _memory_warnings(req: PlanRequest, plan: Plan, schedule) -> list[str]:
 
 def _round_up(gb: float) -> str:
     """A cap a little above ``gb`` with two significant digits, never below it."""
-    import math
-
     digits = 2 - int(math.floor(math.log10(gb))) - 1 if gb > 0 else 2
     step = 10.0 ** -digits
     return f"{math.ceil(gb / step - 1e-9) * step:.{max(digits, 0)}f}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+from mp_toolkit.schedule import draw_gantt
+
 from .planner import GB, Plan
 
 
@@ -47,8 +49,6 @@ def write_json(obj: dict, path: str | os.PathLike) -> None:
 
 def draw_plan_gantt(plan: Plan, path: str | os.PathLike) -> None:
     """The simulated schedule with predicted durations (ms) on the time axis."""
-    from mp_toolkit.schedule import draw_gantt
-
     r = plan.request
     title = (f"{r.model} {r.schedule} pp={r.pp}: predicted step {plan.timeline.step_time:.1f} ms "
              f"(+ optimizer), bubble {plan.bubble_fraction:.1%}")

@@ -29,7 +29,7 @@ class PartitionError(ValueError):
     """An impossible or malformed partition; the message is one line meant for the user."""
 
 
-def _check_num_stages(num_layers: int, num_stages: int) -> None:
+def check_num_stages(num_layers: int, num_stages: int) -> None:
     if num_stages < 1:
         raise PartitionError(
             f"cannot split into {num_stages} pipeline stages: --pp must be at least 1"
@@ -47,7 +47,7 @@ def uniform(num_layers: int, num_stages: int) -> list[int]:
     >>> uniform(10, 4)
     [0, 3, 6, 8, 10]
     """
-    _check_num_stages(num_layers, num_stages)
+    check_num_stages(num_layers, num_stages)
     size, extra = divmod(num_layers, num_stages)
     bounds = [0]
     for stage in range(num_stages):
@@ -55,7 +55,7 @@ def uniform(num_layers: int, num_stages: int) -> list[int]:
     return bounds
 
 
-def _exact_weights(weights: Sequence[Real]) -> list[int]:
+def exact_weights(weights: Sequence[Real]) -> list[int]:
     """Weights as integers scaled by one common factor, so sums compare exactly.
 
     Every float is a dyadic rational, so ``Fraction(w)`` is exact; scaling by the largest
@@ -118,8 +118,8 @@ def min_max(weights: Sequence[Real], num_stages: int) -> list[int]:
     [0, 1, 5, 6]
     """
     n = len(weights)
-    _check_num_stages(n, num_stages)
-    w = _exact_weights(weights)
+    check_num_stages(n, num_stages)
+    w = exact_weights(weights)
     prefix = [0]
     for x in w:
         prefix.append(prefix[-1] + x)
@@ -170,7 +170,7 @@ def by_parameters(param_counts: Sequence[int], num_stages: int) -> list[int]:
 
 def explicit(boundaries: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
     """Validate user-given boundaries and return them as a list of ints."""
-    _check_num_stages(num_layers, num_stages)
+    check_num_stages(num_layers, num_stages)
     bounds = list(boundaries)
     shown = "[" + ", ".join(str(b) for b in bounds) + "]"
     if len(bounds) != num_stages + 1:

@@ -13,7 +13,8 @@ from .gantt import draw_gantt
 from .generators import SCHEDULES, get_schedule, gpipe, one_f_one_b
 from .interleaved import insert_comms, interleaved_1f1b
 from .printer import format_actions, format_schedule, makespan, unit_time_steps
-from .simulator import DEFAULT_COSTS, Event, Timeline, cost_function, simulate, simulate_report
+from .report import simulate_report
+from .simulator import DEFAULT_COSTS, Event, Timeline, cost_function, simulate
 from .validate import ScheduleError, simulate_order, validate
 from .zero_bubble import zbh1
 

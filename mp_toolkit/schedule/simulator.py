@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Union
 from .actions import Action, Kind, Schedule
 from .validate import simulate_order
 
-__all__ = ["Timeline", "Event", "simulate", "cost_function", "simulate_report", "DEFAULT_COSTS"]
+__all__ = ["Timeline", "Event", "simulate", "cost_function", "complete_kinds", "DEFAULT_COSTS"]
 
 CostSpec = Union[Callable[[Action], float], Mapping]
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -98,7 +98,7 @@ def cost_function(costs: CostSpec | None) -> Callable[[Action], float]:
     if callable(costs):
         return costs
     if costs and all(isinstance(k, int) for k in costs):
-        per_stage = {s: _complete_kinds(c) for s, c in costs.items()}
+        per_stage = {s: complete_kinds(c) for s, c in costs.items()}
 
         def by_stage(a: Action) -> float:
             if a.stage not in per_stage:
@@ -106,11 +106,12 @@ def cost_function(costs: CostSpec | None) -> Callable[[Action], float]:
             return _lookup(per_stage[a.stage], a)
 
         return by_stage
-    table = _complete_kinds(costs)
+    table = complete_kinds(costs)
     return lambda a: _lookup(table, a)
 
 
-def _complete_kinds(costs: Mapping) -> dict[str, float]:
+def complete_kinds(costs: Mapping) -> dict[str, float]:
+    """A kind -> cost table (keys "F", "B", ...; `Kind` members too) with B = I + W or I = W = B / 2 filled in."""
     table = {str(getattr(k, "value", k)): float(v) for k, v in costs.items()}
     if "B" not in table and "I" in table and "W" in table:
         table["B"] = table["I"] + table["W"]
@@ -199,47 +200,3 @@ def _peak_inflight(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]
             stage_peak_w[s] = max(stage_peak_w[s], live_w[s])
             rank_peak[rank] = max(rank_peak[rank], sum(live.values()))
     return tuple(stage_peak), tuple(rank_peak), tuple(stage_peak_w)
-
-
-def simulate_report(
-    schedule_name: str,
-    pp: int,
-    m: int,
-    chunks: int | None = None,
-    costs: CostSpec | None = None,
-    *,
-    gantt: str | None = None,
-) -> dict:
-    """What ``mpt simulate --schedule S --pp P --microbatches M [--chunks V]`` reports.
-
-    ``costs`` as a kind dict (default :data:`DEFAULT_COSTS`) are for one micro-batch through
-    one rank's share of the model; with ``chunks`` v > 1 each chunk's action takes 1/v of it,
-    so schedules of the same model compare directly. A stage dict ``{stage: {...}}`` gives
-    each schedule stage (chunk) its own costs, used as they are. ``gantt`` (a .png or .svg path)
-    also draws the timeline. Returns ``schedule, pp, microbatches, chunks, step_time,
-    bubble_fraction, peak_inflight`` (per stage). Bad names or sizes raise ``ValueError``.
-    """
-    from .generators import get_schedule
-
-    schedule = get_schedule(schedule_name, pp, m, num_chunks=chunks)
-    v = schedule.num_stages // schedule.num_ranks
-    if callable(costs):
-        raise ValueError("simulate_report takes costs as a dict like {'F': 1.0, 'B': 2.0}")
-    if costs and all(isinstance(k, int) for k in costs):
-        table = costs
-    else:
-        table = {k: c / v for k, c in _complete_kinds(costs or DEFAULT_COSTS).items()}
-    timeline = simulate(schedule, table)
-    if gantt is not None:
-        from .gantt import draw_gantt
-
-        draw_gantt(timeline, gantt)
-    return {
-        "schedule": schedule.name,
-        "pp": pp,
-        "microbatches": m,
-        "chunks": v,
-        "step_time": timeline.step_time,
-        "bubble_fraction": timeline.bubble_fraction,
-        "peak_inflight": list(timeline.peak_inflight),
-    }

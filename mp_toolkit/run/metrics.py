@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.config import TrainConfig
+from mp_toolkit.run.config import TrainConfig
 
 
 class MetricsLog:

@@ -49,10 +49,12 @@ from mp_toolkit.checkpoint import (
     optimizer_state_by_name, param_groups_by_name, restore_rng, write_layer_shard, write_optimizer_shard,
     write_rng_shard,
 )
-from mp_toolkit.config import ConfigError, TrainConfig
+from mp_toolkit.data.lm import DataError
+from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import full_shape, gather_full, shard_full
+from mp_toolkit.run.config import ConfigError, TrainConfig
 
 RUN_CONTROL = ("steps", "metrics", "plot", "progress", "threads", "timeout_s", "save_dir", "save_every", "keep",
                "resume", "cache_dir", "restarts", "max_skips")
@@ -132,7 +134,7 @@ def config_json(cfg: TrainConfig) -> dict:
     return out
 
 
-def layout_of(engine, ctx: ParallelContext, cfg: TrainConfig) -> dict:
+def layout_of(engine: TrainEngine, ctx: ParallelContext, cfg: TrainConfig) -> dict:
     return {"pp": ctx.pp, "tp": ctx.tp, "dp": ctx.dp, "chunks": cfg.chunks, "schedule": cfg.schedule,
             "boundaries": list(engine.boundaries), "world_size": ctx.world_size}
 
@@ -144,7 +146,7 @@ def _gather_state(master: torch.Tensor, value: torch.Tensor, ctx: ParallelContex
     return value
 
 
-def write_shards(tmp: Path, engine, ctx: ParallelContext, names: ModelNames) -> Exception | None:
+def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: ModelNames) -> Exception | None:
     """Phase 2 on this rank: its layers' model and optimizer shards (when it is their writer) and its
     RNG shard. A failed write is returned, not raised, so the tp peers' gathers still pair up."""
     error = None
@@ -158,21 +160,20 @@ def write_shards(tmp: Path, engine, ctx: ParallelContext, names: ModelNames) -> 
                 error = _one_line(e, tmp)
 
     if ctx.dp_rank == 0:  # every replica holds the same weights: replica 0 saves them
-        masters = {n: engine.masters.of(p) for n, p in engine.named_parameters()}
+        masters = {n: engine.master_of(p) for n, p in engine.named_parameters()}
         states, scalars = optimizer_state_by_name(engine.optimizer, list(masters.items()))
         by_layer: dict[str, list[str]] = {}
         for n in masters:
             if names.canonical(n) == n:  # a tie's later members are saved by its first
                 by_layer.setdefault(names.layer_of(n), []).append(n)
-        for index in sorted(engine.stages):
-            for layer in engine.stages[index].names:
-                own = by_layer.get(layer, [])
-                full = {n: gather_full(masters[n], ctx.tp_group) for n in own}  # collective over tp
-                optim = {n: {k: _gather_state(masters[n], v, ctx) for k, v in sorted(states[n].items())}
-                         for n in own if n in states}
-                if ctx.tp_rank == 0:
-                    attempt(write_layer_shard, tmp, layer, full)
-                    attempt(write_optimizer_shard, tmp, layer, optim, {n: scalars[n] for n in own if n in scalars})
+        for layer in engine.layer_names():
+            own = by_layer.get(layer, [])
+            full = {n: gather_full(masters[n], ctx.tp_group) for n in own}  # collective over tp
+            optim = {n: {k: _gather_state(masters[n], v, ctx) for k, v in sorted(states[n].items())}
+                     for n in own if n in states}
+            if ctx.tp_rank == 0:
+                attempt(write_layer_shard, tmp, layer, full)
+                attempt(write_optimizer_shard, tmp, layer, optim, {n: scalars[n] for n in own if n in scalars})
     attempt(write_rng_shard, tmp, ctx.rank, capture_rng())
     return error
 
@@ -183,10 +184,10 @@ def _data_state(data, dp: int) -> dict:
             "samples": data.position * per_round, "samples_per_epoch": data.batches_per_epoch * per_round}
 
 
-def manifest(cfg: TrainConfig, engine, ctx: ParallelContext, data, progress: Progress, spec, lr: float) -> dict:
+def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, progress: Progress, spec, lr: float) -> dict:
     """Rank 0's description of the run at this step (the store adds step, files and hashes)."""
-    named = [(n, engine.masters.of(p)) for n, p in engine.named_parameters()]
-    scaler = engine.step.scaler
+    named = [(n, engine.master_of(p)) for n, p in engine.named_parameters()]
+    scaler = engine.scaler
     return {
         "config": config_json(cfg), "model": spec.to_json(), "layout": layout_of(engine, ctx, cfg),
         "progress": dataclasses.asdict(progress), "data": _data_state(data, ctx.dp),
@@ -197,11 +198,11 @@ def manifest(cfg: TrainConfig, engine, ctx: ParallelContext, data, progress: Pro
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in param_groups_by_name(engine.optimizer, named)],
         # an HF model's config (`--hf DIR`): `mp_toolkit.hf.export_checkpoint` writes it back out
-        **({"hf_config": spec.config.to_dict()} if spec.family == "hf" else {}),
+        **({"hf_config": hf} if (hf := spec.family_record.hf_config(spec.config)) is not None else {}),
     }
 
 
-def save_state(root: Path, meta: dict | None, engine, ctx: ParallelContext, names: ModelNames, step: int,
+def save_state(root: Path, meta: dict | None, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, step: int,
                keep: int | None, after_shards=None) -> None:
     """Write one checkpoint of this step; every rank calls it, rank 0 passes ``meta`` (`manifest`).
     ``after_shards()`` runs once this rank's shards are written, before the commit (a test's fault hook)."""
@@ -269,7 +270,7 @@ def _check_model(meta: dict, spec, path) -> None:
                       "the model it was saved from")
 
 
-def _load_weights(ck, engine, ctx: ParallelContext, names: ModelNames) -> None:
+def _load_weights(ck, engine: TrainEngine, ctx: ParallelContext, names: ModelNames) -> None:
     """Model and optimizer state of this rank's parameters from the layers that hold them."""
     layers: dict[str, tuple] = {}
 
@@ -286,7 +287,7 @@ def _load_weights(ck, engine, ctx: ParallelContext, names: ModelNames) -> None:
             tensors, opt_t, opt_s = read(names.layer_of(c))
             if c not in tensors:
                 raise CheckpointError(f"{ck.path}: layer {names.layer_of(c)} has no {c} (saved from another model?)")
-            master = engine.masters.of(p)
+            master = engine.master_of(p)
             if tensors[c].shape != full_shape(p, ctx.tp):
                 raise CheckpointError(f"{ck.path}: {c} has shape {tuple(tensors[c].shape)}, this model's is "
                                       f"{full_shape(p, ctx.tp)} (saved from another model?)")
@@ -297,8 +298,8 @@ def _load_weights(ck, engine, ctx: ParallelContext, names: ModelNames) -> None:
                              for k, v in opt_t[c].items()}
             if c in opt_s:
                 scalars[n] = opt_s[c]
-    engine.masters.copy_back()
-    named = [(n, engine.masters.of(p)) for n, p in local]
+    engine.copy_back()
+    named = [(n, engine.master_of(p)) for n, p in local]
     # strict unless nothing was saved: a run whose every step was skipped has no state yet
     load_optimizer_state_by_name(engine.optimizer, named, states, scalars, strict=bool(states or scalars))
 
@@ -312,13 +313,13 @@ class Resumed:
     notes: tuple[str, ...]
 
 
-def _load(path, cfg: TrainConfig, engine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
+def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
     ck = open_checkpoint(path)
     meta = ck.manifest
     _check_model(meta, spec, ck.path)
     _load_weights(ck, engine, ctx, names)
     notes = []
-    scaler = engine.step.scaler
+    scaler = engine.scaler
     if scaler is not None and meta.get("loss_scaler") is not None:
         scaler.load_state_dict(meta["loss_scaler"])
     state, note = data_position(meta["data"], data, ctx.dp)
@@ -342,11 +343,9 @@ def _load(path, cfg: TrainConfig, engine, ctx: ParallelContext, names: ModelName
     return Resumed(Progress(step=ck.step, applied=int(progress.get("applied", ck.step))), ck.path, tuple(notes))
 
 
-def load_state(path, cfg: TrainConfig, engine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
+def load_state(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
     """Restore a checkpoint into this rank's engine, data iterator and generators (every rank calls it).
     A refused file or an impossible resume raises on every rank (`agree`)."""
-    from mp_toolkit.data import DataError
-
     error, out = None, None
     try:
         out = _load(path, cfg, engine, ctx, names, data, spec)

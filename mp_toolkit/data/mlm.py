@@ -9,7 +9,7 @@ Every rank builds the same corpus (bit-identical, like ``build_lm_dataset``) and
     # each (8, 128) int64, nsp_labels (8,); model: BertConfig(vocab_size=corpus.vocab_size,
     #                                                         pad_token_id=corpus.special.pad, ...)
 
-Tokenizer: ``mp_toolkit.data.train_tokenizer``'s byte-level BPE (cached, no unknown tokens) with
+Tokenizer: ``mp_toolkit.data.lm.train_tokenizer``'s byte-level BPE (cached, no unknown tokens) with
 ``[PAD] [CLS] [SEP] [MASK]`` appended as the last four ids. Text is encoded with the plain BPE, so
 a literal "[SEP]" in a source file stays ordinary text and never becomes a separator.
 
@@ -27,6 +27,7 @@ those 80% become [MASK], 10% a random non-special token, 10% stay; labels are -1
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from mp_toolkit.data import DataError, MicroBatches, read_texts, stdlib_files, train_tokenizer
+from mp_toolkit.data.lm import DataError, MicroBatches, read_texts, stdlib_files, train_tokenizer
 
 SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as HF's BertForPreTraining reads them
@@ -214,6 +215,31 @@ def build_mlm_corpus(source: str | os.PathLike | Sequence[str], vocab_size: int,
     ds = datasets.Dataset.from_dict(columns).shuffle(seed=seed).with_format("numpy")
     never = sorted(set(full.get_added_tokens_decoder()) | set(dataclasses.astuple(special)))
     return MLMCorpus(ds, full, special, full.get_vocab_size(), seq_len, tuple(never))
+
+
+def tokenized_mlm_corpus(source, tokenizer: Tokenizer, special_ids: Sequence[int], vocab_size: int, seq_len: int,
+                         seed: int) -> MLMCorpus:
+    """`build_mlm_corpus`'s pairing and packing over a given tokenizer's ids (an HF directory's, whose
+    [PAD] [CLS] [SEP] [MASK] are ``special_ids``): lines are encoded without its post-processor (the
+    packing adds [CLS] / [SEP] itself). ``source``: documents, "stdlib" or a file or folder."""
+    if isinstance(source, list):
+        texts = source
+    else:
+        texts, _ = read_texts(stdlib_files() if source == "stdlib" else [source])
+    doc = json.loads(tokenizer.to_str())
+    doc["post_processor"] = None
+    plain = Tokenizer.from_str(json.dumps(doc))
+    special = SpecialIds(*special_ids)
+    rows = _pairs(_document_sentences(texts, plain), seq_len, 0.5, seed)
+    packed = _pack(rows.pop("a"), rows.pop("b"), special, seq_len)
+    top = int(packed["input_ids"].max())
+    if top >= vocab_size:
+        raise DataError(f"tokenizer gives token id {top}, but the model's vocab_size is {vocab_size}: use the "
+                        "tokenizer the model was built for (ids must be below vocab_size)")
+    columns = {**packed, **{k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}}
+    ds = datasets.Dataset.from_dict(columns).shuffle(seed=seed).with_format("numpy")
+    never = sorted(set(tokenizer.get_added_tokens_decoder()) | set(dataclasses.astuple(special)))
+    return MLMCorpus(ds, tokenizer, special, min(tokenizer.get_vocab_size(), vocab_size), seq_len, tuple(never))
 
 
 def mask_tokens(ids: np.ndarray, rng: np.random.Generator, mask_id: int, never_mask: np.ndarray,

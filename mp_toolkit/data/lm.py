@@ -22,6 +22,7 @@ from typing import Iterable, Optional
 import datasets
 import numpy as np
 import torch
+import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
@@ -135,7 +136,9 @@ def _texts_digest(texts: list[str]) -> str:
     return h.hexdigest()
 
 
-def _cache_key(texts: list[str], vocab_size: int) -> str:
+def cache_key(texts: list[str], vocab_size: int) -> str:
+    """The key of the tokenizer trained on ``texts`` with ``vocab_size``: its cache file is
+    ``tokenizer-<key>.json`` (an export finds a run's tokenizer by it, `mp_toolkit.hf.run_tokenizer`)."""
     return hashlib.sha256(f"{_texts_digest(texts)}:{vocab_size}".encode()).hexdigest()[:16]
 
 
@@ -150,7 +153,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathL
             f"vocab_size={vocab_size} is too small for byte-level BPE: use at least 257 "
             f"(256 bytes + {EOS_TOKEN})"
         )
-    cached = Path(cache_dir) / f"tokenizer-{_cache_key(texts, vocab_size)}.json"
+    cached = Path(cache_dir) / f"tokenizer-{cache_key(texts, vocab_size)}.json"
     if cached.is_file():
         return Tokenizer.from_file(str(cached))
 
@@ -247,6 +250,14 @@ def _packed_dataset(stream: np.ndarray, seq_len: int) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"input_ids": chunks})
 
 
+def rank0_first(build, rank: int):
+    """Rank 0 builds first (training and caching the tokenizer); the others then load the cache."""
+    out = build() if rank == 0 else None
+    if dist.is_initialized():
+        dist.barrier()
+    return out if out is not None else build()
+
+
 def build_lm_dataset(
     source: str | os.PathLike,
     vocab_size: int,
@@ -287,7 +298,7 @@ first build pays for training and encoding. Equal arguments give bit-identical d
             stream = tokenized_stream(texts, tokenizer_file, vocab_size, cache_dir, eos)
         else:
             tokenizer = train_tokenizer(texts, vocab_size, cache_dir)
-            key = _cache_key(texts, vocab_size)  # the tokenizer's key: same corpus, same vocabulary
+            key = cache_key(texts, vocab_size)  # the tokenizer's key: same corpus, same vocabulary
             stream = _token_stream(texts, tokenizer, Path(cache_dir) / f"tokens-{key}.npy")
         ds = _packed_dataset(stream, seq_len)
     return ds.shuffle(seed=seed).with_format("torch")

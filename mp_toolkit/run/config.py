@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # mp_toolkit.optim.lr imports this module
-    from mp_toolkit.optim.lr import DeepSpeedSchedule
+from mp_toolkit.optim.factory import OPTIMIZERS
+from mp_toolkit.optim.lr import DECAYS as LR_DECAYS, DeepSpeedSchedule
+from mp_toolkit.optim import master
+
+__all__ = ["ENGINES", "LR_DECAYS", "OPTIMIZERS", "PARTITION_METHODS", "PRECISIONS", "SCHEDULES", "ConfigError",
+           "TrainConfig", "parse_boundaries"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
-PRECISIONS = ("fp32", "fp16", "bf16", "auto")
-OPTIMIZERS = ("adamw", "adam", "adagrad", "rmsprop", "sgd", "lamb", "lars")
-LR_DECAYS = ("none", "linear", "cosine")
+PRECISIONS = (*master.PRECISIONS, "auto")  # "auto": bf16 where it is fast, else fp32 (`optim.master.resolve_precision`)
 PARTITION_METHODS = ("flops", "parameters", "uniform", "time")
 ENGINES = ("mp_toolkit", "deepspeed")
 
@@ -31,7 +32,7 @@ class TrainConfig:
     hf: str | None = None
     """A local HuggingFace save_pretrained directory (config.json + model.safetensors, optionally
     tokenizer.json) of a GPT-2, BERT, Llama, Mistral or Qwen2 model, trained from its weights instead
-    of ``model`` (`mp_toolkit.train_hf`); None: ``model``."""
+    of ``model`` (`mp_toolkit.run.hf_family`); None: ``model``."""
     pp: int = 2
     """Pipeline stages (ranks along the slowest grid axis)."""
     tp: int = 1
@@ -43,7 +44,7 @@ class TrainConfig:
     """Data-parallel gradient buckets: MiB of fp32 gradients per all-reduce (DDP's bucket_cap_mb)."""
     engine: str = "mp_toolkit"
     """Which pipeline engine trains: mp_toolkit (ours: every schedule, tp, checkpoints) or deepspeed
-    (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.ds_engine`)."""
+    (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.ds.engine`)."""
     schedule: str = "1f1b"
     """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks) or zbh1 (zero bubble)."""
     chunks: int = 1

@@ -1,6 +1,6 @@
 """Reading a DeepSpeed JSON config: the file, and typed getters whose errors name the dotted key.
 
-`mp_toolkit.ds_config` maps what these read onto our settings; this module knows only JSON.
+`mp_toolkit.ds.config` maps what these read onto our settings; this module knows only JSON.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mp_toolkit.config import ConfigError
+from mp_toolkit.run.config import ConfigError
 
 
 def show(value: Any) -> str:

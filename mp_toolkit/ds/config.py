@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mp_toolkit.config import SCHEDULES, ConfigError, TrainConfig
-from mp_toolkit.ds_json import Block, load_json, show
+from mp_toolkit.run.config import SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.ds.json_doc import Block, load_json, show
+from mp_toolkit.optim.loss_scaler import LossScaleSettings
 from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 OPTIMIZER_TYPES = ("Adam", "AdamW", "Lamb", "Lars")
@@ -50,24 +51,16 @@ _SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved
                    "zbh1": "zbh1"}
 
 
-@dataclass(frozen=True)
-class FP16Settings:
-    """DeepSpeed's ``fp16`` block (its defaults where a key is absent)."""
-
-    enabled: bool = False
-    """fp16 training with fp32 master weights."""
-    loss_scale: float = 0.0
-    """A static loss scale when > 0; 0 means dynamic scaling."""
-    initial_scale_power: int = 16
-    """Dynamic scaling starts at 2**initial_scale_power."""
-    loss_scale_window: int = 1000
-    """Clean steps before the scale doubles."""
-    hysteresis: int = 2
-    """Overflows tolerated before the scale halves."""
-    min_loss_scale: float = 1.0
-    """The scale never drops below this."""
-    consecutive_hysteresis: bool = False
-    """Refill the hysteresis on every clean step, not only when the scale grows."""
+# DeepSpeed's ``fp16`` block (its defaults where a key is absent): ``enabled`` (fp16 training with fp32
+# master weights), then the six loss-scale fields of `LossScaleSettings`, in its order and with its
+# defaults and meanings (built from it, so the six are declared once).
+FP16Settings = dataclasses.make_dataclass(
+    "FP16Settings", [("enabled", bool, dataclasses.field(default=False))]
+    + [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(LossScaleSettings)],
+    frozen=True)
+FP16Settings.__module__ = __name__  # pickling and repr name this module, as for a class statement
+FP16Settings.__doc__ = ("DeepSpeed's ``fp16`` block: ``enabled`` and `LossScaleSettings`'s six fields "
+                        "(``LossScaleSettings.of(fp16)``).")
 
 
 @dataclass(frozen=True)
@@ -138,10 +131,8 @@ class DeepSpeedSettings:
         fp = self.fp16
         out: dict[str, Any] = dict(
             micro_batch=self.train_micro_batch_size_per_gpu, microbatches=self.gradient_accumulation_steps,
-            clip_grad=self.gradient_clipping or None, precision=self.precision, loss_scale=fp.loss_scale,
-            initial_scale_power=fp.initial_scale_power, loss_scale_window=fp.loss_scale_window,
-            hysteresis=fp.hysteresis, min_loss_scale=fp.min_loss_scale,
-            consecutive_hysteresis=fp.consecutive_hysteresis)
+            clip_grad=self.gradient_clipping or None, precision=self.precision,
+            **LossScaleSettings.of(fp).as_dict())
         opt = self.optimizer
         if opt is not None:
             out.update(optimizer=opt.name, lr=opt.lr, weight_decay=opt.weight_decay, eps=opt.eps)

@@ -2,11 +2,11 @@
 
 DeepSpeed's engine (``deepspeed.pipe.PipelineModule`` + ``deepspeed.initialize``: its 1F1B
 TrainSchedule, p2p, tied-weight all-reduce, gradient accumulation and clipping) trains the plain
-model our engine trains, cut at the boundaries `mp_toolkit.train.plan_boundaries` computes, with
+model our engine trains, cut at the boundaries `mp_toolkit.run.cut.plan_boundaries` computes, with
 the optimizer `build_optimizer` makes (LAMB, LARS, AdamW, ...) as DeepSpeed's *client* optimizer.
-The loop, the data and the per-step metrics rows stay `mp_toolkit.train`'s: `DeepSpeedPipeline`
-answers the calls that loop makes of our PipelineEngine (``train_batch``, ``optimizer`` whose lr
-the loop sets before every step, ``trust_ratio_stats``), so the two engines can be compared step
+The loop, the data and the per-step metrics rows stay `mp_toolkit.run.loop`'s: `DeepSpeedPipeline`
+implements `mp_toolkit.engine.interface.TrainEngine` as our PipelineEngine does (``train_batch``, ``optimizer``
+whose lr the loop sets before every step, ``scaler``, ``trust_ratio_stats``), so the two engines can be compared step
 by step (tests/test_ds_engine.py) and a user can move between them::
 
     mpt train --engine deepspeed --model gpt-tiny --pp 2 --optimizer lamb --partition 0,3,7
@@ -14,7 +14,7 @@ by step (tests/test_ds_engine.py) and a user can move between them::
 
 TrainConfig -> DeepSpeed: micro_batch -> ``train_micro_batch_size_per_gpu``, microbatches ->
 ``gradient_accumulation_steps``, clip_grad -> ``gradient_clipping`` (the global norm over all
-stages: `mp_toolkit.ds_pipe.count_in_norm_once`), precision -> ``bf16`` / ``fp16`` blocks (fp16 with
+stages: `mp_toolkit.ds.pipe.count_in_norm_once`), precision -> ``bf16`` / ``fp16`` blocks (fp16 with
 the loss-scale fields), ZeRO stage 0. The loss is computed on fp32 logits, as our executor does.
 DeepSpeed divides each micro-batch loss by the accumulation steps before backward and reports the
 mean over micro-batches, exactly as ours (DESIGN.md invariant 5).
@@ -29,16 +29,18 @@ Without --clip-grad under fp32 DeepSpeed computes no norm: grad_norm is then nan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from mp_toolkit.config import ENGINES, ConfigError, TrainConfig
-from mp_toolkit.engine.pipeline import StepStats
+from mp_toolkit.engine.interface import StepStats
 from mp_toolkit.engine.reductions import trust_ratio_rows
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
+from mp_toolkit.optim.loss_scaler import LossScaleSettings
 from mp_toolkit.optim.master import resolve_precision
+from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.run.config import ENGINES, ConfigError, TrainConfig
 
 _FLATTENED = ("lamb", "lars")  # layer-wise optimizers that DeepSpeed's bf16 flattening would change
 
@@ -96,13 +98,6 @@ def deepspeed_config(micro_batch: int, microbatches: int, dp: int, clip_grad: fl
     return config
 
 
-def fp16_block(cfg: TrainConfig) -> dict:
-    """DeepSpeed's fp16 keys from our loss-scale fields (loss_scale 0: dynamic, as in DeepSpeed)."""
-    return {"loss_scale": cfg.loss_scale, "initial_scale_power": cfg.initial_scale_power,
-            "loss_scale_window": cfg.loss_scale_window, "hysteresis": cfg.hysteresis,
-            "consecutive_hysteresis": cfg.consecutive_hysteresis, "min_loss_scale": cfg.min_loss_scale}
-
-
 def fp32_logits(loss_fn):
     """``loss_fn`` on fp32 copies of fp16 / bf16 outputs (what our executor does before the loss)."""
     def loss(outputs, labels):
@@ -111,35 +106,23 @@ def fp32_logits(loss_fn):
     return loss
 
 
-@dataclass(frozen=True)
-class NoOwnScaler:
-    """What the loop reads as ``engine.step``: DeepSpeed scales fp16 losses itself, no scaler is ours."""
-
-    scaler: None = None
-
-
 class DeepSpeedPipeline:
-    """DeepSpeed's PipelineEngine for this rank, behind the interface `mp_toolkit.train`'s loop uses.
+    """DeepSpeed's PipelineEngine for this rank, behind `TrainEngine` (the loop's and checkpoints' calls).
 
-    ``model`` is the plain model every rank built alike (same seed); this rank keeps its stage.
+    It is handed what `mp_toolkit.run.compose` plans for ours: the unsplit LayerList every rank built
+    alike (same seed), the cut, and the last stage's loss; this rank keeps its stage.
     """
 
-    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module):
-        from mp_toolkit import ds_pipe  # imports DeepSpeed (seconds): only runs that ask for it
-        from mp_toolkit.layers import LayerList
-        from mp_toolkit.partition.train_cut import CutWorkload, config_of
-        from mp_toolkit.train import plan_boundaries
-        from mp_toolkit.train_models import loss_function
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, layers: LayerList, boundaries: list[int],
+                 loss_fn: Callable):
+        from mp_toolkit.ds import pipe as ds_pipe  # imports DeepSpeed (seconds): only runs that ask for it
 
         precision = resolve_precision(cfg.precision, ctx.device)
         _check_precision(cfg, precision)
         ds_pipe.init_deepspeed(ctx.device, cfg.timeout_s)
         self._check_fp16(precision)
-        layers = LayerList.from_model(model)
-        # the cut build_engine plans for ours (a "time" cut is measured on rank 0 and broadcast over ctx)
-        self.boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, 1, CutWorkload.of(cfg, config_of(model), ctx))
-        module, self.named = ds_pipe.pipeline_module(layers, cfg.pp, fp32_logits(loss_function(model, ctx)),
-                                                     self.boundaries)
+        self.boundaries = list(boundaries)
+        module, self.named = ds_pipe.pipeline_module(layers, cfg.pp, fp32_logits(loss_fn), self.boundaries)
         grid = module._grid
         if (grid.get_stage_id(), grid.get_data_parallel_id()) != (ctx.pp_rank, ctx.dp_rank):
             raise RuntimeError(f"rank {ctx.rank}: DeepSpeed's grid puts it at stage {grid.get_stage_id()}, replica "
@@ -149,12 +132,20 @@ class DeepSpeedPipeline:
                   f"client optimizer {cfg.optimizer}", flush=True)
         self.optimizer = build_optimizer(cfg.optimizer, self.named, cfg.lr, cfg.weight_decay,
                                          options=OptimizerOptions.of(cfg))
-        config = deepspeed_config(cfg.micro_batch, cfg.microbatches, cfg.dp, cfg.clip_grad, precision, fp16_block(cfg))
+        config = deepspeed_config(cfg.micro_batch, cfg.microbatches, cfg.dp, cfg.clip_grad, precision,
+                                  LossScaleSettings.of(cfg).as_dict())  # loss_scale 0: dynamic, as in DeepSpeed
         self.engine = ds_pipe.initialize(module, self.optimizer, config)  # casts to bf16 / fp16, keeps fp32 masters
-        self.ctx, self.precision, self.step = ctx, precision, NoOwnScaler()
+        self.ctx, self.precision = ctx, precision
+        self._layer_names = [layers.names[i] for i in range(self.boundaries[ctx.pp_rank],
+                                                            self.boundaries[ctx.pp_rank + 1])]
         self._norm = float("nan")
         if precision == "fp32" and cfg.clip_grad is not None:
             self.engine.clip_fp32_gradients = self._clip_fp32  # the instance's, in place of DeepSpeed's
+
+    @property
+    def scaler(self) -> None:
+        """None: DeepSpeed scales fp16 losses itself (its scale is in each step's `StepStats`)."""
+        return None
 
     @staticmethod
     def _check_fp16(precision: str) -> None:
@@ -193,6 +184,21 @@ class DeepSpeedPipeline:
         return StepStats(loss=loss, grad_norm=norm, skipped=skipped, loss_scale=scale,
                          nonfinite="gradients" if skipped else "")
 
+    def eval_batch(self, data_iter) -> float:
+        """Mean loss of one global batch through DeepSpeed's inference schedule, forward only, no step."""
+        return float(self.engine.eval_batch(data_iter=data_iter))
+
     def trust_ratio_stats(self) -> list[dict] | None:
         """Per pipeline rank min / median / max of the last step's trust ratios (our LAMB / LARS)."""
         return trust_ratio_rows(self.optimizer, self.ctx)
+
+    def master_of(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The tensor our client optimizer steps: DeepSpeed hands it this stage's own parameters."""
+        return p
+
+    def layer_names(self) -> list[str]:
+        """The layers of this rank's stage (DeepSpeed's checkpoints are not written here: `check_engine`)."""
+        return list(self._layer_names)
+
+    def copy_back(self) -> None:
+        """Nothing to copy: the optimizer steps the parameters themselves."""

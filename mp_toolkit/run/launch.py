@@ -38,6 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mp_toolkit.checkpoint import CheckpointError, latest_step
+from mp_toolkit.run.config import ConfigError
+
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 EXIT_CONFIG = 2
 """A value, a layout or a checkpoint was refused (one line said why): a restart would fail the same way."""
@@ -67,8 +70,6 @@ class Faults:
 
     @classmethod
     def parse(cls, text: str | None) -> "Faults":
-        from mp_toolkit.config import ConfigError
-
         if not text:
             return cls()
         try:
@@ -276,8 +277,6 @@ def spawn_local(argv: list[str], nprocs: int, restarts: int = 0, save_dir: Path 
     process is left behind; Ctrl-C stops them all. A failure that a restart would repeat (a refused
     value or checkpoint, exit 2; --max-skips, exit 3) is not restarted.
     """
-    from mp_toolkit.checkpoint import CheckpointError, latest_step
-
     for attempt in range(restarts + 1):
         code, line = _run_ranks(argv, nprocs, attempt, poll_s, grace_s)
         if code == 0:

@@ -15,8 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .cost import CostModelError, layer_costs, shape_from_hf_config
-from .solvers import PartitionError, min_max
+import torch.distributed as dist
+from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.master import PRECISIONS
+from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
+from mp_toolkit.partition.build import batch_maker
+from mp_toolkit.partition.cost import CostModelError, layer_costs, shape_from_hf_config
+from mp_toolkit.partition.measure import TIMED_MICROBATCHES, measure_layers
+from mp_toolkit.partition.solvers import min_max
+from mp_toolkit.run.config import ConfigError, parse_boundaries
+from mp_toolkit.run.families import family_of_config
 
 
 @dataclass(frozen=True)
@@ -25,7 +33,7 @@ class CutWorkload:
 
     config: object
     """The model's config: model_zoo's GPTConfig / BertConfig, or anything whose ``to_dict()`` is a
-    HuggingFace config dict (an HF model's config, `train_hf.HFSource`)."""
+    HuggingFace config dict (an HF model's config, `mp_toolkit.run.hf_source.HFSource`)."""
     micro_batch: int
     seq_len: int
     microbatches: int = 4
@@ -42,26 +50,24 @@ class CutWorkload:
 
 
 def config_of(model) -> object:
-    """A model's config: model_zoo models carry ``.config``, `train_hf.HFModel` wraps HF's ``.model``."""
+    """A model's config: model_zoo models carry ``.config``, `mp_toolkit.run.hf_source.HFModel` wraps HF's ``.model``."""
     return getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
 
 
-def _family_and_dict(config) -> tuple[str, dict]:
-    from model_zoo import bert, gpt
-
-    if isinstance(config, gpt.GPTConfig):
-        return "gpt2", {**config.to_dict(), "model_type": "gpt2"}
-    if isinstance(config, bert.BertConfig):
-        return "bert", {**config.to_dict(), "model_type": "bert"}
+def _cost_config(config) -> tuple[bool, dict]:
+    """(whether a ``time`` cut can measure the model, its config as an HF config dict for the cost model)."""
+    family = family_of_config(config)
+    if family is not None and family.model_type is not None:
+        return True, {**config.to_dict(), "model_type": family.model_type}
     d = config.to_dict() if hasattr(config, "to_dict") else None
     if not isinstance(d, dict):
         raise PartitionError(f"the cost model cannot read a {type(config).__name__}: use parameters or uniform")
-    return "hf", d
+    return False, d
 
 
 def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_len: int) -> list[int]:
     """The boundaries of ``mpt plan --method flops`` for the model of ``config``."""
-    _, d = _family_and_dict(config)
+    _, d = _cost_config(config)
     try:
         costs = layer_costs(shape_from_hf_config(d, "the model's config"), micro_batch, seq_len)
     except CostModelError as e:
@@ -75,18 +81,16 @@ def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_le
 def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
     """Boundaries minimising the slowest stage's measured forward + backward; measured on global
     rank 0 and broadcast (see the module docstring)."""
-    family, _ = _family_and_dict(work.config)
-    if family == "hf":
+    measurable, d = _cost_config(work.config)
+    if not measurable:
         raise PartitionError("time measures model_zoo GPT and BERT models so far: use flops or parameters")
     ctx = work.ctx
     if ctx is None:  # a check before the ranks start: the layers are shapes only
         return flops_cut(work.config, len(layer_list), num_stages, work.micro_batch, work.seq_len)
-    import torch.distributed as dist
-
     shared = dist.is_initialized() and dist.get_world_size() > 1
     bounds = None
     if not shared or dist.get_rank() == 0:
-        bounds = min_max(_measured_layer_times(layer_list, family, work), num_stages)
+        bounds = min_max(_measured_layer_times(layer_list, d["model_type"], work), num_stages)
         print(f"--partition time: layers measured on this machine, cut {bounds}", flush=True)
     if shared:
         box = [bounds]
@@ -95,16 +99,13 @@ def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
     return bounds
 
 
-def _measured_layer_times(layer_list, family: str, work: CutWorkload) -> list[float]:
+def _measured_layer_times(layer_list, model_type: str, work: CutWorkload) -> list[float]:
     """Forward + backward seconds per layer of a copy of ``layer_list`` in the run's precision on
     its device; torch's random state is left as it was (every rank must draw the same data). A
     meta-built list (`mpt train` builds GPT and BERT on meta) is copied with random N(0, 0.02)
     values: measuring rank 0 holds the whole model for that moment, the one exception to
     DESIGN.md invariant 9 (``--partition flops`` needs no values)."""
-    from .build import DTYPES, batch_maker
-    from .measure import TIMED_MICROBATCHES, measure_layers
-
-    batch, loss_fn = batch_maker(family, work.config)
+    batch, loss_fn = batch_maker(model_type, work.config)
     device = work.ctx.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
@@ -113,9 +114,36 @@ def _measured_layer_times(layer_list, family: str, work: CutWorkload) -> list[fl
             layers.to_empty(device=device)
             for p in layers.parameters():
                 torch.nn.init.normal_(p, std=0.02)
-        layers = layers.to(device=device, dtype=DTYPES.get(work.precision, torch.float32))
+        layers = layers.to(device=device, dtype=PRECISIONS.get(work.precision, torch.float32))
         inputs, labels = batch(work.micro_batch, work.seq_len)
         move = lambda x: tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)  # noqa: E731
         timings = measure_layers(layers, move(inputs), loss_fn, move(labels),
                                  microbatches=min(work.microbatches, TIMED_MICROBATCHES))
     return [t.forward_s + t.backward_s for t in timings]
+
+
+def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int = 1,
+                    workload: CutWorkload | None = None) -> list[int]:
+    """Boundaries of ``pp * chunks`` stages by method name or explicit ``0,3,7`` text. ``flops`` and
+    ``time`` need ``workload`` (the model's config and batch; for ``time`` the context whose rank 0
+    measures and broadcasts the cut, `time_cut`)."""
+    n = len(layer_list)
+    if pp * chunks > n:
+        what = f"--pp {pp}" if chunks == 1 else f"--pp {pp} x --chunks {chunks} = {pp * chunks} stages"
+        raise ConfigError(f"{what} exceeds the model's {n} layers ({', '.join(layer_list.names)}): use at most {n}")
+    pp = pp * chunks
+    given = parse_boundaries(partition)
+    try:
+        if given is not None:
+            return explicit(given, n, pp)
+        if partition == "uniform":
+            return uniform(n, pp)
+        if partition in ("flops", "time"):
+            if workload is None:
+                raise PartitionError("needs the model's config and batch (a CutWorkload)")
+            if partition == "flops":
+                return flops_cut(workload.config, n, pp, workload.micro_batch, workload.seq_len)
+            return time_cut(layer_list, pp, workload)
+        return by_parameters(layer_list.layer_parameter_counts(), pp)
+    except PartitionError as e:
+        raise ConfigError(f"--partition {partition}: {e}") from None

@@ -1,6 +1,6 @@
 """A LayerList as DeepSpeed's ``PipelineModule``: our cut, our tie groups, DeepSpeed's engine.
 
-This module imports DeepSpeed at the top; `mp_toolkit.ds_engine` imports it only when a run asks
+This module imports DeepSpeed at the top; `mp_toolkit.ds.engine` imports it only when a run asks
 for ``--engine deepspeed`` (``tools/peers.py`` uses it for the benchmark's DeepSpeed peer).
 
 * **The cut.** ``PipelineModule(partition_method=...)`` knows ``uniform``, ``parameters`` and

@@ -1,0 +1,92 @@
+"""Every check of an `mpt train` run that needs no process group: each rank fails the same way,
+with one line, before any rank talks (exit 2)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from mp_toolkit.ds.engine import check_engine
+from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.factory import OptimizerOptions, check_optimizer_options
+from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
+from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.cut import CutWorkload, plan_boundaries
+from mp_toolkit.run.families import ModelSpec, resolve_hf, resolve_model
+from mp_toolkit.schedule import get_schedule
+
+
+def model_spec(cfg: TrainConfig) -> ModelSpec:
+    """The model ``cfg.model`` (or ``cfg.hf``) names, with the sequence length checked against it."""
+    if cfg.hf is not None:
+        return resolve_hf(cfg.hf, cfg)  # also seq-len, the HF tensor-parallel plan's sizes, the tokenizer
+    spec = resolve_model(cfg.model)
+    if cfg.seq_len > spec.positions:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s {spec.positions} positions: "
+                          f"use at most {spec.positions}")
+    return spec
+
+
+def _validate_numbers(cfg: TrainConfig) -> None:
+    for name in ("pp", "tp", "dp", "microbatches", "micro_batch", "seq_len", "steps"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be at least 1")
+    for name in ("lr", "min_lr", "weight_decay", "loss_scale", "min_loss_scale"):
+        value = getattr(cfg, name)
+        if not (value >= 0 and math.isfinite(value)) or (name == "lr" and value == 0):
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be a {'positive' if name == 'lr' else 'non-negative'} finite number")
+    if not (cfg.dp_bucket_mb > 0 and math.isfinite(cfg.dp_bucket_mb)):
+        raise ConfigError(f"--dp-bucket-mb {cfg.dp_bucket_mb} must be a positive finite number")
+    if cfg.clip_grad is not None and not (cfg.clip_grad > 0 and math.isfinite(cfg.clip_grad)):
+        raise ConfigError(f"--clip-grad {cfg.clip_grad} must be a positive finite number (or none)")
+    for name in ("warmup_steps", "loss_scale_window", "hysteresis", "initial_scale_power", "save_every", "restarts",
+                 "max_skips"):
+        if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}: the decay must end at or below the peak")
+    try:
+        check_optimizer_options(cfg.optimizer, OptimizerOptions.of(cfg))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_paths(cfg: TrainConfig) -> None:
+    if cfg.data not in ("stdlib", "synthetic"):
+        path = Path(cfg.data)
+        if not path.exists() or not os.access(path, os.R_OK):
+            raise ConfigError(f"--data {cfg.data!r} is not a readable file or folder (or use stdlib / synthetic)")
+    if cfg.keep is not None and cfg.keep < 1:
+        raise ConfigError(f"--keep {cfg.keep} must be at least 1 (0 keeps every checkpoint)")
+    if cfg.resume in ("latest", "auto") and cfg.save_dir is None:
+        raise ConfigError(f"--resume {cfg.resume} needs --save-dir (the checkpoint root it resumes from), "
+                          "or give --resume DIR")
+    if cfg.resume not in (None, "latest", "auto") and not Path(cfg.resume).is_dir():
+        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint directory")
+    if cfg.save_every and cfg.save_dir is None:
+        raise ConfigError(f"--save-every {cfg.save_every} needs --save-dir")
+    if cfg.restarts and (cfg.save_dir is None or not cfg.save_every):
+        raise ConfigError(f"--restarts {cfg.restarts} needs --save-dir and --save-every N: a restart resumes from "
+                          "the latest checkpoint, and without one it would start over")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every check that needs no process group: fail before any rank starts."""
+    _validate_numbers(cfg)
+    _validate_paths(cfg)
+    check_engine(cfg)  # --engine deepspeed's limits (imports no DeepSpeed)
+    spec = model_spec(cfg)
+    try:
+        check_tensor_parallel(cfg.tp, **spec.tp_sizes())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    with torch.device("meta"):
+        layers = LayerList.from_model(spec.build())
+    plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks, CutWorkload.of(cfg, spec.config))
+    try:
+        get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,86 @@
+"""Compose the parallelisms over a plain model for this rank: our `PipelineEngine`, or DeepSpeed's
+behind the same `TrainEngine` interface (``--engine deepspeed``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from mp_toolkit.ds.engine import DeepSpeedPipeline
+from mp_toolkit.engine.interface import TrainEngine
+from mp_toolkit.engine.pipeline import PipelineEngine
+from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler, LossScaleSettings
+from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.parallel.materialize import is_meta, materialize, rank_layers
+from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.run.cut import CutWorkload, config_of, plan_boundaries
+from mp_toolkit.run.families import loss_function, tensor_parallel
+from mp_toolkit.schedule import get_schedule
+
+
+def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> PipelineEngine:
+    """Compose the parallelisms over a plain single-device GPT, BERT or HF model, for this rank.
+    The order matters:
+
+    1. Plan the pipeline cut on the *unsplit* layer list (boundaries are data), so every tp degree
+       cuts the model at the same layers.
+    2. Tensor parallelism: `apply_tensor_parallel` (an HF model: `apply_hf_tensor_parallel`) swaps
+       the modules the model's TP plan names for this rank's shards over the whole list at once,
+       so the tied embedding and LM head (MLM decoder), which may land on different stages, are
+       split alike (and stay one Parameter where one stage holds both). It must come before the
+       cut: a stage is a slice of whatever modules the list holds. A model built on the meta
+       device is split on meta: shapes only.
+    3. Materialise (a meta-built model only): this rank draws the starting value of each parameter
+       of its own stages' layers, keeps its shard, and drops the full value before the next
+       (`parallel.materialize`, DESIGN.md invariant 9); every other layer stays on meta and is
+       never allocated here. A model built for real on every rank (HF directories, the DeepSpeed
+       engine) skips this step.
+    4. Pipeline: the engine keeps this rank's stages of the sharded list; the others are freed
+       with ``model`` once the caller drops it.
+    5. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
+       once its backward is done; nothing is wrapped, the modules stay plain.
+
+    ``model`` must be built identically on every rank (same seed): each keeps its own slice.
+    """
+    layers = LayerList.from_model(model)
+    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks,  # 1
+                                 CutWorkload.of(cfg, config_of(model), ctx))
+    on_meta = is_meta(model)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        layers = tensor_parallel(model, layers, ctx)  # 2
+    if on_meta:  # 3
+        stages = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(ctx.pp_rank)
+        materialize(layers, rank_layers(boundaries, stages), model.initial_value, ctx, ctx.device)
+    tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
+    options = OptimizerOptions.of(cfg)
+    return PipelineEngine(  # 4 and 5
+        layers, ctx, boundaries, cfg.microbatches, cfg.schedule,
+        optimizer=lambda named: build_optimizer(cfg.optimizer, named, cfg.lr, cfg.weight_decay, tp_group=tp_group,
+                                                options=options),
+        loss_fn=loss_function(model, ctx), clip_grad=cfg.clip_grad, precision=cfg.precision,
+        loss_scaler=loss_scaler(cfg), chunks=cfg.chunks, dp_bucket_bytes=max(1, int(cfg.dp_bucket_mb * 2**20)),
+    )
+
+
+def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> DeepSpeedPipeline:
+    """``--engine deepspeed``: DeepSpeed's PipelineEngine handed the cut `build_engine` plans for ours (a
+    "time" cut is measured on rank 0 and broadcast over ``ctx``), the same loss and optimizer
+    (`mp_toolkit.ds.engine`; DeepSpeed is imported only then). No tensor parallelism (`check_engine`)."""
+    layers = LayerList.from_model(model)
+    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, 1, CutWorkload.of(cfg, config_of(model), ctx))
+    return DeepSpeedPipeline(cfg, ctx, layers, boundaries, loss_function(model, ctx))
+
+
+def make_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> TrainEngine:
+    """The engine ``cfg.engine`` names, over ``model`` (built alike on every rank)."""
+    return build_engine(cfg, ctx, model) if cfg.engine == "mp_toolkit" else deepspeed_engine(cfg, ctx, model)
+
+
+def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:
+    """fp16 scales the loss (static when --loss-scale > 0); fp32 and bf16 need no scaling."""
+    if cfg.precision != "fp16":
+        return None
+    return LossScaleSettings.of(cfg).scaler()

@@ -1,0 +1,248 @@
+"""The model families `mpt train` trains, one `Family` record each, in one table (`FAMILIES`).
+
+Family names, as ``--model`` / ``--hf`` select them and checkpoints record them (``manifest["model"]
+["family"]``): ``"gpt"`` (model_zoo GPT, causal LM), ``"bert"`` (model_zoo BertForPreTraining: MLM +
+NSP pre-training) and ``"hf"`` (a HuggingFace save_pretrained directory, `mp_toolkit.run.hf_family`).
+The cost model's HF ``model_type`` names ("gpt2", "bert", "llama") describe shapes, not families.
+
+Each record gives the trainer the same things: the plain single-device model (`model_zoo`) built
+from its config, its positions and the sizes a tp degree must divide (checked without any process
+group), its tensor-parallel plan (data next to the model), the last stage's loss and the
+micro-batches of one data-parallel replica. A run looks its record up once (`ModelSpec.family_record`,
+`family_of`); nothing else compares family names.
+
+BERT under ``--tp > 1``: the MLM decoder is vocab-sharded (``TP_PLAN["predictions.decoder"]``), so
+the MLM part of the loss is `vocab_parallel_cross_entropy` over the local (B, T, V / tp) logits
+(never gathered) and the NSP part a plain cross-entropy of the replicated (B, 2) logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import datasets
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_zoo import bert, gpt
+from model_zoo.config_io import read_config_json
+from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset, rank0_first
+from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
+from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.layers import LayerList
+from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.hf_source import HFModel, HFSource
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything `mpt train` asks of one model family."""
+
+    name: str
+    """The family's one spelling: "gpt", "bert" or "hf"."""
+    model_class: type
+    """What `build` returns (`family_of` recognises a model by it)."""
+    config_class: type
+    """Its config: ``gpt.GPTConfig``, ``bert.BertConfig`` or `hf_family.HFSource`."""
+    build: Callable[[object], nn.Module]
+    """config -> the plain model, initialised from torch's current RNG state (hf: the directory's weights)."""
+    positions: Callable[[object], int]
+    """config -> the longest sequence the model takes."""
+    tp_sizes: Callable[[object], dict]
+    """config -> the sizes a tensor-parallel degree must divide (`check_tensor_parallel`'s keywords)."""
+    tensor_parallel: Callable[[LayerList, ParallelContext], LayerList]
+    """(LayerList, ctx) -> this rank's shard by the family's TP plan."""
+    loss: Callable[[nn.Module, ParallelContext], Callable]
+    """(model, ctx) -> the last stage's loss: on full logits, or with tp > 1 its vocab-parallel form."""
+    micro_batches: Callable[[object, TrainConfig, ParallelContext, int], tuple]
+    """(config, cfg, ctx, rank) -> (this replica's micro-batches, the config to build the model from)."""
+    label: Callable[[object], str] = lambda config: ""
+    """What the log adds to the family's name (hf: the HF architecture)."""
+    config_from_dict: Callable[[dict], object] | None = None
+    """A checkpoint's recorded ``config`` (``to_json``) -> the config; None: not rebuilt from it (hf)."""
+    hf_config: Callable[[object], dict | None] = lambda config: None
+    """The HF config dict a checkpoint also records (``hf_config``, for export); None for model_zoo."""
+    model_type: str | None = None
+    """The HF ``model_type`` the cost model reads the config as ("gpt2", "bert"); None: the config's own,
+    and a ``time`` cut cannot measure it (`mp_toolkit.run.cut`)."""
+    mlm: bool = False
+    """Trained on MLM + NSP sentence pairs with BERT's [PAD] [CLS] [SEP] [MASK] after the BPE."""
+    builds_on_meta: bool = False
+    """The model draws each parameter by name (`model_zoo.init`), so it can be built on the meta
+    device and each rank materialise only its own layers (DESIGN.md invariant 9)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model family and its config (``gpt.GPTConfig``, ``bert.BertConfig`` or ``hf_family.HFSource``)."""
+
+    family: str
+    config: object
+
+    @property
+    def family_record(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def positions(self) -> int:
+        return self.family_record.positions(self.config)
+
+    @property
+    def label(self) -> str:
+        """What the log calls it: the family, and for "hf" the HF architecture."""
+        return " ".join(filter(None, (self.family, self.family_record.label(self.config))))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def tp_sizes(self) -> dict[str, int]:
+        """The sizes a tensor-parallel degree must divide (`check_tensor_parallel`'s keywords)."""
+        return self.family_record.tp_sizes(self.config)
+
+    def build(self) -> nn.Module:
+        """The plain model, initialised from torch's current RNG state (hf: the directory's weights)."""
+        return self.family_record.build(self.config)
+
+    @property
+    def builds_on_meta(self) -> bool:
+        return self.family_record.builds_on_meta
+
+    def to_json(self) -> dict:
+        return {"family": self.family, "config": self.config.to_dict()}
+
+
+def family_of_config(config) -> Family | None:
+    """The record whose config class ``config`` is, or None."""
+    return next((f for f in FAMILIES.values() if isinstance(config, f.config_class)), None)
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """``--model``: a GPT or BERT preset, or a config.json whose ``model_type`` says which (GPT-2 when absent)."""
+    if name in gpt.PRESETS:
+        return ModelSpec("gpt", gpt.PRESETS[name])
+    if name in bert.PRESETS:
+        return ModelSpec("bert", bert.PRESETS[name])
+    path = Path(name)
+    if not (path.is_file() or (path.is_dir() and (path / "config.json").is_file())):
+        raise ConfigError(f"unknown model {name!r}: choose one of {', '.join([*gpt.PRESETS, *bert.PRESETS])} "
+                          "or a path to a GPT-2 or BERT config.json")
+    try:
+        doc = read_config_json(path, "model")
+        kind = doc.get("model_type", "gpt2") if isinstance(doc, dict) else "gpt2"
+        if kind == "bert":
+            return ModelSpec("bert", bert.BertConfig.from_dict(doc))
+        if kind != "gpt2":
+            raise ValueError(f"{path}: model_type {kind!r} is not trained by mpt train --model: use gpt2 or bert, "
+                             "or --hf DIR for a save_pretrained directory (Llama, Mistral, Qwen2 too)")
+        return ModelSpec("gpt", gpt.GPTConfig.from_dict(doc))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _hf():
+    """`mp_toolkit.run.hf_family`, the rest of the family "hf", imported when an ``--hf`` run asks for it."""
+    from mp_toolkit.run import hf_family  # imports transformers (seconds, optional): only --hf runs need it
+
+    return hf_family
+
+
+def resolve_hf(directory: str, cfg: TrainConfig) -> ModelSpec:
+    """``--hf DIR`` -> ModelSpec("hf", HFSource), checked against the run (seq-len, the HF tensor-parallel
+    plan's sizes, the tokenizer); one-line ConfigError for a directory that cannot work."""
+    source = _hf().resolve_hf(directory)
+    _hf().check_hf(source, cfg)
+    return ModelSpec("hf", source)
+
+
+def family_of(model: nn.Module) -> Family:
+    """The record of the family whose `Family.build` made ``model``."""
+    for family in FAMILIES.values():
+        if isinstance(model, family.model_class):
+            return family
+    raise TypeError(f"mpt train builds GPT or BertForPreTraining models, not {type(model).__name__}")
+
+
+def bert_vocab_parallel_loss(outputs, labels, group) -> torch.Tensor:
+    """`pretraining_loss` with the MLM logits vocab-sharded over ``group``: (B, T, V / tp) local."""
+    (mlm_logits, nsp_logits), (mlm_labels, nsp_labels) = outputs, labels
+    return (vocab_parallel_cross_entropy(mlm_logits, mlm_labels, group)
+            + F.cross_entropy(nsp_logits.float(), nsp_labels.reshape(-1)))
+
+
+def tensor_parallel(model: nn.Module, layers: LayerList, ctx: ParallelContext) -> LayerList:
+    """This rank's tensor-parallel shard of ``layers`` (the LayerList of ``model``) by its family's plan."""
+    return family_of(model).tensor_parallel(layers, ctx)
+
+
+def loss_function(model: nn.Module, ctx: ParallelContext):
+    """The last stage's loss: on full logits, or with tp > 1 its vocab-parallel form."""
+    return family_of(model).loss(model, ctx)
+
+
+def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
+    """(this replica's micro-batches, the spec to build the model from). Every rank of a
+    data-parallel replica (its tp and pp ranks) reads the same shard. BERT's padding id is the
+    corpus's [PAD], so the spec returned carries it."""
+    if not cfg.progress:
+        datasets.disable_progress_bars()  # the corpus's map() would draw one per rank
+    try:
+        data, config = spec.family_record.micro_batches(spec.config, cfg, ctx, rank)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    return data, ModelSpec(spec.family, config)
+
+
+def _gpt_micro_batches(config: gpt.GPTConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
+    ds = rank0_first(lambda: build_lm_dataset(cfg.data, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir), rank)
+    return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), config
+
+
+def _bert_micro_batches(config: bert.BertConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
+    source = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
+    corpus = rank0_first(lambda: build_mlm_corpus(source, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
+                         rank)
+    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
+    return data, dataclasses.replace(config, pad_token_id=corpus.special.pad)
+
+
+def _tp_loss(full_loss: Callable, parallel_loss: Callable) -> Callable:
+    """(model, ctx) -> ``full_loss``, or ``parallel_loss`` over ``ctx.tp_group`` when tp > 1."""
+    return lambda model, ctx: full_loss if ctx.tp_group is None else functools.partial(parallel_loss,
+                                                                                         group=ctx.tp_group)
+
+
+GPT = Family(
+    name="gpt", model_class=gpt.GPT, config_class=gpt.GPTConfig, build=gpt.GPT,
+    positions=lambda c: c.n_positions,
+    tp_sizes=lambda c: dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size),  # the vocab is padded
+    tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, gpt.TP_PLAN),
+    loss=_tp_loss(gpt.lm_loss, vocab_parallel_cross_entropy), micro_batches=_gpt_micro_batches,
+    config_from_dict=gpt.GPTConfig.from_dict, model_type="gpt2", builds_on_meta=True,
+)
+BERT = Family(
+    name="bert", model_class=bert.BertForPreTraining, config_class=bert.BertConfig, build=bert.BertForPreTraining,
+    positions=lambda c: c.max_position_embeddings,
+    tp_sizes=lambda c: dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size),
+    tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, bert.TP_PLAN),
+    loss=_tp_loss(bert.pretraining_loss, bert_vocab_parallel_loss), micro_batches=_bert_micro_batches,
+    config_from_dict=bert.BertConfig.from_dict, model_type="bert", mlm=True, builds_on_meta=True,
+)
+HF = Family(
+    name="hf", model_class=HFModel, config_class=HFSource, build=lambda source: source.build(),
+    positions=lambda source: source.positions,
+    tp_sizes=lambda source: {},  # `hf_family.check_hf` checks the HF plan's sizes (grouped-query heads too)
+    tensor_parallel=lambda layers, ctx: _hf().hf_tensor_parallel(layers, ctx),
+    loss=lambda model, ctx: _hf().hf_loss(model, ctx),
+    micro_batches=lambda source, cfg, ctx, rank: _hf().hf_micro_batches(source, cfg, ctx, rank),
+    label=lambda source: source.architecture, hf_config=lambda source: source.to_dict(),
+)
+FAMILIES: Mapping[str, Family] = MappingProxyType({f.name: f for f in (GPT, BERT, HF)})

@@ -1,0 +1,149 @@
+"""`mpt train --hf DIR`: a local HuggingFace ``save_pretrained`` directory as the model family "hf".
+
+DIR holds config.json and model.safetensors (nothing is fetched: ``local_files_only``) of one of
+`mp_toolkit.hf.SUPPORTED`. Every rank loads the same weights from DIR; `from_hf` turns the model
+into a LayerList of HF's own modules (its layer names are the checkpoint's), tensor parallelism is
+`apply_hf_tensor_parallel` (GPT-2, BERT and the Llama family) and the loss is `mp_toolkit.hf`'s,
+vocab-parallel under ``--tp > 1``.
+
+Data: with DIR/tokenizer.json the corpus is encoded by that tokenizer (`tokenizers` only, cached
+under --cache-dir); without one a byte-level BPE is trained on the corpus with the model's
+vocab_size. Every id must be below vocab_size. BERT directories get MLM + NSP data; an HF BERT
+tokenizer's [PAD] [CLS] [SEP] [MASK] are used when it has all four.
+
+    mpt train --hf runs/llama-init --data corpus/ --seq-len 256 --pp 2 --tp 2 --save-dir runs/llama
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from mp_toolkit.hf import (
+    UnsupportedModelError, apply_hf_tensor_parallel, architecture_for, causal_lm_loss,
+    check_hf_tensor_parallel, load_config, masked_lm_loss, pretraining_loss,
+)
+from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset, load_tokenizer_file, rank0_first
+from mp_toolkit.data.mlm import SPECIAL_TOKENS, MLMMicroBatches, build_mlm_corpus, tokenized_mlm_corpus
+from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.layers import LayerList
+from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.hf_source import HFModel, HFSource
+
+BPE_MIN_VOCAB = 257  # `mp_toolkit.data.lm.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
+
+
+def resolve_hf(directory: str) -> HFSource:
+    """``--hf DIR`` -> its HFSource; one-line ConfigError for a directory that cannot work."""
+    path = Path(directory)
+    what = "a HuggingFace save_pretrained directory (config.json + model.safetensors)"
+    if not path.is_dir():
+        raise ConfigError(f"--hf {directory}: no such directory: give {what}")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--hf {directory} has no config.json: give {what}")
+    if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise ConfigError(f"--hf {directory} has no model.safetensors: save the model there with "
+                          "save_pretrained (safetensors weights; pickled .bin files are not loaded)")
+    try:
+        config = load_config(path)
+        architecture = architecture_for(config).__name__
+    except UnsupportedModelError as e:
+        raise ConfigError(f"--hf {directory}: {e}") from None
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ConfigError(f"--hf {directory}: cannot read config.json: {str(e).splitlines()[0]}") from None
+    doc = json.loads(config.to_json_string())
+    doc.pop("transformers_version", None)  # resuming under another transformers is the same model
+    return HFSource(str(path), architecture, doc)
+
+
+def check_hf(source: HFSource, cfg: TrainConfig) -> None:
+    """Checks of ``--hf`` against the run that need no process group (seq-len, tp, tokenizer)."""
+    if cfg.seq_len > source.positions:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {source.path}'s {source.positions} positions "
+                          f"(max_position_embeddings): use at most {source.positions}")
+    try:
+        check_hf_tensor_parallel(load_config(source.config), cfg.tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if source.tokenizer_file is not None and cfg.data != "synthetic":
+        _check_tokenizer(source)
+    need = BPE_MIN_VOCAB + 4 * source.is_bert
+    if source.tokenizer_file is None and cfg.data != "synthetic" and source.vocab_size < need:
+        raise ConfigError(f"--hf {source.path} has no tokenizer.json and its vocab_size {source.vocab_size} is too "
+                          f"small to train one (byte-level BPE needs at least {need}): add DIR/tokenizer.json "
+                          "or use --data synthetic")
+
+
+def _check_tokenizer(source: HFSource) -> None:
+    """Before any rank starts: the tokenizer reads and has no id the embedding lacks (the data
+    pipeline checks the ids it actually produces again)."""
+    try:
+        tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
+    except DataError as e:
+        raise ConfigError(f"--hf {source.path}: {e}") from None
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    if n > source.vocab_size:
+        raise ConfigError(f"--hf {source.path}: tokenizer.json has {n} tokens but the model's vocab_size is "
+                          f"{source.vocab_size} (ids must be below it): use the tokenizer the model was built for")
+
+
+def hf_tensor_parallel(layers: LayerList, ctx: ParallelContext) -> LayerList:
+    """This rank's shard by `apply_hf_tensor_parallel` (GPT-2, BERT and the Llama family)."""
+    return apply_hf_tensor_parallel(layers, ctx)
+
+
+def hf_loss(model: HFModel, ctx: ParallelContext):
+    """The last stage's loss in our label convention (`mp_toolkit.hf.losses`)."""
+    if model.architecture == "BertForPreTraining":
+        return functools.partial(pretraining_loss, tp_group=ctx.tp_group)
+    if model.architecture == "BertForMaskedLM":
+        return functools.partial(mlm_only_loss, tp_group=ctx.tp_group)
+    return functools.partial(causal_lm_loss, tp_group=ctx.tp_group)  # vocab-parallel when tp > 1
+
+
+def mlm_only_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor], tp_group=None) -> torch.Tensor:
+    """BertForMaskedLM on MLM + NSP batches: the masked-LM part of the labels only."""
+    return masked_lm_loss(logits, labels[0], tp_group)
+
+
+def _eos(config: dict) -> int | None:
+    eos = config.get("eos_token_id")
+    return eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 lists several
+
+
+def hf_micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
+    """(this replica's micro-batches, the HFSource to build from): a BERT corpus's [PAD] becomes the
+    model's pad_token_id. Rank 0 builds (and caches) first; it alone says which tokenizer is used."""
+    tok = source.tokenizer_file
+    if rank == 0 and cfg.data != "synthetic":
+        print(f"tokenizer: {tok}" if tok is not None else
+              f"tokenizer: {source.path} has no tokenizer.json, training a byte-level BPE on --data {cfg.data} "
+              f"with the model's vocab_size {source.vocab_size}", flush=True)
+    if not source.is_bert:  # a DataError is the caller's (`families.micro_batches`: one ConfigError line)
+        ds = rank0_first(lambda: build_lm_dataset(cfg.data, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir,
+                                                  tokenizer_file=tok, eos=_eos(source.config) if tok else None),
+                         rank)
+        return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), source
+    corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank)
+    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
+    return data, dataclasses.replace(source, config={**source.config, "pad_token_id": corpus.special.pad})
+
+
+def mlm_corpus(source: HFSource, cfg: TrainConfig, log: bool):
+    """MLM + NSP sentence pairs: with the directory's tokenizer when it has all four BERT special
+    tokens, else `build_mlm_corpus`'s own tokenizer (trained with the model's vocab_size)."""
+    texts = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
+    if source.tokenizer_file is not None:
+        tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
+        ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+        if None not in ids:
+            return tokenized_mlm_corpus(texts, tokenizer, ids, source.vocab_size, cfg.seq_len, cfg.seed)
+        if log:
+            print(f"{source.tokenizer_file} lacks {', '.join(t for t, i in zip(SPECIAL_TOKENS, ids) if i is None)}: "
+                  f"training a byte-level BPE with BERT's special tokens instead", flush=True)
+    return build_mlm_corpus(texts, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir)

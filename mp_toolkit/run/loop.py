@@ -1,0 +1,176 @@
+"""The training loop every rank runs: build model, shard and cut it, feed micro-batches, step, log, save.
+
+Entry point (each rank)::
+
+    torchrun --nproc_per_node 2 -m mp_toolkit.cli train --model gpt-small-cpu --pp 2 --schedule 1f1b
+    torchrun --nproc_per_node 8 -m mp_toolkit.cli train --model gpt-small-cpu --pp 2 --tp 2 --dp 2
+    deepspeed --num_gpus 8 recipes/bert_pretrain/train.py --deepspeed_config recipes/bert_pretrain/ds_config.json
+    mpt train --model bert-tiny --seq-len 64 --pp 2 --save-dir runs/bert --save-every 50   # starts the ranks itself
+    mpt train --model bert-tiny --seq-len 64 --pp 1 --tp 2 --save-dir runs/bert --resume latest  # another layout
+    mpt train --model gpt-tiny --pp 2 --save-dir runs/x --save-every 20 --restarts 3   # survives dead ranks
+    torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \
+             --save-dir runs/x --save-every 20 --resume auto
+
+A step whose loss or gradients are not finite on any rank is skipped by every rank, in every
+precision, and logged; --max-skips such steps in a row stop the run (exit 3) and no checkpoint is
+written at such a step, so `latest` stays on the last good one (RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from mp_toolkit.engine.interface import TrainEngine
+from mp_toolkit.optim.lr import WarmupDecay, set_lr
+from mp_toolkit.optim.master import resolve_precision
+from mp_toolkit.parallel.context import build_context
+from mp_toolkit.parallel.tensor_parallel import padded_vocab_size
+from mp_toolkit.partition.memstats import (keep_freed_memory, peak_rss_bytes, release_free_memory, reset_peak,
+                                           rss_bytes, warm_runtime)
+from mp_toolkit.run.checks import model_spec
+from mp_toolkit.run.compose import make_engine
+from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.run.families import micro_batches
+from mp_toolkit.run.launch import (
+    LaunchEnv, PeerLost, Peers, RankStatus, comm_failure_line, init_distributed, is_comm_failure,
+)
+from mp_toolkit.run.metrics import MetricsLog, gather_ints
+from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
+from mp_toolkit.run.state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
+
+__all__ = ["Diverged", "lr_at", "run_training"]
+
+
+def lr_at(cfg: TrainConfig, progress: Progress, step: int) -> float:
+    """The rate of optimizer step ``step``. A DeepSpeed schedule counts applied steps only (its engine
+    does not step the scheduler after an fp16 overflow); WarmupDecay counts every step."""
+    if cfg.lr_schedule is not None:
+        return cfg.lr_schedule(progress.applied + 1)
+    return WarmupDecay(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.lr_decay, cfg.min_lr)(step)
+
+
+def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
+    """Train on this rank; returns the per-step rows on rank 0 (empty elsewhere). A collective or
+    point-to-point call that fails because a peer died or stopped answering (bounded by
+    --timeout) becomes `PeerLost`, whose line names the lost rank when it ran on this host."""
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
+    status = RankStatus(env)  # under spawn_local: the watchdog hears each step
+    peers, lost = None, False
+    try:
+        device = init_distributed(env, cfg.timeout_s)
+        if env.world_size > 1:
+            peers = Peers.exchange(env.rank, env.world_size, device)
+        return _train(cfg, env, device, status)
+    except RuntimeError as e:
+        if isinstance(e, PeerLost) or not is_comm_failure(e):
+            raise
+        lost = True  # no teardown: the group is broken and the process exits now
+        raise PeerLost(comm_failure_line(e, peers, env.rank, status.phase)) from None
+    finally:
+        if dist.is_initialized() and not lost:
+            dist.destroy_process_group()
+
+
+def _resume(cfg: TrainConfig, engine, ctx, names, data, spec, log_rank0: bool) -> Progress:
+    """Progress after restoring ``--resume``'s checkpoint (a fresh Progress without one)."""
+    path = find_checkpoint(cfg) if cfg.resume else None
+    if path is None:
+        if cfg.resume and log_rank0:
+            print(f"--resume {cfg.resume}: {cfg.save_dir} holds no committed checkpoint yet, starting from step 0")
+        return Progress()
+    resumed = load_state(path, cfg, engine, ctx, names, data, spec)
+    if log_rank0:
+        print(f"resumed from {resumed.path} at step {resumed.progress.step}")
+        for note in resumed.notes:
+            print(f"  {note}")
+    return resumed.progress
+
+
+def _one_step(cfg: TrainConfig, env: LaunchEnv, engine: TrainEngine, data, progress: Progress,
+              step: int) -> tuple:
+    """Train step ``step`` (advancing ``progress``); returns (StepStats, its metrics row)."""
+    lr = lr_at(cfg, progress, step)
+    set_lr(engine.optimizer, lr)
+    t0 = time.perf_counter()
+    with injected_nonfinite(engine, env.faults.nonfinite_at(env.rank, step)):
+        stats = engine.train_batch(data)
+    dt = time.perf_counter() - t0
+    progress.step, progress.applied = step, progress.applied + (not stats.skipped)
+    row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
+           "tokens_per_s": cfg.tokens_per_step / dt, "step_time_s": dt,
+           "loss_scale": stats.loss_scale, "skipped": stats.skipped, "time": time.time()}
+    trust = engine.trust_ratio_stats()
+    if trust is not None:
+        row["trust_ratio"] = trust
+    return stats, row
+
+
+def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankStatus) -> list[dict]:
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))
+    rank0 = env.rank == 0
+    spec = model_spec(cfg)
+    if rank0:
+        padded = padded_vocab_size(spec.vocab_size, cfg.tp)  # the vocab shards' rows (vocab_parallel)
+        pad = f" (vocab {spec.vocab_size} padded to {padded})" if padded != spec.vocab_size else ""
+        print(f"model {cfg.hf or cfg.model} ({spec.label}), precision {cfg.precision}, optimizer {cfg.optimizer}, "
+              f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}{pad}, dp {cfg.dp}", flush=True)
+    ctx = build_context(cfg.pp, cfg.tp, cfg.dp, device=device)
+    data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
+    # Peak memory is reported as RSS above this baseline. It follows live tensors closely only when
+    # large blocks are mapped one by one (MALLOC_MMAP_THRESHOLD_=65536, as tools/bench_plan_accuracy.py
+    # sets for its memory runs); forcing that here would cost 20-30% of the step time on CPU.
+    if device.type == "cpu":
+        keep_freed_memory()  # a step's freed activations stay in the heap for the next (memstats)
+    warm_runtime()  # torch's one-time costs (lazy imports, kernel set-up) before the baseline
+    base_rss = rss_bytes()  # what the model, its activations and optimizer add is measured from here
+    torch.manual_seed(cfg.seed)  # the same init_seed on every rank; each draws only its own layers
+    on_meta = spec.builds_on_meta and cfg.engine == "mp_toolkit"
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = spec.build()
+    names = ModelNames.of(model)
+    engine = make_engine(cfg, ctx, model)
+    del model
+    progress = _resume(cfg, engine, ctx, names, data, spec, rank0)
+    if progress.step >= cfg.steps:
+        if rank0:
+            print(f"the checkpoint is at step {progress.step}, --steps is {cfg.steps}: nothing to train")
+        return []
+    release_free_memory()
+    peak_since_start = peak_rss_bytes()  # imports, build and load: the counter restarts below
+    reset_peak()
+    log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
+    scaler, streak, saves = engine.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
+    first = progress.step + 1
+    for step in range(first, cfg.steps + 1):
+        status.set(f"during step {step}")
+        env.faults.kill_here(env, step, "step")
+        stats, row = _one_step(cfg, env, engine, data, progress, step)
+        if step == cfg.steps:
+            row["peak_memory_bytes"] = gather_ints(peak_rss_bytes() - base_rss, ctx.device)
+            row["peak_rss_bytes"] = gather_ints(max(peak_since_start, peak_rss_bytes()), ctx.device)
+        if step == first:  # steady state: later steps' peak (the first adds one-time shape agreement)
+            peak_since_start = max(peak_since_start, peak_rss_bytes())
+            reset_peak()
+        log.step(row)
+        counted = streak.update(step, stats, scaler)
+        if stats.skipped:
+            log.note(streak.line(step, stats, cfg, scaler))
+        if saves.now(step, counted, log):
+            status.set(f"while saving step {step}")
+            meta = manifest(cfg, engine, ctx, data, progress, spec, row["lr"]) if rank0 else None
+            save_state(cfg.save_dir, meta, engine, ctx, names, step, cfg.keep,
+                       after_shards=lambda: env.faults.kill_here(env, step, "save"))
+            log.note(f"saved step {step} to {cfg.save_dir}")
+        if streak.count >= cfg.max_skips:
+            log.close()
+            raise Diverged(streak.stop_message(step, stats, cfg))
+    if saves.deferred:
+        log.note(f"the run ended on a skipped step: no checkpoint of step {cfg.steps}, `latest` stays where it was")
+    log.close()
+    return log.rows
