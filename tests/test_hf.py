@@ -18,7 +18,7 @@ from mp_toolkit.hf import (
 from mp_toolkit.hf.export_run import export_checkpoint
 from mp_toolkit.parallel.context import build_context
 from tests.dist_harness import run_world
-from tests.floor import assert_within
+from tests.floor import assert_all_within
 from tests.hf_workers import (
     CAUSAL, VOCAB, bert_tp_rank, causal_inputs, pp_rank, pp_tp_rank, tiny_config, tiny_hf, tp_rank,
 )
@@ -237,7 +237,7 @@ def test_pp2_1f1b_equals_hf_gradient_accumulation():
                 assert losses == ref_losses and floors is None
             else:
                 assert "losses" in floors and len(floors) == n + 1, sorted(floors)
-                worst = max(assert_within(err, floor, f"{name} tied: {what}") for what, (err, floor) in floors.items())
+                worst = assert_all_within(floors, f"{name} tied")
                 print(f"\n{name} tied: worst err / floor {worst:.2f}")
 
 
@@ -258,7 +258,7 @@ def test_pp2_tp2_equals_hf_single_process_training():
         assert sum(r[i][0] for r in reports) == 2 * (n_params + (name == "gpt2")), name
         for n, diff, losses, ref_losses, floors in (r[i] for r in reports):
             assert len(floors) == n + 1 and losses[0] != losses[1], (name, sorted(floors))
-            worst = max(assert_within(err, floor, f"{name} {optimizer}: {what}") for what, (err, floor) in floors.items())
+            worst = assert_all_within(floors, f"{name} {optimizer}")
             print(f"\n{name} {optimizer}: worst err / floor {worst:.2f}")
 
 

@@ -34,7 +34,7 @@ from mp_toolkit.engine.executor import final_weight_grad_actions
 from mp_toolkit.parallel.data_parallel import make_buckets
 from mp_toolkit.schedule import get_schedule
 from tests.dist_harness import run_world
-from tests.floor import assert_within
+from tests.floor import assert_all_within, assert_within
 from tests.oracle_tp_dp_workers import CLIP, oracle_grid
 
 TINY_BUCKET_MB = 0.001  # ~1 KiB buckets: many all-reduces per stage, checks the flatten / unflatten
@@ -69,11 +69,9 @@ def _check_case(results, layout, case_index, case) -> float:
         assert rows == first["trust"][0] and [row["stage"] for row in rows] == list(range(pp))
         ratios.append(assert_within(*err, f"{layout} {case}: trust ratios (min, median, max)"))
     for c in cases:
-        for name, err in c["errors"].items():
-            ratios.append(assert_within(*err, f"{layout} {case}: {name}"))
+        ratios.append(assert_all_within(c["errors"], f"{layout} {case}"))
         assert c["grad_errors"].keys() == c["errors"].keys()
-        for name, err in c["grad_errors"].items():
-            ratios.append(assert_within(*err, f"{layout} {case}: step-1 gradient of {name}"))
+        ratios.append(assert_all_within(c["grad_errors"], f"{layout} {case}: step-1 gradient"))
         assert all(c["dp_same"]), f"{layout} {case}: data-parallel replicas diverged: {c['dp_same']}"
         assert all(c["tp_same"]), f"{layout} {case}: tp-replicated parameters diverged: {c['tp_same']}"
     # one replica's pipeline ranks cover every tensor of the model; a tie split over stages is a

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mp_toolkit.checkpoint import open_checkpoint
-from tests.floor import assert_within, pair
+from tests.floor import assert_all_within, assert_within, pair
 
 COMMON = ["train", "--model", "gpt-tiny", "--data", "synthetic", "--micro-batch", "2", "--seq-len", "16",
           "--threads", "1", "--no-progress", "--timeout", "60"]
@@ -155,7 +155,7 @@ def test_resume_on_another_layout(tmp_path, lamb_pp2, reference, saved, m):
     worst = assert_within(*pair(losses(rows, steps), losses(ref_rows, steps), losses(source_rows, steps)), "losses")
     got, floor_run = tensors(tmp_path / "b", 6), tensors(source, 6)
     assert got.keys() == ref_tensors.keys() == floor_run.keys()
-    worst = max([worst] + [assert_within(*pair(got[k], ref, floor_run[k]), k) for k, ref in ref_tensors.items()])
+    worst = max(worst, assert_all_within({k: pair(got[k], ref, floor_run[k]) for k, ref in ref_tensors.items()}, "step 6"))
     print(f"\nworst err / floor: {worst:.2f}")
 
 
