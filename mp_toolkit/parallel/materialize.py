@@ -1,0 +1,84 @@
+"""A rank holds only its own part (DESIGN.md invariant 9): turn a meta-device layer list real,
+parameter by parameter, for this rank's layers only.
+
+The model is built on ``torch.device("meta")`` (shapes, no storage), cut into stages and split by
+tensor parallelism while still on meta; then each rank draws the starting value of each of its
+own parameters from the model's ``initial_value(name)`` (model_zoo/init.py: a generator per
+parameter, seeded by its name, so every layout starts from the unsplit model's weights), keeps
+its tensor-parallel shard of it, and drops the full value before drawing the next. At most one
+parameter's full tensor exists at a time; every other layer's parameters stay on meta and cost
+nothing. A tied parameter held twice on one rank (embedding and LM head on one stage) stays one
+Parameter.
+
+    with torch.device("meta"):
+        model = GPT(config)
+    layers = apply_tensor_parallel(LayerList.from_model(model), ctx, TP_PLAN)   # still meta
+    materialize(layers, rank_layers(boundaries, stages_of_this_rank), model.initial_value, ctx)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.groups import is_tensor_parallel
+from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.parallel.tensor_parallel import mark_tensor_parallel, shard_full
+
+
+def is_meta(module: nn.Module) -> bool:
+    """True when any parameter or buffer of ``module`` lives on the meta device."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def rank_layers(boundaries: Sequence[int], stages: Iterable[int]) -> list[int]:
+    """Indices of the layers that ``stages`` (this rank's stage numbers) hold, in order."""
+    return sorted(i for s in stages for i in range(boundaries[s], boundaries[s + 1]))
+
+
+def materialize(layer_list: LayerList, keep: Iterable[int], initial_value: Callable[[str], torch.Tensor],
+                ctx: ParallelContext, device: torch.device | str = "cpu") -> int:
+    """Give every meta parameter of the layers at indices ``keep`` real storage on ``device``,
+    holding this rank's share of ``initial_value(name)`` (names as in the unsplit model:
+    ``"{layer}.{path}"``). Returns the bytes allocated. Other layers are left on meta.
+
+    A meta buffer cannot be drawn (no model here registers one) and is refused by name, as is an
+    initial value whose shape does not match the parameter's full (unsharded) shape.
+    """
+    done: dict[int, nn.Parameter] = {}
+    allocated = 0
+    for i in sorted(set(keep)):
+        layer_name, layer = layer_list.names[i], layer_list.layers[i]
+        for path, module in layer.named_modules():
+            prefix = f"{layer_name}.{path}" if path else layer_name
+            for bname, b in module.named_buffers(recurse=False):
+                if b is not None and b.is_meta:
+                    raise ValueError(f"{prefix}.{bname}: a meta buffer has no initial value to draw")
+            for pname, p in list(module.named_parameters(recurse=False)):
+                if not p.is_meta:
+                    continue
+                if id(p) not in done:
+                    done[id(p)] = _real(p, initial_value(f"{prefix}.{pname}"), f"{prefix}.{pname}", ctx, device)
+                    allocated += done[id(p)].numel() * done[id(p)].element_size()
+                setattr(module, pname, done[id(p)])
+    return allocated
+
+
+def _real(meta: nn.Parameter, full: torch.Tensor, name: str, ctx: ParallelContext, device) -> nn.Parameter:
+    """``meta``'s real counterpart: its shard of ``full`` (the whole of it when replicated)."""
+    value = shard_full(full, meta, ctx.tp_rank, ctx.tp) if is_tensor_parallel(meta) else full
+    if tuple(value.shape) != tuple(meta.shape):
+        raise ValueError(f"{name}: initial value of shape {tuple(full.shape)} gives a {tuple(value.shape)} "
+                         f"share, but the parameter is {tuple(meta.shape)}")
+    real = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=meta.requires_grad)
+    with torch.no_grad():
+        real.copy_(value)  # the full value (and a strided shard's view of it) is dropped on return
+    if is_tensor_parallel(meta):
+        mark_tensor_parallel(real, meta.partition_dim, meta.partition_stride)
+    return real
+
+
+__all__ = ["is_meta", "materialize", "rank_layers"]
