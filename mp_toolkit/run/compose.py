@@ -12,9 +12,11 @@ from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler, LossScaleSettings
 from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.parallel.materialize import materialize, rank_layers
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.cut import CutWorkload, config_of, plan_boundaries
 from mp_toolkit.run.families import loss_function, tensor_parallel
+from mp_toolkit.schedule import get_schedule
 
 
 def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> PipelineEngine:
@@ -27,10 +29,13 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
        the modules the model's TP plan names for this rank's shards over the whole list at once,
        so the tied embedding and LM head (MLM decoder), which may land on different stages, are
        split alike (and stay one Parameter where one stage holds both). It must come before the
-       cut: a stage is a slice of whatever modules the list holds.
-    3. Pipeline: the engine keeps this rank's stages of the sharded list; the others are freed
+       cut: a stage is a slice of whatever modules the list holds. On a model built on meta it
+       splits shapes only.
+    3. A model built on meta (an HF directory) gets real storage for this rank's stages' layers
+       only, each parameter read as its tensor-parallel share (`own_layers`).
+    4. Pipeline: the engine keeps this rank's stages of the sharded list; the others are freed
        with ``model`` once the caller drops it.
-    4. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
+    5. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
        once its backward is done; nothing is wrapped, the modules stay plain.
 
     ``model`` must be built identically on every rank (same seed): each keeps its own slice.
@@ -39,9 +44,11 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
     boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks,  # 1
                                  CutWorkload.of(cfg, config_of(model), ctx))
     layers = tensor_parallel(model, layers, ctx)  # 2
+    stages = get_schedule(cfg.schedule, ctx.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(ctx.pp_rank)
+    own_layers(model, layers, rank_layers(boundaries, stages), ctx)  # 3
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
     options = OptimizerOptions.of(cfg)
-    return PipelineEngine(  # 3 and 4
+    return PipelineEngine(  # 4 and 5
         layers, ctx, boundaries, cfg.microbatches, cfg.schedule,
         optimizer=lambda named: build_optimizer(cfg.optimizer, named, cfg.lr, cfg.weight_decay, tp_group=tp_group,
                                                 options=options),
@@ -56,12 +63,22 @@ def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Mod
     (`mp_toolkit.ds.engine`; DeepSpeed is imported only then). No tensor parallelism (`check_engine`)."""
     layers = LayerList.from_model(model)
     boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, 1, CutWorkload.of(cfg, config_of(model), ctx))
+    own_layers(model, layers, rank_layers(boundaries, [ctx.pp_rank]), ctx)  # its PipelineModule keeps stage pp_rank
     return DeepSpeedPipeline(cfg, ctx, layers, boundaries, loss_function(model, ctx))
 
 
 def make_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> TrainEngine:
     """The engine ``cfg.engine`` names, over ``model`` (built alike on every rank)."""
     return build_engine(cfg, ctx, model) if cfg.engine == "mp_toolkit" else deepspeed_engine(cfg, ctx, model)
+
+
+def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: ParallelContext) -> None:
+    """When ``model`` was built on meta (`mp_toolkit.parallel.materialize`): give the layers at ``keep``
+    real storage on ``ctx.device``, each parameter its share of ``model.initial_value``, or of
+    ``model.shard_value`` where the model reads its shares directly (an HF directory's safetensors,
+    `mp_toolkit.run.hf_source.HFModel`). The other layers stay on meta and are never allocated."""
+    if any(p.is_meta for p in layers.parameters()):
+        materialize(layers, keep, model.initial_value, ctx, ctx.device, shard_value=getattr(model, "shard_value", None))
 
 
 def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:
