@@ -9,7 +9,10 @@ bitwise with ``from_pretrained(DIR, dtype=torch.float32)``, sharded with `shard_
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,8 @@ from tests.dist_harness import run_world
 from tests.hf_workers import CONFIGS, tiny_hf
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+TRAIN = ["train", "--microbatches", "2", "--micro-batch", "2", "--seq-len", "16", "--data", "synthetic", "--threads",
+         "1", "--no-progress"]
 
 
 def save(path: Path, name: str, dtype=torch.float32) -> Path:
@@ -206,10 +211,27 @@ def test_bf16_sharded_checkpoint_loads_as_from_pretrained_fp32(tmp_path):
     assert want["layers.0.block.mlp.up_proj.weight"].dtype == torch.float32
 
 
+def test_mpt_train_from_the_shards_on_pp2_equals_the_single_file_on_one_process(dirs, tmp_path):
+    """The CLI path: Llama read from its two shards by two stages trains to the same losses, bit for
+    bit, as the same weights read from model.safetensors by one process (untied: tests/test_hf_train.py)."""
+    single, sharded = dirs["llama"]
+    one = train_losses(tmp_path, "one", "--hf", single, "--pp", "1")
+    two = train_losses(tmp_path, "two", "--hf", sharded, "--pp", "2")
+    assert len(one) == 3 and two == one
+
+
+def train_losses(tmp_path, tag, *args):
+    metrics = tmp_path / f"{tag}.jsonl"
+    r = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *TRAIN, "--steps", "3", "--lr", "1e-2",
+                        "--timeout", "60", "--metrics", metrics, "--cache-dir", tmp_path / "cache", *map(str, args)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
 # --- bad input: one line naming the file and the tensor, exit 2, before any rank starts ----------
 
-ARGS = ["train", "--steps", "1", "--microbatches", "2", "--micro-batch", "2", "--seq-len", "16",
-        "--data", "synthetic", "--pp", "2", "--threads", "1", "--no-progress"]
+ARGS = [*TRAIN, "--steps", "1", "--pp", "2"]
 
 
 def test_a_missing_shard_a_wrong_shape_and_a_truncated_shard_are_one_line_exit_2(capsys, dirs, tmp_path):
