@@ -63,7 +63,11 @@ def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Mod
     (`mp_toolkit.ds.engine`; DeepSpeed is imported only then). No tensor parallelism (`check_engine`)."""
     layers = LayerList.from_model(model)
     boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, 1, CutWorkload.of(cfg, config_of(model), ctx))
-    own_layers(model, layers, rank_layers(boundaries, [ctx.pp_rank]), ctx)  # its PipelineModule keeps stage pp_rank
+    keep = rank_layers(boundaries, [ctx.pp_rank])  # its PipelineModule's stage, and whole tie groups (TiedLayers)
+    held = {layers.names[i] for i in keep}
+    tied = [layers.names.index(name) for group in layers.tie_groups if any(m in held for m, _ in group)
+            for name, _ in group]
+    own_layers(model, layers, sorted({*keep, *tied}), ctx)
     return DeepSpeedPipeline(cfg, ctx, layers, boundaries, loss_function(model, ctx))
 
 
