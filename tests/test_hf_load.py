@@ -211,20 +211,26 @@ def test_bf16_sharded_checkpoint_loads_as_from_pretrained_fp32(tmp_path):
     assert want["layers.0.block.mlp.up_proj.weight"].dtype == torch.float32
 
 
-def test_mpt_train_from_the_shards_on_pp2_equals_the_single_file_on_one_process(dirs, tmp_path):
-    """The CLI path: Llama read from its two shards by two stages trains to the same losses, bit for
-    bit, as the same weights read from model.safetensors by one process (untied: tests/test_hf_train.py)."""
-    single, sharded = dirs["llama"]
+def test_mpt_train_from_the_shards_on_pp2_and_under_deepspeed_equals_the_single_file(dirs, tmp_path):
+    """The CLI path, GPT-2 (wte / lm_head tied across the two stages): read from its two shards by two
+    stages, it trains as when one process reads model.safetensors: the first loss (before any step)
+    bitwise, the rest to tests/test_hf_train.py's tied-head 1e-6 (the tied gradient is summed in
+    another order). --engine deepspeed too: its TiedLayers hold every member of a tie group on each
+    stage that has one (the last stage holds the embedding layer), so those are read as well."""
+    single, sharded = dirs["gpt2"]
     one = train_losses(tmp_path, "one", "--hf", single, "--pp", "1")
     two = train_losses(tmp_path, "two", "--hf", sharded, "--pp", "2")
-    assert len(one) == 3 and two == one
+    ds = train_losses(tmp_path, "ds", "--hf", sharded, "--pp", "2", "--engine", "deepspeed", DS_ACCELERATOR="cpu")
+    assert len(one) == 3 and two[0] == one[0] and two == pytest.approx(one, rel=1e-6)
+    assert ds == pytest.approx(two, rel=1e-6)
 
 
-def train_losses(tmp_path, tag, *args):
+def train_losses(tmp_path, tag, *args, **env):
+    """The per-step losses of a 3-step `mpt train` that must succeed."""
     metrics = tmp_path / f"{tag}.jsonl"
     r = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *TRAIN, "--steps", "3", "--lr", "1e-2",
                         "--timeout", "60", "--metrics", metrics, "--cache-dir", tmp_path / "cache", *map(str, args)],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
     assert r.returncode == 0, r.stdout + r.stderr
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
