@@ -127,9 +127,9 @@ class SafetensorsFiles:
         size = path.stat().st_size
         try:
             with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
-                if not 2 <= n <= size - 8:
-                    raise ValueError(f"a {n}-byte header in a {size}-byte file")
+                n = int.from_bytes(f.read(8), "little") if size >= 8 else None
+                if n is None or not 2 <= n <= size - 8:
+                    raise ValueError(f"{size} bytes" if n is None else f"a {n}-byte header in a {size}-byte file")
                 doc = json.loads(f.read(n))
             entries = {name: (TensorEntry(path, tuple(int(d) for d in e["shape"]), str(e["dtype"])),
                               int(e["data_offsets"][1]))
