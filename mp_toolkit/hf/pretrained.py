@@ -54,9 +54,7 @@ def empty_parameters():
         register(module, name, param)
         p = module._parameters[name]
         if p is not None and not p.is_meta:
-            meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-            meta.__dict__.update(p.__dict__)  # attributes set on it before registration
-            module._parameters[name] = meta
+            module._parameters[name] = _on_meta(p)
 
     nn.Module.register_parameter = register_on_meta
     try:
@@ -70,7 +68,18 @@ def skeleton(cls: type, config) -> nn.Module:
     ``from_pretrained`` returns a model."""
     with empty_parameters():
         model = cls(config)
+    moved: dict[int, nn.Parameter] = {}  # one placed in _parameters directly (not registered): the same, once
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and not p.is_meta:
+                module._parameters[name] = moved.setdefault(id(p), _on_meta(p))
     return model.eval()
+
+
+def _on_meta(p: nn.Parameter) -> nn.Parameter:
+    meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+    meta.__dict__.update(p.__dict__)  # attributes set on it before registration
+    return meta
 
 
 class PretrainedWeights:
