@@ -71,11 +71,17 @@ def shard_full(full: torch.Tensor, layout, tp_rank: int, tp: int) -> torch.Tenso
             full = pad_dim(full, layout.partition_dim, layout.shape[layout.partition_dim] * tp)
         layout = (layout.partition_dim, layout.partition_stride)
     dim, stride = layout
-    n = full.shape[dim]
+    ranges = shard_ranges(full.shape[dim], stride, tp_rank, tp, dim)
+    return torch.cat([full.narrow(dim, start, stop - start) for start, stop in ranges], dim=dim)
+
+
+def shard_ranges(n: int, stride: int, tp_rank: int, tp: int, dim: int = 0) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of a size-``n`` dim that rank ``tp_rank`` keeps, in order: chunks
+    r, r + tp, ... of ``tp * stride`` equal chunks (`shard_full`; a file is read as these slices)."""
     if n % (tp * stride) != 0:
         raise ValueError(f"dim {dim} of size {n} is not divisible by tp*stride = {tp}*{stride}")
-    chunks = torch.split(full, n // (tp * stride), dim=dim)
-    return torch.cat(chunks[tp_rank::tp], dim=dim)
+    size = n // (tp * stride)
+    return [(k * size, (k + 1) * size) for k in range(tp_rank, tp * stride, tp)]
 
 
 def gather_full(param: torch.Tensor, group, tensor: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,11 @@ Parameter.
         model = GPT(config)
     layers = apply_tensor_parallel(LayerList.from_model(model), ctx, TP_PLAN)   # still meta
     materialize(layers, rank_layers(boundaries, stages_of_this_rank), model.initial_value, ctx)
+
+A model whose values already lie somewhere (an HF directory's safetensors files) passes
+``shard_value`` too: it returns this rank's share directly (a tensor-parallel shard read from the
+file as slices), so not even one parameter's full tensor is built -- except a vocabulary padded
+for tensor parallelism, whose share is cut from the full value padded with zero rows.
 """
 
 from __future__ import annotations
@@ -39,11 +44,18 @@ def rank_layers(boundaries: Sequence[int], stages: Iterable[int]) -> list[int]:
     return sorted(i for s in stages for i in range(boundaries[s], boundaries[s + 1]))
 
 
+ShardValue = Callable[[str, nn.Parameter, int, int], torch.Tensor]
+"""(name, meta parameter, tp_rank, tp) -> what ``shard_full(initial_value(name), meta, tp_rank, tp)``
+gives (the whole value for a replicated parameter), without building the full value."""
+
+
 def materialize(layer_list: LayerList, keep: Iterable[int], initial_value: Callable[[str], torch.Tensor],
-                ctx: ParallelContext, device: torch.device | str = "cpu") -> int:
+                ctx: ParallelContext, device: torch.device | str = "cpu", shard_value: ShardValue | None = None
+                ) -> int:
     """Give every meta parameter of the layers at indices ``keep`` real storage on ``device``,
     holding this rank's share of ``initial_value(name)`` (names as in the unsplit model:
-    ``"{layer}.{path}"``). Returns the bytes allocated. Other layers are left on meta.
+    ``"{layer}.{path}"``), or ``shard_value(name, meta, ctx.tp_rank, ctx.tp)`` when given (then
+    ``initial_value`` is not called). Returns the bytes allocated. Other layers are left on meta.
 
     A meta buffer cannot be drawn (no model here registers one) and is refused by name, as is an
     initial value whose shape does not match the parameter's full (unsharded) shape.
@@ -61,19 +73,31 @@ def materialize(layer_list: LayerList, keep: Iterable[int], initial_value: Calla
                 if not p.is_meta:
                     continue
                 if id(p) not in done:
-                    done[id(p)] = _real(p, initial_value(f"{prefix}.{pname}"), f"{prefix}.{pname}", ctx, device)
+                    name = f"{prefix}.{pname}"
+                    padded = getattr(p, "unpadded_size", None) is not None  # a padded vocabulary shard
+                    value = (shard_value(name, p, ctx.tp_rank, ctx.tp) if shard_value is not None and not padded
+                             else _share(p, initial_value(name), name, ctx))
+                    done[id(p)] = _real(p, value, name, device)
                     allocated += done[id(p)].numel() * done[id(p)].element_size()
                 setattr(module, pname, done[id(p)])
     return allocated
 
 
-def _real(meta: nn.Parameter, full: torch.Tensor, name: str, ctx: ParallelContext, device) -> nn.Parameter:
-    """``meta``'s real counterpart: its shard of ``full`` (the whole of it when replicated; a
-    vocabulary padded for tensor parallelism is padded with zero rows first, as `shard_full` does)."""
+def _share(meta: nn.Parameter, full: torch.Tensor, name: str, ctx: ParallelContext) -> torch.Tensor:
+    """This rank's shard of ``full`` (the whole of it when ``meta`` is replicated; a vocabulary
+    padded for tensor parallelism is padded with zero rows first, as `shard_full` does)."""
     value = shard_full(full, meta, ctx.tp_rank, ctx.tp) if is_tensor_parallel(meta) else full
     if tuple(value.shape) != tuple(meta.shape):
         raise ValueError(f"{name}: initial value of shape {tuple(full.shape)} gives a {tuple(value.shape)} "
                          f"share, but the parameter is {tuple(meta.shape)}")
+    return value
+
+
+def _real(meta: nn.Parameter, value: torch.Tensor, name: str, device) -> nn.Parameter:
+    """``meta``'s real counterpart on ``device``, holding ``value`` (its share) in ``meta``'s dtype."""
+    if tuple(value.shape) != tuple(meta.shape):
+        raise ValueError(f"{name}: a share of shape {tuple(value.shape)} was given, but the parameter is "
+                         f"{tuple(meta.shape)}")
     real = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=meta.requires_grad)
     with torch.no_grad():
         real.copy_(value)  # the full value (and a strided shard's view of it) is dropped on return
@@ -83,4 +107,4 @@ def _real(meta: nn.Parameter, full: torch.Tensor, name: str, ctx: ParallelContex
     return real
 
 
-__all__ = ["is_meta", "materialize", "rank_layers"]
+__all__ = ["ShardValue", "is_meta", "materialize", "rank_layers"]

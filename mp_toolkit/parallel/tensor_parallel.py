@@ -34,7 +34,7 @@ from torch import nn
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.layouts import (
-    TP_ATTRIBUTES, full_shape, gather_full, mark_tensor_parallel, shard_full, shard_parameter,
+    TP_ATTRIBUTES, full_shape, gather_full, mark_tensor_parallel, shard_full, shard_parameter, shard_ranges,
 )
 from mp_toolkit.parallel.tp_comms import (
     copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
@@ -253,5 +253,5 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLMHead",
     "vocab_parallel_cross_entropy", "gather_vocab_parallel_logits", "padded_vocab_size",
     "apply_tensor_parallel", "check_tensor_parallel",
-    "gather_full", "shard_full", "full_shape", "mark_tensor_parallel", "TP_ATTRIBUTES", "STYLES",
+    "gather_full", "shard_full", "shard_ranges", "full_shape", "mark_tensor_parallel", "TP_ATTRIBUTES", "STYLES",
 ]

@@ -33,11 +33,10 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
        split alike (and stay one Parameter where one stage holds both). It must come before the
        cut: a stage is a slice of whatever modules the list holds. A model built on the meta
        device is split on meta: shapes only.
-    3. Materialise (a meta-built model only): this rank draws the starting value of each parameter
-       of its own stages' layers, keeps its shard, and drops the full value before the next
-       (`parallel.materialize`, DESIGN.md invariant 9); every other layer stays on meta and is
-       never allocated here. A model built for real on every rank (HF directories, the DeepSpeed
-       engine) skips this step.
+    3. Materialise (a meta-built model only): this rank gives its own stages' layers real storage,
+       each parameter its tensor-parallel share (`own_layers`, DESIGN.md invariant 9): our GPT and
+       BERT draw it from a generator seeded by the parameter's name, an HF directory reads it
+       from its safetensors as slices. Every other layer stays on meta and is never allocated.
     4. Pipeline: the engine keeps this rank's stages of the sharded list; the others are freed
        with ``model`` once the caller drops it.
     5. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
@@ -50,10 +49,9 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
                                  CutWorkload.of(cfg, config_of(model), ctx))
     on_meta = is_meta(model)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
-        layers = tensor_parallel(model, layers, ctx)  # 2
-    if on_meta:  # 3
-        stages = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(ctx.pp_rank)
-        materialize(layers, rank_layers(boundaries, stages), model.initial_value, ctx, ctx.device)
+        layers = tensor_parallel(model, layers, ctx)  # 2: shapes only on meta
+    stages = get_schedule(cfg.schedule, ctx.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(ctx.pp_rank)
+    own_layers(model, layers, rank_layers(boundaries, stages), ctx)  # 3
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
     options = OptimizerOptions.of(cfg)
     return PipelineEngine(  # 4 and 5
@@ -71,12 +69,26 @@ def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Mod
     (`mp_toolkit.ds.engine`; DeepSpeed is imported only then). No tensor parallelism (`check_engine`)."""
     layers = LayerList.from_model(model)
     boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, 1, CutWorkload.of(cfg, config_of(model), ctx))
+    keep = rank_layers(boundaries, [ctx.pp_rank])  # its PipelineModule's stage, and whole tie groups (TiedLayers)
+    held = {layers.names[i] for i in keep}
+    tied = [layers.names.index(name) for group in layers.tie_groups if any(m in held for m, _ in group)
+            for name, _ in group]
+    own_layers(model, layers, sorted({*keep, *tied}), ctx)
     return DeepSpeedPipeline(cfg, ctx, layers, boundaries, loss_function(model, ctx))
 
 
 def make_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> TrainEngine:
     """The engine ``cfg.engine`` names, over ``model`` (built alike on every rank)."""
     return build_engine(cfg, ctx, model) if cfg.engine == "mp_toolkit" else deepspeed_engine(cfg, ctx, model)
+
+
+def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: ParallelContext) -> None:
+    """When ``model`` was built on meta (`mp_toolkit.parallel.materialize`): give the layers at ``keep``
+    real storage on ``ctx.device``, each parameter its share of ``model.initial_value``, or of
+    ``model.shard_value`` where the model reads its shares directly (an HF directory's safetensors,
+    `mp_toolkit.run.hf_source.HFModel`). The other layers stay on meta and are never allocated."""
+    if any(p.is_meta for p in layers.parameters()):
+        materialize(layers, keep, model.initial_value, ctx, ctx.device, shard_value=getattr(model, "shard_value", None))
 
 
 def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:

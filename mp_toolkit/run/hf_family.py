@@ -1,10 +1,12 @@
 """`mpt train --hf DIR`: a local HuggingFace ``save_pretrained`` directory as the model family "hf".
 
-DIR holds config.json and model.safetensors (nothing is fetched: ``local_files_only``) of one of
-`mp_toolkit.hf.SUPPORTED`. Every rank loads the same weights from DIR; `from_hf` turns the model
-into a LayerList of HF's own modules (its layer names are the checkpoint's), tensor parallelism is
-`apply_hf_tensor_parallel` (GPT-2, BERT and the Llama family) and the loss is `mp_toolkit.hf`'s,
-vocab-parallel under ``--tp > 1``.
+DIR holds config.json and model.safetensors, or the shards a model.safetensors.index.json names, of
+one of `mp_toolkit.hf.SUPPORTED` (nothing is fetched). The model is built with its parameters on
+meta; `from_hf` turns it into a LayerList of HF's own modules (its layer names are the checkpoint's),
+tensor parallelism is `apply_hf_tensor_parallel` (GPT-2, BERT and the Llama
+family), and each rank reads only its own layers' tensors, its tensor-parallel shards as
+slices, from DIR (`mp_toolkit.hf.pretrained`; every file's header is checked before any rank
+starts). The loss is `mp_toolkit.hf`'s, vocab-parallel under ``--tp > 1``.
 
 Data: with DIR/tokenizer.json the corpus is encoded by that tokenizer (`tokenizers` only, cached
 under --cache-dir); without one a byte-level BPE is trained on the corpus with the model's
@@ -70,6 +72,7 @@ def check_hf(source: HFSource, cfg: TrainConfig) -> None:
         check_hf_tensor_parallel(load_config(source.config), cfg.tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    source.check_weights()  # every tensor in DIR's files, with its shape, in whole files (headers only)
     if source.tokenizer_file is not None and cfg.data != "synthetic":
         _check_tokenizer(source)
     need = BPE_MIN_VOCAB + 4 * source.is_bert

@@ -130,8 +130,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     warm_runtime()  # torch's one-time costs (lazy imports, kernel set-up) before the baseline
     base_rss = rss_bytes()  # what the model, its activations and optimizer add is measured from here
     torch.manual_seed(cfg.seed)  # the same init_seed on every rank; each draws only its own layers
-    on_meta = spec.builds_on_meta and cfg.engine == "mp_toolkit"
-    with torch.device("meta") if on_meta else contextlib.nullcontext():
+    with torch.device("meta") if spec.builds_on_meta else contextlib.nullcontext():
         model = spec.build()
     names = ModelNames.of(model)
     engine = make_engine(cfg, ctx, model)

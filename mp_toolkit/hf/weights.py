@@ -1,0 +1,153 @@
+"""The safetensors files of a save_pretrained directory, read one tensor (or slices of one) at a time.
+
+A directory holds ``model.safetensors`` or, as every model over ~5 GB is published, shards named by
+``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``); like
+``from_pretrained``, the single file wins when both are there. `SafetensorsFiles` knows which file
+holds a tensor from the index (or the one file's header) and parses a file's header (an 8-byte
+little-endian length, then JSON: name -> dtype, shape, data_offsets) when a tensor in it is first
+asked for. A tensor is read through ``safe_open(file, "pt").get_slice(name)``, which maps the file
+and copies only the rows / columns asked for. So a rank asking for its own layers' tensors (of
+those, its tensor-parallel slices) opens only the shards that hold them and reads only their bytes.
+
+Every problem is a `WeightsError`, one line naming the file and the tensor: an index that names a
+file the directory lacks, a header that does not parse, a file shorter than its header says, a
+tensor the file does not have.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+AGAIN = "save the model again with save_pretrained (or download it again)"
+
+
+class WeightsError(ValueError):
+    """A tensor a directory's weights cannot give (one line: the file, the tensor, what is wrong)."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: its file, and its shape and dtype as the file's header gives them."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class SafetensorsFiles:
+    """The tensors of ``model.safetensors`` or of an index's shards, by HF name; read lazily.
+
+        files = SafetensorsFiles("runs/llama-init")
+        files.entry("model.embed_tokens.weight").shape        # from the header only
+        files.read("model.layers.0.mlp.up_proj.weight", dim=0, ranges=[(0, 64)])   # rows 0..63
+    """
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
+        self._handles: dict[str, object] = {}
+
+    @cached_property
+    def file_of(self) -> dict[str, str]:
+        """HF tensor name -> the file (a name inside the directory) that holds it."""
+        if (self.directory / SINGLE).is_file():
+            return dict.fromkeys(self._header(SINGLE), SINGLE)
+        index = self.directory / INDEX
+        if not index.is_file():
+            raise WeightsError(f"{self.directory} has neither {SINGLE} nor {INDEX}: save the model with save_pretrained")
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise ValueError("its names and files must be strings")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightsError(f"{index} is not a safetensors index ({type(e).__name__}: {e}): it must hold "
+                               '{"weight_map": {tensor name: shard file}}') from None
+        return dict(weight_map)
+
+    @property
+    def origin(self) -> Path:
+        """What says where the tensors are: the index, or the single file."""
+        return self.directory / (SINGLE if (self.directory / SINGLE).is_file() else INDEX)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def entry(self, name: str) -> TensorEntry:
+        """Tensor ``name``'s file, shape and dtype; WeightsError when the directory does not hold it."""
+        if name not in self.file_of:
+            raise WeightsError(f"{self.origin} has no tensor {name}")
+        file = self.file_of[name]
+        header = self._header(file)
+        if name not in header:
+            raise WeightsError(f"{self.directory / file} has no tensor {name}, though {INDEX} places it there: {AGAIN}")
+        return header[name]
+
+    def read(self, name: str, dim: int = 0, ranges: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+        """Tensor ``name`` as the file stores it: whole, or the [start, stop) ``ranges`` of dim ``dim``
+        concatenated in order (a tensor-parallel shard: `mp_toolkit.parallel.tensor_parallel.shard_ranges`)."""
+        entry = self.entry(name)
+        try:
+            if ranges is None:
+                return self._handle(entry.file).get_tensor(name)
+            part = self._handle(entry.file).get_slice(name)
+            lead = (slice(None),) * dim  # part[:, a:b] for dim 1
+            return torch.cat([part[(*lead, slice(start, stop))] for start, stop in ranges], dim=dim)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise WeightsError(f"{entry.file}: cannot read tensor {name} ({str(e).splitlines()[0]}): {AGAIN}") from None
+
+    def close(self) -> None:
+        """Let go of the files opened so far (they are opened again if read after)."""
+        self._handles.clear()
+
+    def _handle(self, file: Path):
+        key = str(file)
+        if key not in self._handles:
+            self._handles[key] = safe_open(key, "pt")
+        return self._handles[key]
+
+    def _header(self, file: str) -> dict[str, TensorEntry]:
+        """The tensors ``file``'s header lists; WeightsError when the file is missing, unreadable or
+        shorter than the header says (a truncated download or copy)."""
+        if file in self._headers:
+            return self._headers[file]
+        path = self.directory / file
+        expected = self._a_tensor_in(file)
+        if not path.is_file():
+            raise WeightsError(f"{self.directory / INDEX} places tensor {expected} in {file}, but {self.directory} "
+                               f"has no such file: copy every shard the index names")
+        holds = f" (it should hold {expected})" if expected else ""
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little") if size >= 8 else None
+                if n is None or not 2 <= n <= size - 8:
+                    raise ValueError(f"{size} bytes" if n is None else f"a {n}-byte header in a {size}-byte file")
+                doc = json.loads(f.read(n))
+            entries = {name: (TensorEntry(path, tuple(int(d) for d in e["shape"]), str(e["dtype"])),
+                              int(e["data_offsets"][1]))
+                       for name, e in doc.items() if name != "__metadata__"}
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise WeightsError(f"{path}: no readable safetensors header ({e}){holds}; the file is truncated or is "
+                               f"not safetensors: {AGAIN}") from None
+        data = size - 8 - n
+        short = sorted((end, name) for name, (_, end) in entries.items() if end > data)
+        if short:
+            end, name = short[0]
+            raise WeightsError(f"{path} is truncated: tensor {name} ends at byte {end} of its data but the file "
+                               f"holds {data}: {AGAIN}")
+        self._headers[file] = {name: entry for name, (entry, _) in entries.items()}
+        return self._headers[file]
+
+    def _a_tensor_in(self, file: str) -> str | None:
+        """The first tensor the index places in ``file`` (for messages); None for the single file."""
+        if "file_of" not in self.__dict__:  # the single file, read to build file_of
+            return None
+        return next((name for name, f in self.file_of.items() if f == file), None)
