@@ -25,7 +25,7 @@ from mp_toolkit.parallel.tensor_parallel import shard_full
 from mp_toolkit.run.config import ConfigError
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.dist_harness import run_world
-from tests.hf_workers import CONFIGS, tiny_hf
+from tests.hf_workers import tiny_hf
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 TRAIN = ["train", "--microbatches", "2", "--micro-batch", "2", "--seq-len", "16", "--data", "synthetic", "--threads",
