@@ -186,7 +186,7 @@ def test_llama_gqa_pp2_and_tp2_load_their_own_parts_bitwise(dirs):
 
 
 def test_bert_pp2_loads_its_own_half_bitwise(dirs):
-    """BERT (no tensor-parallel plan for HF BERT): the MLM decoder on stage 1 is tied to the word
+    """BERT at pp=2 (its tensor-parallel plan is tested in tests/test_hf.py): the MLM decoder on stage 1 is tied to the word
     embedding of stage 0, and its bias to cls.predictions.bias; both are read from the file's names."""
     for pp_rank, _, per_dir in check_world("bert-pretraining", dirs, pp=2, tp=1):
         reads = {r for r, _, _ in per_dir[0][5]}
