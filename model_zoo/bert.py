@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from model_zoo.bert_config import ACTIVATIONS, PRESETS, BertConfig, get_config
 from model_zoo.bert_hf import hf_state_dict_map, load_hf_state_dict, to_hf_state_dict
-from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules
+from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules, transformer_rules
 
 __all__ = [
     "PRESETS", "TP_PLAN", "BertConfig", "BertForPreTraining", "get_config", "hf_state_dict_map",
@@ -252,19 +252,8 @@ class BertForPreTraining(nn.Module):
         """HF's BERT init as data: N(0, initializer_range) for Linear and Embedding weights (the
         padding row zero), zero biases, unit LayerNorms; a tied decoder is the word embedding."""
         std = self.config.initializer_range
-        rules: dict[str, InitRule] = {}
-        for layer_name, layer in self.named_layers():
-            for path, module in layer.named_modules():
-                prefix = f"{layer_name}.{path}" if path else layer_name
-                for pname, p in module.named_parameters(recurse=False):
-                    name, shape = f"{prefix}.{pname}", tuple(p.shape)
-                    if isinstance(module, nn.LayerNorm):
-                        rules[name] = InitRule(shape, "ones" if pname == "weight" else "zeros", name)
-                    elif pname == "bias":
-                        rules[name] = InitRule(shape, "zeros", name)
-                    else:
-                        pad = module.padding_idx if isinstance(module, nn.Embedding) else None
-                        rules[name] = InitRule(shape, "normal", name, std, zero_row=pad)
+        rules = transformer_rules(self.named_layers(), lambda path, module, name, shape: InitRule(
+            shape, "normal", name, std, zero_row=module.padding_idx if isinstance(module, nn.Embedding) else None))
         if self.config.tie_word_embeddings:
             rules["heads.predictions.decoder.weight"] = rules["embeddings.word_embeddings.weight"]
         return rules

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from model_zoo.config_io import check_type, read_config_json
-from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules
+from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules, transformer_rules
 
 import torch
 import torch.nn as nn
@@ -264,19 +264,9 @@ class GPT(nn.Module):
         since each block adds two of them to the residual stream (GPT-2 paper, section 2.3)."""
         std = self.config.initializer_range
         residual_std = std / math.sqrt(2 * self.config.n_layer)
-        rules: dict[str, InitRule] = {}
-        for layer_name, layer in self.named_layers():
-            for path, module in layer.named_modules():
-                prefix = f"{layer_name}.{path}" if path else layer_name
-                for pname, p in module.named_parameters(recurse=False):
-                    name, shape = f"{prefix}.{pname}", tuple(p.shape)
-                    if isinstance(module, nn.LayerNorm):
-                        rules[name] = InitRule(shape, "ones" if pname == "weight" else "zeros", name)
-                    elif pname == "bias":
-                        rules[name] = InitRule(shape, "zeros", name)
-                    else:  # Linear / Embedding weights and the LM head
-                        scaled = path.endswith(("attn.proj", "mlp.proj"))
-                        rules[name] = InitRule(shape, "normal", name, residual_std if scaled else std)
+        scaled = ("attn.proj", "mlp.proj")
+        rules = transformer_rules(self.named_layers(), lambda path, module, name, shape: InitRule(
+            shape, "normal", name, residual_std if path.endswith(scaled) else std))
         if self.config.tie_word_embeddings:  # the head is the embedding: the same draw wherever held
             rules["lm_head.weight"] = rules["embed.wte.weight"]
         return rules

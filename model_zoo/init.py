@@ -15,6 +15,7 @@ draws the full-size tensor. This module imports nothing distributed and nothing 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,26 @@ def initial_value(rule: InitRule, seed: int) -> torch.Tensor:
     return value
 
 
+def transformer_rules(named_layers, weight: Callable[[str, torch.nn.Module, str, tuple[int, ...]], InitRule]
+                      ) -> dict[str, InitRule]:
+    """The init every transformer here shares, as data: LayerNorm weights one, LayerNorm and other
+    biases zero, and ``weight(path in its layer, module, name, shape)`` for every other parameter
+    (Linear / Embedding weights, LM heads). Names are "{layer}.{path}" over ``named_layers``."""
+    rules: dict[str, InitRule] = {}
+    for layer_name, layer in named_layers:
+        for path, module in layer.named_modules():
+            prefix = f"{layer_name}.{path}" if path else layer_name
+            for pname, p in module.named_parameters(recurse=False):
+                name, shape = f"{prefix}.{pname}", tuple(p.shape)
+                if isinstance(module, torch.nn.LayerNorm):
+                    rules[name] = InitRule(shape, "ones" if pname == "weight" else "zeros", name)
+                elif pname == "bias":
+                    rules[name] = InitRule(shape, "zeros", name)
+                else:
+                    rules[name] = weight(path, module, name, shape)
+    return rules
+
+
 def reset_from_rules(model: torch.nn.Module, rules: dict[str, InitRule], seed: int) -> None:
     """Copy every rule's value into ``model``'s parameter of that name (skipped on the meta device,
     where a rank draws only its own layers later)."""
@@ -72,4 +93,4 @@ def reset_from_rules(model: torch.nn.Module, rules: dict[str, InitRule], seed: i
                 p.copy_(initial_value(rule, seed))
 
 
-__all__ = ["InitRule", "draw_seed", "generator_for", "initial_value", "reset_from_rules"]
+__all__ = ["InitRule", "draw_seed", "generator_for", "initial_value", "reset_from_rules", "transformer_rules"]
