@@ -71,7 +71,8 @@ class PipelineEngine:
     """Trains the stages of a LayerList that this rank holds (one, or v under interleaving).
 
     Args:
-        layer_list: the whole model as a LayerList (every rank builds it identically), already
+        layer_list: the whole model as a LayerList (built alike on every rank; the layers of other
+            ranks' stages may stay on the meta device, `mp_toolkit.parallel.materialize`), already
             tensor-parallel (this rank's shards) when ``ctx.tp > 1``.
         ctx: this rank's ParallelContext.
         boundaries: partition ``[0, b1, ..., len(layer_list)]`` with ``ctx.pp * chunks`` stages.

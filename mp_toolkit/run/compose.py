@@ -37,8 +37,8 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
        each parameter its tensor-parallel share (`own_layers`, DESIGN.md invariant 9): our GPT and
        BERT draw it from a generator seeded by the parameter's name, an HF directory reads it
        from its safetensors as slices. Every other layer stays on meta and is never allocated.
-    4. Pipeline: the engine keeps this rank's stages of the sharded list; the others are freed
-       with ``model`` once the caller drops it.
+    4. Pipeline: the engine keeps this rank's stages of the sharded list; the others stay on meta
+       (a model built for real: they are freed with ``model`` once the caller drops it).
     5. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
        once its backward is done; nothing is wrapped, the modules stay plain.
 
