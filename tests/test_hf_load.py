@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mp_toolkit.hf import from_hf, layer_state_dict
+from mp_toolkit.parallel.layouts import pad_dim
 from mp_toolkit.parallel.tensor_parallel import shard_full
 from mp_toolkit.run.config import ConfigError
 from tests.cli_helpers import assert_one_line_exit_2
@@ -109,9 +110,12 @@ def load_rank(rank, world, directories, pp, tp):
         for i, (lname, layer) in enumerate(zip(layers.names, layers.layers)):
             for path, p in layer.named_parameters():
                 if i in keep:
-                    layout = (p.partition_dim, p.partition_stride) if getattr(p, "tensor_model_parallel", False) else None
+                    layout = ((p.partition_dim, p.partition_stride, getattr(p, "unpadded_size", None))
+                              if getattr(p, "tensor_model_parallel", False) else None)
                     held[f"{lname}.{path}"] = (p.detach().clone(), layout)
                     unique[id(p)] = p.numel()  # a tied weight held twice is one Parameter, read once
+                    if getattr(p, "unpadded_size", None) is not None:  # a padded vocabulary is read whole
+                        unique[id(p)] = p.numel() // p.shape[p.partition_dim] * p.unpadded_size
                 elif p.is_meta:
                     n_meta += 1
                 else:
@@ -146,12 +150,15 @@ def check_world(name, dirs, pp, tp):
             assert held and (n_meta > 0) == (pp > 1) and real_elsewhere == [], where  # others' stay on meta
             for key, (t, layout) in held.items():  # bitwise from_pretrained's (this rank's shard of it)
                 full = state[key]
-                want = full if layout is None else shard_full(full, layout, tp_rank, tp)
+                if layout is not None and layout[2] is not None:  # a vocabulary padded for tp: zero rows
+                    full = pad_dim(full, layout[0], t.shape[layout[0]] * tp)
+                want = full if layout is None else shard_full(full, layout[:2], tp_rank, tp)
                 assert t.dtype == torch.float32 and torch.equal(t, want), (where, key)
                 if tp > 1 and layout is not None:
                     assert t.numel() * tp == full.numel(), (where, key)  # a shard, not the whole
             assert all(torch.equal(b, want_buffers[k]) for k, b in buffers.items()), where  # rotary inv_freq, ...
-            # Read: exactly this rank's shares, each once, tp shards as slices; only the files holding them
+            # Read: exactly this rank's shares, each once, tp shards as slices (a vocabulary padded for
+            # tp: its real rows whole, then padded and cut); only the files holding them
             assert sum(n for _, _, n in reads) == n_held, where
             own_hf = {hf for key in held for hf in hf_names[key]}
             assert {r for r, _, _ in reads} <= own_hf, where
@@ -172,7 +179,7 @@ def test_gpt2_pp2_and_tp2_load_their_own_parts_bitwise(dirs):
     for _, _, per_dir in check_world("gpt2", dirs, pp=1, tp=2):
         held = per_dir[0][0]
         assert held["h.0.block.attn.c_attn.weight"][0].shape == (32, 48)
-        assert held["lm_head.weight"][0].shape == (64, 32)
+        assert held["lm_head.weight"][0].shape == (128, 32)  # vocab 128 padded to 256 (a multiple of 128 x tp)
 
 
 def test_llama_gqa_pp2_and_tp2_load_their_own_parts_bitwise(dirs):
