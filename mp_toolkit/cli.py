@@ -316,13 +316,17 @@ def _add_export_parser(sub) -> None:
     e.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer directory or tokenizers JSON to ship (default: the run's own, when it can be found)")
     e.add_argument("--force", action="store_true", help="replace --out when it is not empty")
+    e.add_argument("--max-shard-size", default="5GB",
+                   help="split the weights into model-0000i-of-0000n.safetensors + index above this size "
+                        "(e.g. 5GB, 500MiB; default 5GB); the export streams one layer at a time either way")
 
 
 def _export(args: argparse.Namespace) -> int:
     from mp_toolkit.hf.export_run import export_run  # imports transformers (seconds, optional): export only
 
     try:
-        done = export_run(args.checkpoint, args.out, config=args.config, tokenizer=args.tokenizer, force=args.force)
+        done = export_run(args.checkpoint, args.out, config=args.config, tokenizer=args.tokenizer, force=args.force,
+                          max_shard_size=args.max_shard_size)
     except ValueError as e:  # also HF's config errors; a CheckpointError (e.g. a hash mismatch) names --checkpoint
         line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"--checkpoint {line}" if isinstance(e, CheckpointError) else line) from None
