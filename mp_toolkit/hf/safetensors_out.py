@@ -76,7 +76,7 @@ class ShardedSafetensors:
             self._data = open(self.out / f".shard-{len(self.shards) + 1:05d}.data", "wb")
         self._entries[key] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
                               "data_offsets": [self._size, self._size + data.nbytes]}
-        self._data.write(data.tobytes())
+        self._data.write(memoryview(data))  # no copy of the tensor's bytes
         self._size += data.nbytes
         self.total_bytes += data.nbytes
         self.weight_map[key] = len(self.shards)

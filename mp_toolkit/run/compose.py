@@ -21,7 +21,7 @@ from mp_toolkit.run.families import loss_function, tensor_parallel
 from mp_toolkit.schedule import get_schedule
 
 
-def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> PipelineEngine:
+def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module, values: bool = True) -> PipelineEngine:
     """Compose the parallelisms over a plain single-device GPT, BERT or HF model, for this rank.
     The order matters:
 
@@ -43,6 +43,7 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
        once its backward is done; nothing is wrapped, the modules stay plain.
 
     ``model`` must be built identically on every rank (same seed): each keeps its own slice.
+    ``values=False`` (a run that resumes): step 3 gives storage only, the checkpoint fills it.
     """
     layers = LayerList.from_model(model)
     boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks,  # 1
@@ -51,7 +52,7 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         layers = tensor_parallel(model, layers, ctx)  # 2: shapes only on meta
     stages = get_schedule(cfg.schedule, ctx.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(ctx.pp_rank)
-    own_layers(model, layers, rank_layers(boundaries, stages), ctx)  # 3
+    own_layers(model, layers, rank_layers(boundaries, stages), ctx, values)  # 3
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
     options = OptimizerOptions.of(cfg)
     return PipelineEngine(  # 4 and 5
@@ -63,7 +64,8 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
     )
 
 
-def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> DeepSpeedPipeline:
+def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
+                     values: bool = True) -> DeepSpeedPipeline:
     """``--engine deepspeed``: DeepSpeed's PipelineEngine handed the cut `build_engine` plans for ours (a
     "time" cut is measured on rank 0 and broadcast over ``ctx``), the same loss and optimizer
     (`mp_toolkit.ds.engine`; DeepSpeed is imported only then). No tensor parallelism (`check_engine`)."""
@@ -73,22 +75,31 @@ def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Mod
     held = {layers.names[i] for i in keep}
     tied = [layers.names.index(name) for group in layers.tie_groups if any(m in held for m, _ in group)
             for name, _ in group]
-    own_layers(model, layers, sorted({*keep, *tied}), ctx)
+    own_layers(model, layers, sorted({*keep, *tied}), ctx, values)
     return DeepSpeedPipeline(cfg, ctx, layers, boundaries, loss_function(model, ctx))
 
 
-def make_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> TrainEngine:
-    """The engine ``cfg.engine`` names, over ``model`` (built alike on every rank)."""
-    return build_engine(cfg, ctx, model) if cfg.engine == "mp_toolkit" else deepspeed_engine(cfg, ctx, model)
+def make_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module, values: bool = True) -> TrainEngine:
+    """The engine ``cfg.engine`` names, over ``model`` (built alike on every rank); ``values=False``
+    when a checkpoint will fill every parameter (`own_layers`)."""
+    make = build_engine if cfg.engine == "mp_toolkit" else deepspeed_engine
+    return make(cfg, ctx, model, values)
 
 
-def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: ParallelContext) -> None:
+def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: ParallelContext,
+               values: bool = True) -> None:
     """When ``model`` was built on meta (`mp_toolkit.parallel.materialize`): give the layers at ``keep``
     real storage on ``ctx.device``, each parameter its share of ``model.initial_value``, or of
     ``model.shard_value`` where the model reads its shares directly (an HF directory's safetensors,
-    `mp_toolkit.run.hf_source.HFModel`). The other layers stay on meta and are never allocated."""
+    `mp_toolkit.run.hf_source.HFModel`). The other layers stay on meta and are never allocated.
+    ``values=False``: storage only, for a run that resumes -- its checkpoint fills every parameter,
+    so nothing is drawn or read from the HF files first."""
     if any(p.is_meta for p in layers.parameters()):
-        materialize(layers, keep, model.initial_value, ctx, ctx.device, shard_value=getattr(model, "shard_value", None))
+        if not values:
+            materialize(layers, keep, None, ctx, ctx.device)
+        else:
+            materialize(layers, keep, model.initial_value, ctx, ctx.device,
+                        shard_value=getattr(model, "shard_value", None))
 
 
 def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:

@@ -77,9 +77,8 @@ def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _resume(cfg: TrainConfig, engine, ctx, names, data, spec, log_rank0: bool) -> Progress:
-    """Progress after restoring ``--resume``'s checkpoint (a fresh Progress without one)."""
-    path = find_checkpoint(cfg) if cfg.resume else None
+def _resume(cfg: TrainConfig, path, engine, ctx, names, data, spec, log_rank0: bool) -> Progress:
+    """Progress after restoring ``path``, ``--resume``'s checkpoint (a fresh Progress when None)."""
     if path is None:
         if cfg.resume and log_rank0:
             print(f"--resume {cfg.resume}: {cfg.save_dir} holds no committed checkpoint yet, starting from step 0")
@@ -133,9 +132,10 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     with torch.device("meta") if spec.builds_on_meta else contextlib.nullcontext():
         model = spec.build()
     names = ModelNames.of(model)
-    engine = make_engine(cfg, ctx, model)
+    resume_from = find_checkpoint(cfg) if cfg.resume else None
+    engine = make_engine(cfg, ctx, model, values=resume_from is None)  # resuming: the checkpoint fills them
     del model
-    progress = _resume(cfg, engine, ctx, names, data, spec, rank0)
+    progress = _resume(cfg, resume_from, engine, ctx, names, data, spec, rank0)
     if progress.step >= cfg.steps:
         if rank0:
             print(f"the checkpoint is at step {progress.step}, --steps is {cfg.steps}: nothing to train")

@@ -271,33 +271,31 @@ def _check_model(meta: dict, spec, path) -> None:
 
 
 def _load_weights(ck, engine: TrainEngine, ctx: ParallelContext, names: ModelNames) -> None:
-    """Model and optimizer state of this rank's parameters from the layers that hold them."""
-    layers: dict[str, tuple] = {}
-
-    def read(layer):
-        if layer not in layers:
-            layers[layer] = (ck.read_layer(layer), *ck.read_optimizer(layer))
-        return layers[layer]
-
+    """Model and optimizer state of this rank's parameters from the layers that hold them, one
+    layer's files at a time (a layer's full tensors are dropped once its parameters hold their shares)."""
     local = engine.named_parameters()
+    by_layer: dict[str, list] = {}
+    for n, p in local:
+        by_layer.setdefault(names.layer_of(names.canonical(n)), []).append((n, p))
     states, scalars = {}, {}
     with torch.no_grad():
-        for n, p in local:
-            c = names.canonical(n)
-            tensors, opt_t, opt_s = read(names.layer_of(c))
-            if c not in tensors:
-                raise CheckpointError(f"{ck.path}: layer {names.layer_of(c)} has no {c} (saved from another model?)")
-            master = engine.master_of(p)
-            if tensors[c].shape != full_shape(p, ctx.tp):
-                raise CheckpointError(f"{ck.path}: {c} has shape {tuple(tensors[c].shape)}, this model's is "
-                                      f"{full_shape(p, ctx.tp)} (saved from another model?)")
-            master.copy_(shard_full(tensors[c], p, ctx.tp_rank, ctx.tp))
-            if c in opt_t:
-                saved_shape = tensors[c].shape
-                states[n] = {k: shard_full(v, p, ctx.tp_rank, ctx.tp) if v.shape == saved_shape else v
-                             for k, v in opt_t[c].items()}
-            if c in opt_s:
-                scalars[n] = opt_s[c]
+        for layer, params in by_layer.items():
+            tensors, opt_t, opt_s = ck.read_layer(layer), *ck.read_optimizer(layer)
+            for n, p in params:
+                c = names.canonical(n)
+                if c not in tensors:
+                    raise CheckpointError(f"{ck.path}: layer {layer} has no {c} (saved from another model?)")
+                if tensors[c].shape != full_shape(p, ctx.tp):
+                    raise CheckpointError(f"{ck.path}: {c} has shape {tuple(tensors[c].shape)}, this model's is "
+                                          f"{full_shape(p, ctx.tp)} (saved from another model?)")
+                engine.master_of(p).copy_(shard_full(tensors[c], p, ctx.tp_rank, ctx.tp))
+                if c in opt_t:
+                    saved_shape = tensors[c].shape
+                    states[n] = {k: shard_full(v, p, ctx.tp_rank, ctx.tp).clone() if v.shape == saved_shape else v
+                                 for k, v in opt_t[c].items()}
+                if c in opt_s:
+                    scalars[n] = opt_s[c]
+            del tensors, opt_t  # before the next layer is read
     engine.copy_back()
     named = [(n, engine.master_of(p)) for n, p in local]
     # strict unless nothing was saved: a run whose every step was skipped has no state yet
