@@ -142,6 +142,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         return []
     release_free_memory()
     peak_since_start = peak_rss_bytes()  # imports, build and load: the counter restarts below
+    peak_loaded = peak_since_start
     reset_peak()
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
     scaler, streak, saves = engine.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
@@ -153,6 +154,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         if step == cfg.steps:
             row["peak_memory_bytes"] = gather_ints(peak_rss_bytes() - base_rss, ctx.device)
             row["peak_rss_bytes"] = gather_ints(max(peak_since_start, peak_rss_bytes()), ctx.device)
+            row["peak_load_rss_bytes"] = gather_ints(peak_loaded, ctx.device)  # before the first step
         if step == first:  # steady state: later steps' peak (the first adds one-time shape agreement)
             peak_since_start = max(peak_since_start, peak_rss_bytes())
             reset_peak()

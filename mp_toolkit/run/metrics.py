@@ -76,7 +76,9 @@ class MetricsLog:
         if "peak_rss_bytes" in last:  # per rank, from process start: imports, build, load and steps
             print("  peak resident memory per rank: " + ", ".join(
                 f"{b / 2**20:.0f} MiB" for b in last["peak_rss_bytes"]) + " (steady-state steps above the "
-                "post-import baseline: " + ", ".join(f"{b / 2**20:.0f}" for b in last["peak_memory_bytes"]) + " MiB)")
+                "post-import baseline: " + ", ".join(f"{b / 2**20:.0f}" for b in last["peak_memory_bytes"]) + " MiB; "
+                "built and loaded, before the first step: "
+                + ", ".join(f"{b / 2**20:.0f}" for b in last.get("peak_load_rss_bytes", [])) + " MiB)")
         for t in last.get("trust_ratio", []):
             print(f"  stage {t['stage']} trust ratio min {t['min']:.4g} median {t['median']:.4g} max {t['max']:.4g}")
         if self.cfg.metrics:
