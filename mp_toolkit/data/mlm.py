@@ -272,14 +272,16 @@ class MLMMicroBatches(MicroBatches):
 
     Sharding, per-epoch order and ``state_dict`` are ``MicroBatches``'s (rank r takes examples
     r, r + dp_size, ... of the epoch's order); each example is masked from (seed, epoch, index).
+    ``hf_order``: the inputs in HF BERT's order, ``(input_ids, attention_mask, token_type_ids)``
+    (`mp_toolkit.hf.bert`'s first layer); `model_zoo.bert` takes the token types second.
     """
 
     def __init__(self, corpus: MLMCorpus, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, mlm_probability: float = 0.15):
+                 seed: int = 0, mlm_probability: float = 0.15, hf_order: bool = False):
         if not 0.0 < mlm_probability < 1.0:
             raise DataError(f"mlm_probability={mlm_probability} must be in (0, 1)")
         super().__init__(corpus.dataset, micro_batch_size, dp_rank, dp_size, seed)
-        self.corpus, self.mlm_probability = corpus, mlm_probability
+        self.corpus, self.mlm_probability, self.hf_order = corpus, mlm_probability, hf_order
         self._never = np.asarray(corpus.never_mask, dtype=np.int64)
         self._random_ids = np.setdiff1d(np.arange(corpus.vocab_size), self._never)  # regular tokens
 
@@ -300,7 +302,8 @@ class MLMMicroBatches(MicroBatches):
                   for ids, i in zip(rows["input_ids"], idx)]
         self.position += 1
         as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-        inputs = (as_long([m[0] for m in masked]), as_long(rows["token_type_ids"]),
-                  as_long(rows["attention_mask"]))  # (mbs, T) each
+        ids, types, mask = (as_long([m[0] for m in masked]), as_long(rows["token_type_ids"]),
+                            as_long(rows["attention_mask"]))  # (mbs, T) each
+        inputs = (ids, mask, types) if self.hf_order else (ids, types, mask)
         labels = (as_long([m[1] for m in masked]), as_long(rows["next_sentence_label"]))  # (mbs, T), (mbs,)
         return inputs, labels

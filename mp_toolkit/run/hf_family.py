@@ -133,7 +133,8 @@ def hf_micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, r
                          rank)
         return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), source
     corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank)
-    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
+    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
+                           hf_order=True)  # HF BERT's first layer: (input_ids, attention_mask, token_type_ids)
     return data, dataclasses.replace(source, config={**source.config, "pad_token_id": corpus.special.pad})
 
 
