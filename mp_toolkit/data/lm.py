@@ -312,20 +312,32 @@ class MicroBatches:
     r, r + dp_size, ... (every rank gets the same count, the remainder is dropped so ranks stay in
     step), and cuts them into micro-batches of ``micro_batch_size`` (a partial one is dropped).
     ``position`` counts micro-batches consumed over all epochs; ``state_dict()`` resumes it.
+
+    ``holdout``: the dataset's last ``holdout`` rows are a validation split that training never
+    reads (the dataset is shuffled once at build time, so they are a random sample); `held_out`
+    iterates them. The split depends on the dataset and ``holdout`` only, so every (pp, tp, dp)
+    layout, and a resumed run, holds out the same sequences.
     """
 
-    def __init__(self, dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
+    def __init__(self, dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
+                 holdout: int = 0):
         if micro_batch_size <= 0:
             raise DataError(f"micro_batch_size={micro_batch_size} must be a positive integer")
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if not 0 <= holdout < len(dataset):
+            raise DataError(f"dataset of {len(dataset)} sequences cannot hold out {holdout} for validation: "
+                            "lower --eval-batches (or the global batch) or use more data")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.batches_per_epoch = (len(dataset) // dp_size) // micro_batch_size
+        self.holdout = holdout
+        self.train_rows = len(dataset) - holdout  # rows [0, train_rows) train, the rest validate
+        self.batches_per_epoch = (self.train_rows // dp_size) // micro_batch_size
         if self.batches_per_epoch == 0:
+            held = f" after holding out {holdout} for validation" if holdout else ""
             raise DataError(
-                f"dataset of {len(dataset)} sequences is too small for dp_size={dp_size} x "
+                f"dataset of {len(dataset)} sequences{held} is too small for dp_size={dp_size} x "
                 f"micro_batch_size={micro_batch_size}: lower either or use more data"
             )
         self.epoch = 0
@@ -333,7 +345,7 @@ class MicroBatches:
         self._shard = self._shard_for(0)
 
     def _shard_for(self, epoch: int) -> torch.Tensor:
-        n = len(self.dataset)
+        n = self.train_rows
         if epoch == 0:
             order = torch.arange(n)
         else:
@@ -351,10 +363,21 @@ class MicroBatches:
             self._shard = self._shard_for(self.epoch)
             offset = 0
         idx = self._shard[offset * self.micro_batch_size : (offset + 1) * self.micro_batch_size]
-        chunk = torch.as_tensor(self.dataset[idx.tolist()]["input_ids"], dtype=torch.int64)
         self.position += 1
+        return self.batch(idx.tolist(), self.epoch)
+
+    def batch(self, rows: list[int], epoch: int):
+        """The micro-batch of dataset ``rows`` (read in ``epoch``)."""
+        chunk = torch.as_tensor(self.dataset[rows]["input_ids"], dtype=torch.int64)
         # (mbs, T + 1) -> inputs (mbs, T) and next-token labels (mbs, T); contiguous for p2p sends
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def held_out(self):
+        """This replica's micro-batches of the validation rows, from the first, once through: replica r
+        takes held-out rows r, r + dp_size, ... (as training shards), each micro-batch read as in epoch 0."""
+        rows = list(range(self.train_rows, len(self.dataset)))[self.dp_rank :: self.dp_size]
+        for k in range(len(rows) // self.micro_batch_size):
+            yield self.batch(rows[k * self.micro_batch_size : (k + 1) * self.micro_batch_size], 0)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

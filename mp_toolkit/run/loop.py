@@ -43,6 +43,7 @@ from mp_toolkit.run.launch import (
 from mp_toolkit.run.metrics import MetricsLog, gather_ints
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
 from mp_toolkit.run.state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
+from mp_toolkit.run.validation import evaluates_at, validation_loss, validation_row
 
 __all__ = ["Diverged", "lr_at", "run_training"]
 
@@ -156,6 +157,9 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         if step == first:  # steady state: later steps' peak (the first adds one-time shape agreement)
             peak_since_start = max(peak_since_start, peak_rss_bytes())
             reset_peak()
+        if evaluates_at(cfg, step):
+            status.set(f"while evaluating after step {step}")
+            row.update(validation_row(validation_loss(engine, data, cfg.eval_batches)))
         log.step(row)
         counted = streak.update(step, stats, scaler)
         if stats.skipped:
