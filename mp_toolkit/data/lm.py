@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from mp_toolkit.progress import progress
+
 EOS_TOKEN = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
 STDLIB_MAX_BYTES = 12 * 1024 * 1024
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
 SYNTHETIC_SEQUENCES = 4096
+ENCODE_CHUNK = 64  # documents per encode_batch call while encoding a corpus (one progress step)
 
 
 class DataError(ValueError):
@@ -166,7 +169,9 @@ def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathL
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    # the bar counts documents read; the merges that follow are the tokenizer's own (quick) pass
+    tokenizer.train_from_iterator(progress(texts, "training tokenizer", len(texts), progress_bars_on(), "doc"),
+                                  trainer=trainer, length=len(texts))
 
     _atomic_save(cached, tokenizer.save)
     return tokenizer
@@ -179,6 +184,11 @@ def _synthetic_dataset(vocab_size: int, seq_len: int, seed: int, tokens: int) ->
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g, dtype=torch.int64)
     return datasets.Dataset.from_dict({"input_ids": ids.numpy()})
+
+
+def progress_bars_on() -> bool:
+    """Progress bars follow `datasets`' switch, which ``mpt train --no-progress`` turns off."""
+    return not datasets.are_progress_bars_disabled()
 
 
 def _atomic_save(path: Path, write) -> None:
@@ -202,7 +212,9 @@ def _token_stream(texts: list[str], tokenizer: Tokenizer, cache_file: Path, eos:
         return np.load(cache_file, allow_pickle=False)
     eos = tokenizer.token_to_id(EOS_TOKEN) if eos is None else eos
     end = [eos] if eos is not None else []
-    docs = [enc.ids + end for enc in tokenizer.encode_batch(texts)]
+    chunks = range(0, len(texts), ENCODE_CHUNK)  # encode_batch per chunk: the same ids, with a bar
+    docs = [enc.ids + end for i in progress(chunks, "encoding corpus", len(chunks), progress_bars_on(), "chunk")
+            for enc in tokenizer.encode_batch(texts[i : i + ENCODE_CHUNK])]
     stream = np.fromiter((t for doc in docs for t in doc), dtype=np.int32)
 
     def write(tmp: str) -> None:

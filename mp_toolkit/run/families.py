@@ -192,8 +192,8 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
     """(this replica's micro-batches, the spec to build the model from). Every rank of a
     data-parallel replica (its tp and pp ranks) reads the same shard. BERT's padding id is the
     corpus's [PAD], so the spec returned carries it."""
-    if not cfg.progress:
-        datasets.disable_progress_bars()  # the corpus's map() would draw one per rank
+    if not cfg.progress or rank != 0:
+        datasets.disable_progress_bars()  # the corpus's map() would draw one per rank (and `mp_toolkit.progress`'s)
     try:
         data, config = spec.family_record.micro_batches(spec.config, cfg, ctx, rank)
     except DataError as e:
