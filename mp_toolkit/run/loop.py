@@ -7,9 +7,9 @@ Entry point (each rank)::
     deepspeed --num_gpus 8 recipes/bert_pretrain/train.py --deepspeed_config recipes/bert_pretrain/ds_config.json
     mpt train --model bert-tiny --seq-len 64 --pp 2 --save-dir runs/bert --save-every 50   # starts the ranks itself
     mpt train --model bert-tiny --seq-len 64 --pp 1 --tp 2 --save-dir runs/bert --resume latest  # another layout
-    mpt train --model gpt-tiny --pp 2 --save-dir runs/x --save-every 20 --restarts 3   # survives dead ranks
+    mpt train --model gpt-tiny --seq-len 64 --data synthetic --pp 2 --save-dir runs/x --save-every 20 --restarts 3
     torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \
-             --save-dir runs/x --save-every 20 --resume auto
+             --seq-len 64 --data synthetic --save-dir runs/x --save-every 20 --resume auto
 
 A step whose loss or gradients are not finite on any rank is skipped by every rank, in every
 precision, and logged; --max-skips such steps in a row stop the run (exit 3) and no checkpoint is
