@@ -195,3 +195,93 @@ def test_bad_validation_and_logger_settings_are_one_line(capsys, tmp_path):
         ds.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
                                   "wandb": {"enabled": True, "project": "p"}}))
         assert_one_line_exit_2(capsys, [*base, "--config", ds], mentions="wandb.enabled")
+
+
+# --- BERT: MLM / NSP losses and MLM accuracy through the engine ---------------------------------------
+
+def bert_eval_rank(rank, world, pp, tp, cache):
+    """[loss, MLM loss, NSP loss, MLM accuracy] of two held-out global batches through `eval_metrics` on a
+    (pp, tp) grid, `eval_batch` of the same batches, and the unsplit model's values in fp32 and fp64."""
+    import dataclasses
+
+    from model_zoo import bert
+    from mp_toolkit.parallel.context import build_context
+    from mp_toolkit.run.compose import build_engine
+    from mp_toolkit.run.config import TrainConfig
+    from mp_toolkit.run.validation import MLM_METRICS, mlm_metrics
+
+    torch.set_num_threads(1)
+    corpus = build_mlm_corpus(synthetic_documents(0), bert.PRESETS["bert-tiny"].vocab_size, 32, 0, cache)
+    config = dataclasses.replace(bert.PRESETS["bert-tiny"], pad_token_id=corpus.special.pad)
+    m, mbs = 2, 4
+    data = MLMMicroBatches(corpus, mbs, seed=0, holdout=2 * m * mbs)
+    cfg = TrainConfig(model="bert-tiny", pp=pp, tp=tp, microbatches=m, micro_batch=mbs, seq_len=32,
+                      partition="uniform", precision="fp32")
+    ctx = build_context(pp, tp, 1)
+    torch.manual_seed(0)
+    with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers
+        model = bert.BertForPreTraining(config)
+    engine = build_engine(cfg, ctx, model)
+    metrics = mlm_metrics(engine.loss_fn, ctx.tp_group)
+    held = data.held_out()
+    got = [engine.eval_metrics(held, metrics, len(MLM_METRICS)) for _ in range(2)]
+    held = data.held_out()
+    losses = [engine.eval_batch(held) for _ in range(2)]
+    refs = {}
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        model = bert.BertForPreTraining(config).to(dtype).eval()
+        reference = mlm_metrics(bert.pretraining_loss)
+        rows = []
+        with torch.no_grad():
+            batches = list(data.held_out())
+            for k in range(2):
+                total = torch.zeros(4, dtype=torch.float32)
+                for x, y in batches[k * m:(k + 1) * m]:
+                    total += reference(model(*x), y) / m
+                rows.append(total.tolist())
+        refs[dtype] = rows
+    return got, losses, refs[torch.float32], refs[torch.float64]
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
+def test_bert_mlm_nsp_losses_and_accuracy_equal_the_unsplit_model(pp, tp, tmp_path):
+    """pp = 2: bitwise the unsplit model's values; tp = 2 (vocabulary-sharded MLM logits, accuracy from
+    the shards): within the measured floor, the accuracy exactly. The loss column is `eval_batch`'s."""
+    from tests.dist_harness import run_world
+
+    got, losses, ref32, ref64 = run_world(bert_eval_rank, pp * tp, pp, tp, str(tmp_path), timeout_s=240)[-1]
+    assert [row[0] for row in got] == losses  # one pass gives the loss eval_batch gives, bitwise
+    for row in got + ref32:
+        assert row[0] == pytest.approx(row[1] + row[2], rel=1e-6) and 0 <= row[3] <= 1  # untrained: ~0
+    if tp == 1:
+        assert got == ref32
+        return
+    for k in range(2):
+        assert got[k][3] == ref32[k][3]
+        for i, name in enumerate(("loss", "MLM loss", "NSP loss")):
+            assert_within(rel_err(got[k][i], ref64[k][i]), rel_err(ref32[k][i], ref64[k][i]), f"tp=2 {name} {k}")
+
+
+def accuracy_rank(rank, world):
+    """`mlm_accuracy` of this rank's vocabulary shard of fixed logits, and of the whole on one device."""
+    from mp_toolkit.parallel.context import build_context
+    from mp_toolkit.run.validation import mlm_accuracy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 10, 16, generator=g)
+    logits[..., 14:] = -float("inf")  # padded vocabulary rows (rank 1's last two)
+    labels = torch.randint(0, 14, (3, 10), generator=g)
+    labels[0] = logits[0].argmax(-1)  # row 0 right (ids on both shards), a third of row 1 ignored
+    labels[1, :3] = -100
+    ctx = build_context(pp=1, tp=world, dp=1)
+    shard = logits[..., rank * 8:(rank + 1) * 8]
+    want = ((logits.argmax(-1) == labels) & (labels != -100)).sum() / (labels != -100).sum()
+    return mlm_accuracy(shard, labels, ctx.tp_group).item(), mlm_accuracy(logits, labels).item(), want.item()
+
+
+def test_mlm_accuracy_from_vocabulary_shards_is_the_argmax_accuracy():
+    from tests.dist_harness import run_world
+
+    for sharded, whole, want in run_world(accuracy_rank, 2, timeout_s=120):
+        assert sharded == whole == want and 0.37 < want < 1  # row 0: 10 of the 27 labelled positions

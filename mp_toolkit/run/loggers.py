@@ -3,7 +3,8 @@
 Every metrics row becomes the same named scalars for each logger (`scalars_of`):
 
     train/loss  train/lr  train/grad_norm  train/loss_scale  train/tokens_per_s  train/step_time_s
-    train/skipped  val/loss  val/ppl (evaluation steps)  trust_ratio/stage{s}/{min,median,max}
+    train/skipped  val/loss  val/ppl (evaluation steps; BERT: val/mlm_loss  val/nsp_loss
+    val/mlm_accuracy)  trust_ratio/stage{s}/{min,median,max}
     (LAMB, LARS)  memory/peak_rank{r}_mib  memory/peak_rss_rank{r}_mib (the last step)
 
 * TensorBoard: `torch.utils.tensorboard.SummaryWriter` event files in DIR (the ``tensorboard``
@@ -27,13 +28,13 @@ from pathlib import Path
 from mp_toolkit.run.config import ConfigError, TrainConfig
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time_s", "skipped")
+VAL_KEYS = ("val_loss", "val_ppl", "val_mlm_loss", "val_nsp_loss", "val_mlm_accuracy")
 
 
 def scalars_of(row: dict) -> dict[str, float]:
     """The named scalars of one metrics row (module docstring)."""
     out = {f"train/{k}": float(row[k]) for k in TRAIN_KEYS if k in row}
-    if "val_loss" in row:
-        out.update({"val/loss": row["val_loss"], "val/ppl": row["val_ppl"]})
+    out.update({f"val/{k[4:]}": row[k] for k in VAL_KEYS if k in row})
     for t in row.get("trust_ratio", []):
         out.update({f"trust_ratio/stage{t['stage']}/{k}": t[k] for k in ("min", "median", "max")})
     for key, name in (("peak_memory_bytes", "peak"), ("peak_rss_bytes", "peak_rss")):

@@ -43,7 +43,7 @@ from mp_toolkit.run.launch import (
 from mp_toolkit.run.metrics import MetricsLog, gather_ints
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
 from mp_toolkit.run.state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
-from mp_toolkit.run.validation import evaluates_at, validation_loss, validation_row
+from mp_toolkit.run.validation import evaluates_at, mlm_metrics, validation_row
 
 __all__ = ["Diverged", "lr_at", "run_training"]
 
@@ -145,6 +145,9 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     peak_since_start = peak_rss_bytes()  # imports, build and load: the counter restarts below
     reset_peak()
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
+    # BERT pre-training: MLM and NSP losses and MLM accuracy beside the validation loss (our engine)
+    metrics = (mlm_metrics(engine.loss_fn, ctx.tp_group) if spec.family_record.mlm and hasattr(engine, "eval_metrics")
+               else None)
     scaler, streak, saves = engine.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
     first = progress.step + 1
     for step in range(first, cfg.steps + 1):
@@ -159,7 +162,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
             reset_peak()
         if evaluates_at(cfg, step):
             status.set(f"while evaluating after step {step}")
-            row.update(validation_row(validation_loss(engine, data, cfg.eval_batches)))
+            row.update(validation_row(engine, data, cfg.eval_batches, metrics))
         log.step(row)
         counted = streak.update(step, stats, scaler)
         if stats.skipped:

@@ -62,9 +62,8 @@ class MetricsLog:
             val = {"val_loss": f"{self.last_val['val_loss']:.4f}"} if self.last_val else {}
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", **val, tok_s=f"{row['tokens_per_s']:.0f}")
             self.bar.update(1)
-        elif "val_loss" in row:  # no bar (--no-progress, or not rank 0's terminal): a line per evaluation
-            print(f"step {row['step']}: loss {row['loss']:.4f}, validation loss {row['val_loss']:.4f} "
-                  f"(perplexity {row['val_ppl']:.2f})", flush=True)
+        elif "val_loss" in row:  # no bar (--no-progress): a line per evaluation
+            print(f"step {row['step']}: loss {row['loss']:.4f}, {validation_text(row)}", flush=True)
 
     def close(self) -> None:
         if not self.enabled:
@@ -89,8 +88,7 @@ class MetricsLog:
                 f"{b / 2**20:.0f} MiB" for b in last["peak_rss_bytes"]) + " (steady-state steps above the "
                 "post-import baseline: " + ", ".join(f"{b / 2**20:.0f}" for b in last["peak_memory_bytes"]) + " MiB)")
         if self.last_val is not None:
-            print(f"  validation loss {self.last_val['val_loss']:.4f} (perplexity {self.last_val['val_ppl']:.2f}) "
-                  f"after step {self.last_val['step']}")
+            print(f"  {validation_text(self.last_val)} after step {self.last_val['step']}")
         for t in last.get("trust_ratio", []):
             print(f"  stage {t['stage']} trust ratio min {t['min']:.4g} median {t['median']:.4g} max {t['max']:.4g}")
         if self.cfg.metrics:
@@ -100,6 +98,13 @@ class MetricsLog:
         for what, where in (("tensorboard", self.cfg.tensorboard), ("csv", self.cfg.csv)):
             if where is not None:
                 print(f"{what}: {where}")
+
+
+def validation_text(row: dict) -> str:
+    """"validation loss 2.1234 (perplexity 8.37)", and BERT's MLM / NSP losses and MLM accuracy."""
+    parts = [f"{label} {row[key]:.4f}" for key, label in (("val_mlm_loss", "MLM loss"), ("val_nsp_loss", "NSP loss"),
+                                                         ("val_mlm_accuracy", "MLM accuracy")) if key in row]
+    return f"validation loss {row['val_loss']:.4f} (perplexity {row['val_ppl']:.2f})" + "".join(f", {p}" for p in parts)
 
 
 def _row(line: str) -> dict | None:
