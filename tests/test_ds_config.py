@@ -4,6 +4,7 @@ BERT-LAMB config end to end, and DeepSpeed's own config class on the same JSON."
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -299,9 +300,24 @@ def test_understood_but_ignored_and_unknown_keys_are_listed():
     assert s.ignored == ("activation_checkpointing", "communication_data_type", "flops_profiler",
                          "gradient_predivide_factor", "my_setting (unknown)", "optimizer.foo (unknown)",
                          "optimizer.legacy_fusion", "pipeline.shedule (unknown)", "prescale_gradients",
-                         "steps_per_print", "tensorboard", "wall_clock_breakdown", "wandb", "zero_optimization")
+                         "steps_per_print", "wall_clock_breakdown", "zero_optimization")  # monitors: mapped
     assert s.ignored_message() == "DeepSpeed config (dict): keys not used by mp_toolkit: " + ", ".join(s.ignored)
     assert read().ignored == () and read().ignored_message() is None
+
+
+def test_monitor_sections_map_onto_the_loggers():
+    """tensorboard -> output_path/job_name, csv_monitor -> output_path/job_name/metrics.csv, wandb -> its
+    project; disabled sections set nothing; their other keys are listed as ignored or unknown."""
+    s = read(tensorboard={"enabled": True, "output_path": "logs", "job_name": "run1"},
+             csv_monitor={"enabled": True, "output_path": "logs", "job_name": "run1", "flush": 1},
+             wandb={"enabled": True, "project": "bert", "team": "t"})
+    o = s.train_config_overrides()
+    assert (o["tensorboard"], o["csv"], o["wandb"]) == (Path("logs/run1"), Path("logs/run1/metrics.csv"), "bert")
+    assert s.ignored == ("csv_monitor.flush (unknown)", "wandb.team")
+    assert read(tensorboard={"enabled": True}).train_config_overrides()["tensorboard"] == Path("DeepSpeedJobName")
+    off = read(tensorboard={"enabled": False, "output_path": "x"}, wandb={"enabled": False}).train_config_overrides()
+    assert not {"tensorboard", "csv", "wandb"} & off.keys()
+    fails({**BASE, "tensorboard": {"enabled": "yes"}}, 'tensorboard.enabled "yes" must be true or false')
 
 
 @pytest.mark.parametrize("keys,message", [

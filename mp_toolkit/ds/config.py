@@ -11,7 +11,8 @@ unless ``adam_w_mode`` is false), and train_batch_size = micro-batch x accumulat
 
 Understood: the batch keys, ``gradient_clipping``, ``fp16``, ``bf16`` (or the legacy ``bfloat16``),
 ``optimizer`` (Adam, AdamW, Lamb; Lars is mp_toolkit's own), ``scheduler`` (WarmupLR, WarmupDecayLR,
-WarmupCosineLR) and ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument).
+WarmupCosineLR), ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument) and
+the monitors ``tensorboard``, ``csv_monitor`` and ``wandb`` (`_monitors`).
 mp_toolkit's extensions, which DeepSpeed's reader tolerates: ``pipeline.schedule``, ``pipeline.chunks``
 and explicit boundaries ("0,3,7") as ``partition_method``. Understood but unused keys (logging,
 profiling, ZeRO stage 0, ...) are listed in ``ignored``. Unknown keys fail where DeepSpeed fails
@@ -125,6 +126,8 @@ class DeepSpeedSettings:
     """``pipeline.chunks`` (mp_toolkit's extension): model chunks per rank; None when absent."""
     ignored: tuple[str, ...] = ()
     """Dotted keys read but not used, sorted; unknown ones carry " (unknown)"."""
+    monitors: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The enabled monitor sections as TrainConfig fields (`_monitors`): tensorboard, csv, wandb."""
 
     def _overrides(self) -> dict[str, Any]:
         """Every TrainConfig-style field the file determines, whether TrainConfig has it yet or not."""
@@ -158,6 +161,7 @@ class DeepSpeedSettings:
         for name in ("pp", "partition", "schedule", "chunks"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        out.update(self.monitors)
         return out
 
     def train_config_overrides(self) -> dict[str, Any]:
@@ -378,6 +382,28 @@ def _refused(root: Block, ignored: list[str]) -> None:
         ignored.append("torch_autocast")
 
 
+def _monitors(root: Block, ignored: list[str]) -> dict[str, Any]:
+    """DeepSpeed's monitor sections, when enabled, as TrainConfig fields: ``tensorboard`` ->
+    ``tensorboard`` = output_path/job_name (DeepSpeed's SummaryWriter directory); ``csv_monitor`` ->
+    ``csv`` = output_path/job_name/metrics.csv (one long-form file where DeepSpeed writes one per
+    metric); ``wandb`` -> ``wandb`` = its project, logged offline (`mp_toolkit.run.loggers`, which
+    refuses it in one line when the package is missing)."""
+    out: dict[str, Any] = {}
+    for key, field, leaf in (("tensorboard", "tensorboard", None), ("csv_monitor", "csv", "metrics.csv")):
+        block = root.block(key)
+        if block is not None and block.boolean("enabled", False):
+            where = Path(block.string("output_path", "") or ".") / block.string("job_name", "DeepSpeedJobName")
+            out[field] = where / leaf if leaf else where
+        if block is not None:
+            block.finish(ignored, known=("output_path", "job_name"))
+    wandb = root.block("wandb")
+    if wandb is not None:
+        if wandb.boolean("enabled", False):
+            out["wandb"] = wandb.string("project", "deepspeed")
+        wandb.finish(ignored, known=("group", "team", "project"))
+    return out
+
+
 def read_ds_config(source: str | Path | dict, *, dp: int = 1) -> DeepSpeedSettings:
     """Read a DeepSpeed config file (or an already loaded dict) for ``dp`` data-parallel ranks.
 
@@ -395,8 +421,9 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1) -> DeepSpeedSettin
     scheduler = _scheduler(root, optimizer, ignored)
     pp, partition, schedule, chunks = _pipeline(root, ignored)
     _refused(root, ignored)
+    monitors = _monitors(root, ignored)
     root.finish(ignored, known=_IGNORED_TOP)
     return DeepSpeedSettings(
         source=where, dp=dp, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
         gradient_clipping=clip, precision=precision, fp16=fp16, optimizer=optimizer, scheduler=scheduler, pp=pp,
-        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)))
+        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)), monitors=monitors)

@@ -210,9 +210,24 @@ class PipelineEngine:
 
     def eval_batch(self, data_iter: Iterator) -> float:
         """Mean loss of one global batch (all data-parallel replicas), forward only, no step."""
+        return global_mean_loss(self._forward_only(data_iter), self.ctx, self.stage_to_rank[-1])
+
+    def eval_metrics(self, data_iter: Iterator, metrics_fn: Callable, size: int) -> list[float]:
+        """`eval_batch` with ``metrics_fn(last stage output, labels)`` -> a (size,) fp32 tensor per
+        micro-batch in place of the loss, each value averaged over the global batch as the loss is
+        (validation's MLM / NSP losses and MLM accuracy, `mp_toolkit.run.validation`)."""
+        return global_mean_loss(self._forward_only(data_iter, metrics_fn), self.ctx, self.stage_to_rank[-1], size)
+
+    def _forward_only(self, data_iter: Iterator, metrics_fn: Callable | None = None) -> list[torch.Tensor]:
+        """One global batch forward through this rank's forward actions; the last stage's values / m."""
         for stage in self.stages.values():
             stage.eval()
         mbs = self._next_global_batch(data_iter)
         actions = forward_only(self.schedule)[self.ctx.pp_rank]
-        losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, grad=False)
-        return global_mean_loss(losses, self.ctx, self.stage_to_rank[-1])
+        executor = self._executor(mbs[0][0])
+        loss_fn = executor.loss_fn
+        executor.loss_fn = metrics_fn or loss_fn
+        try:
+            return executor.run(actions, mbs, loss_divisor=self.m, grad=False)
+        finally:
+            executor.loss_fn = loss_fn

@@ -21,14 +21,16 @@ import torch.distributed as dist
 from mp_toolkit.parallel.context import ParallelContext
 
 
-def global_mean_loss(losses: Sequence[torch.Tensor], ctx: ParallelContext, last_stage_rank: int) -> float:
+def global_mean_loss(losses: Sequence[torch.Tensor], ctx: ParallelContext, last_stage_rank: int,
+                     size: int | None = None) -> float | list[float]:
     """The mean loss of the global batch, on every rank.
 
     ``losses`` are this replica's micro-batch losses already divided by m (empty off the last
     stage); their sum is the replica's mean, and the mean of the dp replicas' means is the global
-    batch's mean (every replica runs m micro-batches of the same size).
+    batch's mean (every replica runs m micro-batches of the same size). ``size``: each "loss" is a
+    vector of that many values (`PipelineEngine.eval_metrics`), averaged alike; a list comes back.
     """
-    total = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    total = torch.zeros(() if size is None else (size,), dtype=torch.float32, device=ctx.device)
     for loss in losses:  # ascending micro-batch order, as single-process accumulation adds them
         total += loss.detach().float()
     if ctx.pp_group is not None:
@@ -36,7 +38,7 @@ def global_mean_loss(losses: Sequence[torch.Tensor], ctx: ParallelContext, last_
     if ctx.dp_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.dp_group)
         total /= ctx.dp
-    return total.item()
+    return total.item() if size is None else total.tolist()
 
 
 def _adapted_ratios(optimizer) -> list[float]:

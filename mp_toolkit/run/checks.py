@@ -16,6 +16,7 @@ from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.cut import CutWorkload, plan_boundaries
 from mp_toolkit.run.families import ModelSpec, resolve_hf, resolve_model
+from mp_toolkit.run.loggers import check_loggers
 from mp_toolkit.schedule import get_schedule
 
 
@@ -46,6 +47,9 @@ def _validate_numbers(cfg: TrainConfig) -> None:
                  "max_skips"):
         if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
+    if cfg.eval_every < 0 or cfg.eval_batches < 1:
+        raise ConfigError(f"--eval-every {cfg.eval_every} / --eval-batches {cfg.eval_batches}: give N >= 0 steps "
+                          "(0: no validation) and K >= 1 global batches")
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}: the decay must end at or below the peak")
     try:
@@ -78,6 +82,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_numbers(cfg)
     _validate_paths(cfg)
     check_engine(cfg)  # --engine deepspeed's limits (imports no DeepSpeed)
+    check_loggers(cfg)  # tensorboard / wandb installed when asked for
     spec = model_spec(cfg)
     try:
         check_tensor_parallel(cfg.tp, **spec.tp_sizes())

@@ -145,6 +145,24 @@ class TrainConfig:
     (fp32 / bf16; fp16 once the loss scale is at min_loss_scale or static). No checkpoint is written
     at such a step, so the last good one stays the latest."""
 
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many steps and after the last (0: no validation,
+    and nothing is held out)."""
+    eval_batches: int = 2
+    """Global batches of the held-out split per evaluation; the split holds exactly these
+    (eval_batches x dp x microbatches x micro_batch sequences, the same ones on every layout)."""
+    tensorboard: Path | None = None
+    """Directory for TensorBoard event files of the per-step scalars (rank 0; `mp_toolkit.run.loggers`)."""
+    csv: Path | None = None
+    """CSV file of the per-step scalars, one row per step (rank 0)."""
+    wandb: str | None = None
+    """Weights & Biases project logged to offline (from a DeepSpeed config's ``wandb`` section); None: off."""
+
+    @property
+    def held_out_sequences(self) -> int:
+        """Sequences of the validation split (0 without --eval-every)."""
+        return self.eval_batches * self.dp * self.microbatches * self.micro_batch if self.eval_every else 0
+
     @property
     def world_size(self) -> int:
         """Ranks the run needs: pp x tp x dp."""

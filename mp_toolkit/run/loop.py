@@ -7,9 +7,9 @@ Entry point (each rank)::
     deepspeed --num_gpus 8 recipes/bert_pretrain/train.py --deepspeed_config recipes/bert_pretrain/ds_config.json
     mpt train --model bert-tiny --seq-len 64 --pp 2 --save-dir runs/bert --save-every 50   # starts the ranks itself
     mpt train --model bert-tiny --seq-len 64 --pp 1 --tp 2 --save-dir runs/bert --resume latest  # another layout
-    mpt train --model gpt-tiny --pp 2 --save-dir runs/x --save-every 20 --restarts 3   # survives dead ranks
+    mpt train --model gpt-tiny --seq-len 64 --data synthetic --pp 2 --save-dir runs/x --save-every 20 --restarts 3
     torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \
-             --save-dir runs/x --save-every 20 --resume auto
+             --seq-len 64 --data synthetic --save-dir runs/x --save-every 20 --resume auto
 
 A step whose loss or gradients are not finite on any rank is skipped by every rank, in every
 precision, and logged; --max-skips such steps in a row stop the run (exit 3) and no checkpoint is
@@ -43,6 +43,7 @@ from mp_toolkit.run.launch import (
 from mp_toolkit.run.metrics import MetricsLog, gather_ints
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
 from mp_toolkit.run.state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
+from mp_toolkit.run.validation import evaluates_at, mlm_metrics, validation_row
 
 __all__ = ["Diverged", "lr_at", "run_training"]
 
@@ -145,6 +146,9 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     peak_loaded = peak_since_start
     reset_peak()
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
+    # BERT pre-training: MLM and NSP losses and MLM accuracy beside the validation loss (our engine)
+    metrics = (mlm_metrics(engine.loss_fn, ctx.tp_group) if spec.family_record.mlm and hasattr(engine, "eval_metrics")
+               else None)
     scaler, streak, saves = engine.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
     first = progress.step + 1
     for step in range(first, cfg.steps + 1):
@@ -158,6 +162,9 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         if step == first:  # steady state: later steps' peak (the first adds one-time shape agreement)
             peak_since_start = max(peak_since_start, peak_rss_bytes())
             reset_peak()
+        if evaluates_at(cfg, step):
+            status.set(f"while evaluating after step {step}")
+            row.update(validation_row(engine, data, cfg.eval_batches, metrics))
         log.step(row)
         counted = streak.update(step, stats, scaler)
         if stats.skipped:
