@@ -38,6 +38,7 @@ from mp_toolkit.partition.planner import MAX_MICROBATCHES, PLAN_METHODS, PlanReq
 from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
 from mp_toolkit.run.checks import validate
 from mp_toolkit.optim import master
+from mp_toolkit.optim.lamb import LAMB_RULES
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
 from mp_toolkit.run.loop import run_training
@@ -118,6 +119,8 @@ def _add_train_parser(sub) -> None:
     opt("--min-trust", type=float, help="LAMB: lower clamp of the trust ratio (DeepSpeed's min_coeff)")
     opt("--max-trust", type=float, help="LAMB: upper clamp of the trust ratio (DeepSpeed's max_coeff)")
     opt("--no-bias-correction", dest="bias_correction", action="store_const", const=False, help="LAMB without bias correction")
+    opt("--lamb-rule", type=str.lower, choices=LAMB_RULES, help="LAMB: mp_toolkit (biases and norm weights not "
+        "adapted; default) or deepspeed (FusedLamb's: every tensor's trust ratio clamped; a config's \"Lamb\")")
     opt("--momentum", type=float, help="SGD / LARS (default 0.9), RMSprop (default 0)")
     opt("--trust-coefficient", type=float, help="LARS eta (default 0.001)")
     opt("--warmup-steps", type=int)
@@ -297,8 +300,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.cost_f) and math.isfinite(args.cost_b) and args.cost_f > 0 and args.cost_b > 0):
         raise ConfigError(f"--cost-f {args.cost_f:g} and --cost-b {args.cost_b:g} must be positive")
     _check_output(args.gantt)
-    report = simulate_report(args.schedule, args.pp, args.microbatches, _chunks(args),
-                             {"F": args.cost_f, "B": args.cost_b}, gantt=str(args.gantt) if args.gantt else None)
+    try:
+        report = simulate_report(args.schedule, args.pp, args.microbatches, _chunks(args),
+                                 {"F": args.cost_f, "B": args.cost_b}, gantt=str(args.gantt) if args.gantt else None)
+    except ValueError as e:  # sizes the schedule cannot take: one line, as mpt plan and mpt train say it
+        raise ConfigError(str(e)) from None
     print(f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']} "
           f"chunks={report['chunks']}: step time {report['step_time']:g}, "
           f"bubble fraction {report['bubble_fraction']:.4f}, peak in-flight per stage {report['peak_inflight']}")

@@ -78,7 +78,8 @@ class MetricsLog:
                 f"{b / 2**20:.0f} MiB" for b in last["peak_rss_bytes"]) + " (steady-state steps above the "
                 "post-import baseline: " + ", ".join(f"{b / 2**20:.0f}" for b in last["peak_memory_bytes"]) + " MiB)")
         for t in last.get("trust_ratio", []):
-            print(f"  stage {t['stage']} trust ratio min {t['min']:.4g} median {t['median']:.4g} max {t['max']:.4g}")
+            print(f"  stage {t['stage']} trust ratio ({t['rule']} rule, {t['tensors']} tensors) min {t['min']:.4g} "
+                  f"median {t['median']:.4g} max {t['max']:.4g}")
         if self.cfg.metrics:
             print(f"metrics: {self.cfg.metrics}")
         if self.cfg.plot:
