@@ -26,7 +26,7 @@ from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.schedule import get_schedule, simulate
 
 from .build import measure_model
-from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape
+from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape, step_bytes_per_param
 from .memory import MemoryCapError, StageMemory, min_max_memory
 from .solvers import PartitionError, min_max, uniform
 
@@ -141,10 +141,6 @@ def _allreduce_s(nbytes: float, ranks: int, req: PlanRequest) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / (req.p2p_gbps * GB) + 2 * (ranks - 1) * req.p2p_latency_us * 1e-6
 
 
-STEP_TRANSIENT_BYTES = 8
-"""Optimizer-step temporaries per parameter without a measurement (two fp32 foreach buffers)."""
-
-
 @dataclass
 class LayerTimes:
     """What `layer_times` finds for every layer."""
@@ -186,7 +182,7 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> 
         times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
         bpp_touched = bytes_per_param(req.dtype, req.optimizer) + 8  # read + write of weights/states
         opt_s = [c.params * bpp_touched / (req.mem_gbps * GB) for c in costs]
-        step_bytes = [c.params * STEP_TRANSIENT_BYTES for c in costs]
+        step_bytes = [c.params * step_bytes_per_param(req.dtype, req.optimizer) for c in costs]
         residue = 0
         source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None else "")
     if req.tp > 1:  # two all-reduces of the block's activations forward, two backward (Megatron)
