@@ -177,6 +177,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--p2p-latency-us", type=float, default=d.p2p_latency_us)
     p.add_argument("--p2p-gbps", type=float, default=d.p2p_gbps, help="p2p and collective bandwidth, GB/s")
     p.add_argument("--mem-gbps", type=float, default=d.mem_gbps, help="memory bandwidth for the optimizer step estimate")
+    p.add_argument("--hf", action="store_true", help="--model is a HuggingFace config trained from transformers' "
+                   "modules (mpt train --hf): count what they keep")
     p.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
     p.add_argument("--gantt", type=Path, default=None, help="draw the predicted schedule (.png or .svg)")
 
@@ -280,7 +282,7 @@ def _plan(args: argparse.Namespace) -> int:
         dtype=args.dtype, optimizer=args.optimizer, schedule=args.schedule, chunks=_chunks(args),
         tflops=args.tflops, measure=args.measure, threads=args.threads, load=args.load,
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
-        mem_gbps=args.mem_gbps,
+        mem_gbps=args.mem_gbps, hf=args.hf,
     )
     _check_output(args.gantt)
     plan = make_plan(req)

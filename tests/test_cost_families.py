@@ -28,6 +28,8 @@ from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.partition.cost import bytes_per_param, layer_costs, shape_from_hf_config, step_bytes_per_param
 from mp_toolkit.partition.measure import measure_layers
+from mp_toolkit.partition.planner import PlanRequest, make_plan
+from tests.cli_helpers import assert_one_line_exit_2
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,3 +143,16 @@ def test_static_and_step_bytes_match_a_measured_step(measured_steps, precision, 
     assert static == pytest.approx(r["held"], rel=TOLERANCE)
     peak = (bytes_per_param(precision, optimizer) + step_bytes_per_param(precision, optimizer)) * r["params"]
     assert peak == pytest.approx(r["held"] + r["transient"], rel=TOLERANCE)
+
+
+def test_mpt_plan_hf_counts_transformers_modules(tmp_path, capsys):
+    """``mpt plan --hf``: the same GPT-2 config.json planned for transformers' modules keeps more (an
+    absent attn_pdrop is HF's 0.1; gelu_new composed); presets and measuring are refused in one line."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 300,
+                                "n_positions": 64}))
+    zoo, hf = (make_plan(PlanRequest(model=str(path), pp=1, seq_len=64, tflops=1.0, hf=hf)) for hf in (False, True))
+    assert hf.stages[0].memory_bytes > zoo.stages[0].memory_bytes
+    assert_one_line_exit_2(capsys, ["plan", "--model", "gpt-tiny", "--hf", "--seq-len", "16"], "model_zoo preset")
+    assert_one_line_exit_2(capsys, ["plan", "--model", path, "--hf", "--measure", "--seq-len", "16"],
+                           "--hf plans from the cost model")

@@ -151,8 +151,11 @@ def _with_dropout(shape: ModelShape, d: dict, hf_modules: bool) -> ModelShape:
     return replace(shape, hf_modules=hf_modules)  # Llama-family attention_dropout is 0 in practice: not modelled
 
 
-def model_shape(model: str) -> ModelShape:
-    """Our preset name (``gpt-tiny``, ``gpt2-xl``, ``bert-base``, ...) or a HF ``config.json`` path."""
+def model_shape(model: str, hf_modules: bool = False) -> ModelShape:
+    """Our preset name (``gpt-tiny``, ``gpt2-xl``, ``bert-base``, ...) or a HF ``config.json`` path;
+    ``hf_modules``: the config's model is built from transformers' modules (`ModelShape.hf_modules`)."""
+    if hf_modules and (model in gpt.PRESETS or model in _bert_presets()):
+        raise CostModelError(f"{model} is a model_zoo preset: transformers' modules need a config.json path")
     if model in gpt.PRESETS:
         c = gpt.PRESETS[model]
         return ModelShape("gpt2", c.vocab_size, c.n_embd, c.n_layer, c.n_head, c.inner_size, c.n_positions,
@@ -178,7 +181,7 @@ def model_shape(model: str) -> ModelShape:
     bad = [k for k, v in d.items() if k in _INT_KEYS and (isinstance(v, bool) or not isinstance(v, int) or v <= 0)]
     if bad:
         raise CostModelError(f"{path}: {bad[0]}={d[bad[0]]!r} must be a positive integer")
-    return shape_from_hf_config(d, str(path))
+    return shape_from_hf_config(d, str(path), hf_modules)
 
 
 _INT_KEYS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "hidden_size", "num_hidden_layers",

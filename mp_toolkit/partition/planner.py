@@ -73,6 +73,9 @@ class PlanRequest:
     """Point-to-point and collective bandwidth, GB/s."""
     mem_gbps: float = 8.0
     """Memory bandwidth for the FLOP-free optimizer step estimate, GB/s."""
+    hf: bool = False
+    """The model is a HuggingFace config trained from transformers' own modules (``mpt train --hf``):
+    count what they keep (`ModelShape.hf_modules`); formula times only."""
 
 
 @dataclass(frozen=True)
@@ -248,8 +251,11 @@ def _split_backward_ms(stage: StagePlan, bounds: list[int],
 
 def make_plan(req: PlanRequest) -> Plan:
     """Plan ``req``; raises PartitionError / CostModelError / ValueError with one-line messages."""
-    shape = model_shape(req.model)
+    shape = model_shape(req.model, hf_modules=req.hf)
     check_request(req, shape)
+    if req.hf and (req.method == "time" or req.measure):
+        raise PartitionError("--hf plans from the cost model: measuring layers (--method time, --measure) builds "
+                             "model_zoo's modules; drop --hf or the measurement")
     costs = layer_costs(shape, req.micro_batch, req.seq_len, req.dtype, req.tp)
     lt = layer_times(req, shape, costs)
     times, opt_s, step_bytes, residue, costs, source = lt.times, lt.opt_s, lt.step_bytes, lt.residue, lt.costs, lt.source
