@@ -38,6 +38,7 @@ from mp_toolkit.partition.planner import MAX_MICROBATCHES, PLAN_METHODS, PlanReq
 from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
 from mp_toolkit.run.checks import validate
 from mp_toolkit.optim import master
+from mp_toolkit.optim.lamb import LAMB_RULES
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
 from mp_toolkit.run.loop import run_training
@@ -118,6 +119,8 @@ def _add_train_parser(sub) -> None:
     opt("--min-trust", type=float, help="LAMB: lower clamp of the trust ratio (DeepSpeed's min_coeff)")
     opt("--max-trust", type=float, help="LAMB: upper clamp of the trust ratio (DeepSpeed's max_coeff)")
     opt("--no-bias-correction", dest="bias_correction", action="store_const", const=False, help="LAMB without bias correction")
+    opt("--lamb-rule", type=str.lower, choices=LAMB_RULES, help="LAMB: mp_toolkit (biases and norm weights not "
+        "adapted; default) or deepspeed (FusedLamb's: every tensor's trust ratio clamped; a config's \"Lamb\")")
     opt("--momentum", type=float, help="SGD / LARS (default 0.9), RMSprop (default 0)")
     opt("--trust-coefficient", type=float, help="LARS eta (default 0.001)")
     opt("--warmup-steps", type=int)
@@ -178,6 +181,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--p2p-latency-us", type=float, default=d.p2p_latency_us)
     p.add_argument("--p2p-gbps", type=float, default=d.p2p_gbps, help="p2p and collective bandwidth, GB/s")
     p.add_argument("--mem-gbps", type=float, default=d.mem_gbps, help="memory bandwidth for the optimizer step estimate")
+    p.add_argument("--hf", action="store_true", help="--model is a HuggingFace config trained from transformers' "
+                   "modules (mpt train --hf): count what they keep")
     p.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
     p.add_argument("--gantt", type=Path, default=None, help="draw the predicted schedule (.png or .svg)")
 
@@ -281,7 +286,7 @@ def _plan(args: argparse.Namespace) -> int:
         dtype=args.dtype, optimizer=args.optimizer, schedule=args.schedule, chunks=_chunks(args),
         tflops=args.tflops, measure=args.measure, threads=args.threads, load=args.load,
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
-        mem_gbps=args.mem_gbps,
+        mem_gbps=args.mem_gbps, hf=args.hf,
     )
     _check_output(args.gantt)
     plan = make_plan(req)
@@ -301,8 +306,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.cost_f) and math.isfinite(args.cost_b) and args.cost_f > 0 and args.cost_b > 0):
         raise ConfigError(f"--cost-f {args.cost_f:g} and --cost-b {args.cost_b:g} must be positive")
     _check_output(args.gantt)
-    report = simulate_report(args.schedule, args.pp, args.microbatches, _chunks(args),
-                             {"F": args.cost_f, "B": args.cost_b}, gantt=str(args.gantt) if args.gantt else None)
+    try:
+        report = simulate_report(args.schedule, args.pp, args.microbatches, _chunks(args),
+                                 {"F": args.cost_f, "B": args.cost_b}, gantt=str(args.gantt) if args.gantt else None)
+    except ValueError as e:  # sizes the schedule cannot take: one line, as mpt plan and mpt train say it
+        raise ConfigError(str(e)) from None
     print(f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']} "
           f"chunks={report['chunks']}: step time {report['step_time']:g}, "
           f"bubble fraction {report['bubble_fraction']:.4f}, peak in-flight per stage {report['peak_inflight']}")

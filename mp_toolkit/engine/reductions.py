@@ -42,21 +42,27 @@ def global_mean_loss(losses: Sequence[torch.Tensor], ctx: ParallelContext, last_
 
 
 def _adapted_ratios(optimizer) -> list[float]:
-    """Last step's trust ratios of the tensors that layer adaptation applies to (not the 1.0s of
-    biases and norms, which ``adapt=False`` excludes)."""
+    """Last step's trust ratios of the tensors that layer adaptation applies to: not the 1.0s of
+    biases and norms that ``adapt=False`` excludes (our LAMB and LARS), but every tensor under
+    DeepSpeed's FusedLamb rule, 1-D ones included."""
     adapted = {id(p) for g in optimizer.param_groups if g.get("adapt", True) for p in g["params"]}
     return [float(v) for p, v in optimizer.last_trust_ratios().items() if id(p) in adapted]
 
 
 def trust_ratio_rows(optimizer, ctx: ParallelContext) -> list[dict] | None:
     """Per pipeline rank min / median / max of the last step's trust ratios (LAMB, LARS), on every
-    rank; None for optimizers without trust ratios."""
+    rank, with the rule they follow (``optimizer.trust_rule``: "mp_toolkit" or "deepspeed" for LAMB,
+    "lars") and how many tensors they cover; None for optimizers without trust ratios."""
     if not hasattr(optimizer, "last_trust_ratios"):
         return None
-    ratios = torch.tensor(_adapted_ratios(optimizer) or [float("nan")])
-    mine = torch.stack([ratios.min(), ratios.median(), ratios.max()]).float().to(ctx.device)
+    adapted = _adapted_ratios(optimizer)
+    ratios = torch.tensor(adapted or [float("nan")])
+    mine = torch.stack([ratios.min(), ratios.median(), ratios.max(), torch.tensor(float(len(adapted)))])
+    mine = mine.float().to(ctx.device)
     rows = [mine]
     if ctx.pp_group is not None:
         rows = [torch.empty_like(mine) for _ in range(ctx.pp)]
         dist.all_gather(rows, mine, group=ctx.pp_group)
-    return [{"stage": i, "min": r[0].item(), "median": r[1].item(), "max": r[2].item()} for i, r in enumerate(rows)]
+    rule = getattr(optimizer, "trust_rule", type(optimizer).__name__.lower())
+    return [{"stage": i, "rule": rule, "tensors": int(r[3].item()), "min": r[0].item(), "median": r[1].item(),
+             "max": r[2].item()} for i, r in enumerate(rows)]

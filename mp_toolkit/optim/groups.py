@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 
 def lamb_param_groups(model_or_named_params, weight_decay: float,
-                      no_decay: Sequence[str] = ("bias", "norm")) -> list[dict]:
+                      no_decay: Sequence[str] = ("bias", "norm"), adapt_all: bool = False) -> list[dict]:
     """Two param groups for LAMB / LARS: ``[{decay, adapt=True}, {weight_decay=0, adapt=False}]``.
 
     The rule: a parameter is *no-decay* when its name contains any ``no_decay`` substring
@@ -29,6 +29,9 @@ def lamb_param_groups(model_or_named_params, weight_decay: float,
     weights, which our GPT names ``h.0.ln_1.weight`` / ``ln_f.ln_f.weight`` (no "norm" in the
     name), and every bias. No-decay parameters get ``weight_decay=0`` and ``adapt=False``
     (trust ratio 1), as in BERT's LAMB recipe.
+
+    ``adapt_all=True`` keeps the no-decay group's layer adaptation (``adapt=True``), as DeepSpeed's
+    FusedLamb adapts every tensor whatever its group's decay.
 
     Accepts an ``nn.Module`` (its ``named_parameters()``) or an iterable of ``(name, param)``.
     Frozen parameters (``requires_grad=False``) are left out, a parameter listed twice (tied)
@@ -46,7 +49,7 @@ def lamb_param_groups(model_or_named_params, weight_decay: float,
         skip = p.dim() <= 1 or any(k in name.lower() for k in keys)
         (plain if skip else decay).append(p)
     groups = [{"params": decay, "weight_decay": float(weight_decay), "adapt": True},
-              {"params": plain, "weight_decay": 0.0, "adapt": False}]
+              {"params": plain, "weight_decay": 0.0, "adapt": adapt_all}]
     return [g for g in groups if g["params"]]
 
 

@@ -58,6 +58,9 @@ class LARS(torch.optim.Optimizer):
         if g["nesterov"] and g["momentum"] == 0:
             raise ValueError("LARS: nesterov=True needs momentum > 0, got momentum=0")
 
+    trust_rule = "lars"
+    """The rule the trust ratios follow, for the metrics' rows (biases and norm weights not adapted)."""
+
     def last_trust_ratios(self) -> dict[torch.Tensor, float]:
         """The factor that multiplied ``lr`` for each tensor in the last step (``scale`` above;
         1.0 where ``adapt=False``), keyed by parameter; tensors without a gradient are absent."""

@@ -26,7 +26,7 @@ from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.schedule import get_schedule, simulate
 
 from .build import measure_model
-from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape
+from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape, step_bytes_per_param
 from .memory import MemoryCapError, StageMemory, min_max_memory
 from .solvers import PartitionError, min_max, uniform
 
@@ -73,6 +73,9 @@ class PlanRequest:
     """Point-to-point and collective bandwidth, GB/s."""
     mem_gbps: float = 8.0
     """Memory bandwidth for the FLOP-free optimizer step estimate, GB/s."""
+    hf: bool = False
+    """The model is a HuggingFace config trained from transformers' own modules (``mpt train --hf``):
+    count what they keep (`ModelShape.hf_modules`); formula times only."""
 
 
 @dataclass(frozen=True)
@@ -141,10 +144,6 @@ def _allreduce_s(nbytes: float, ranks: int, req: PlanRequest) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / (req.p2p_gbps * GB) + 2 * (ranks - 1) * req.p2p_latency_us * 1e-6
 
 
-STEP_TRANSIENT_BYTES = 8
-"""Optimizer-step temporaries per parameter without a measurement (two fp32 foreach buffers)."""
-
-
 @dataclass
 class LayerTimes:
     """What `layer_times` finds for every layer."""
@@ -186,7 +185,7 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> 
         times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
         bpp_touched = bytes_per_param(req.dtype, req.optimizer) + 8  # read + write of weights/states
         opt_s = [c.params * bpp_touched / (req.mem_gbps * GB) for c in costs]
-        step_bytes = [c.params * STEP_TRANSIENT_BYTES for c in costs]
+        step_bytes = [c.params * step_bytes_per_param(req.dtype, req.optimizer) for c in costs]
         residue = 0
         source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None else "")
     if req.tp > 1:  # two all-reduces of the block's activations forward, two backward (Megatron)
@@ -252,8 +251,11 @@ def _split_backward_ms(stage: StagePlan, bounds: list[int],
 
 def make_plan(req: PlanRequest) -> Plan:
     """Plan ``req``; raises PartitionError / CostModelError / ValueError with one-line messages."""
-    shape = model_shape(req.model)
+    shape = model_shape(req.model, hf_modules=req.hf)
     check_request(req, shape)
+    if req.hf and (req.method == "time" or req.measure):
+        raise PartitionError("--hf plans from the cost model: measuring layers (--method time, --measure) builds "
+                             "model_zoo's modules; drop --hf or the measurement")
     costs = layer_costs(shape, req.micro_batch, req.seq_len, req.dtype, req.tp)
     lt = layer_times(req, shape, costs)
     times, opt_s, step_bytes, residue, costs, source = lt.times, lt.opt_s, lt.step_bytes, lt.residue, lt.costs, lt.source

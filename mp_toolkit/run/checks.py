@@ -32,7 +32,7 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
 
 
 def _validate_numbers(cfg: TrainConfig) -> None:
-    for name in ("pp", "tp", "dp", "microbatches", "micro_batch", "seq_len", "steps"):
+    for name in ("pp", "tp", "dp", "chunks", "microbatches", "micro_batch", "seq_len", "steps"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be at least 1")
     for name in ("lr", "min_lr", "weight_decay", "loss_scale", "min_loss_scale"):

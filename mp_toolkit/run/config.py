@@ -83,6 +83,10 @@ class TrainConfig:
     """Momentum of SGD and LARS (None: 0.9) and RMSprop (None: 0)."""
     trust_coefficient: float | None = None
     """LARS: the trust coefficient eta of the layer-wise rate; None: 0.001."""
+    lamb_rule: str = "mp_toolkit"
+    """LAMB's per-tensor rule: mp_toolkit (biases and norm weights neither decayed nor adapted, corrected
+    moments) or deepspeed (DeepSpeed's FusedLamb, what a DeepSpeed config's "type": "Lamb" means: every
+    tensor's trust ratio clamped, 1-D ones included, the bias correction in the step size)."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
     lr_decay: str = "none"

@@ -92,7 +92,8 @@ class MetricsLog:
         if self.last_val is not None:
             print(f"  {validation_text(self.last_val)} after step {self.last_val['step']}")
         for t in last.get("trust_ratio", []):
-            print(f"  stage {t['stage']} trust ratio min {t['min']:.4g} median {t['median']:.4g} max {t['max']:.4g}")
+            print(f"  stage {t['stage']} trust ratio ({t['rule']} rule, {t['tensors']} tensors) min {t['min']:.4g} "
+                  f"median {t['median']:.4g} max {t['max']:.4g}")
         if self.cfg.metrics:
             print(f"metrics: {self.cfg.metrics}")
         if self.cfg.plot:
