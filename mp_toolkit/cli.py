@@ -38,6 +38,7 @@ from mp_toolkit.partition.planner import MAX_MICROBATCHES, PLAN_METHODS, PlanReq
 from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
 from mp_toolkit.run.checks import validate
 from mp_toolkit.optim import master
+from mp_toolkit.recompute import MODES as RECOMPUTE_MODES, RecomputeError, parse_layer_counts
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
 from mp_toolkit.run.loop import run_training
@@ -69,6 +70,7 @@ class _Unset:
 
 
 _UNSET = _Unset()
+RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mpt", description="Pipeline model-parallel training for Transformers.")
@@ -148,6 +150,12 @@ def _add_train_parser(sub) -> None:
                                      "from the latest checkpoint (needs --save-dir and --save-every)")
     opt("--max-skips", type=int, help=f"stop after N consecutive steps skipped for non-finite loss or gradients "
                                       f"(default {d.max_skips})")
+    opt("--recompute", type=str.lower, choices=RECOMPUTE_CHOICES,
+        help="activation recomputation: none, full (whole blocks), selective (attention core), or auto "
+             "(per stage, with the cut, to fit --memory-gb at the least predicted time)")
+    opt("--recompute-layers", type=_layer_counts, metavar="N[,N...]",
+        help="recompute the first N block layers of every stage, or one count per stage (default: all)")
+    opt("--memory-gb", type=float, help="per-rank memory cap that --recompute auto plans for")
 
 
 def _add_plan_parser(sub) -> None:
@@ -176,6 +184,17 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--mem-gbps", type=float, default=d.mem_gbps, help="memory bandwidth for the optimizer step estimate")
     p.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
     p.add_argument("--gantt", type=Path, default=None, help="draw the predicted schedule (.png or .svg)")
+    p.add_argument("--recompute", default=d.recompute, type=str.lower, choices=RECOMPUTE_CHOICES,
+                   help="none, full, selective, or auto (with --method memory: chosen per stage with the cut)")
+    p.add_argument("--recompute-layers", type=_layer_counts, default=None, metavar="N[,N...]",
+                   help="first N block layers of every stage, or one count per stage (default: all)")
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        return parse_layer_counts(text)
+    except RecomputeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_simulate_parser(sub) -> None:
@@ -277,7 +296,7 @@ def _plan(args: argparse.Namespace) -> int:
         dtype=args.dtype, optimizer=args.optimizer, schedule=args.schedule, chunks=_chunks(args),
         tflops=args.tflops, measure=args.measure, threads=args.threads, load=args.load,
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
-        mem_gbps=args.mem_gbps,
+        mem_gbps=args.mem_gbps, recompute=args.recompute, recompute_layers=args.recompute_layers,
     )
     _check_output(args.gantt)
     plan = make_plan(req)
