@@ -127,6 +127,7 @@ class Plan:
                        for s in self.stages],
             "max_stage_time_ms": self.max_stage_time_ms, "bubble_fraction": self.bubble_fraction,
             "step_time_ms": self.step_time_ms, "tokens_per_s": self.tokens_per_s,
+            **({"recompute": [{"mode": c.mode, "layers": c.layers} for c in self.recompute]} if self.recompute else {}),
         }
 
 

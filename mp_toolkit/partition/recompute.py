@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from mp_toolkit.recompute import RecomputeError, StageRecompute, is_block, recomputed_layers, stage_choices
 
 from .cost import ACT_BYTES, LayerCost, ModelShape
-from .memory import MemoryCapError, StageMemory, min_memory_cut
+from .memory import MemoryCapError, StageMemory
 from .solvers import PartitionError, check_num_stages, exact_weights
 
 __all__ = ["RecomputeCosts", "apply_to_plan", "attention_core_bytes", "attention_core_flops", "choose_recompute",
@@ -131,6 +131,10 @@ class _Segments:
         nbytes = m(j, a, b) - max(peak, step) + max(new_peak, step)
         return nbytes, self._pt[b] - self._pt[a] + times_run * extra
 
+    def least_bytes(self, j: int, a: int, b: int, options) -> int:
+        """The bytes of the leanest allowed choice of stage ``j`` over [a, b)."""
+        return min(self.evaluate(j, a, b, c)[0] for c in options(j, len(self.blocks_in(a, b))))
+
     def best(self, j: int, a: int, b: int, cap: int, options) -> tuple[int, StageRecompute] | None:
         """The fastest choice that fits ``cap`` (ties: the earlier option); None when none fits."""
         found = None
@@ -139,6 +143,26 @@ class _Segments:
             if nbytes <= cap and (found is None or t < found[0]):
                 found = (t, choice)
         return found
+
+
+def _smallest_cap(seg: _Segments, n: int, p: int, options) -> tuple[int, list[int]]:
+    """The least cap some cut fits with some allowed choice per stage: min over cuts of the largest
+    stage's least bytes over its choices (a stage fits a cap when its leanest choice does)."""
+    inf = float("inf")
+    best, back = [0] + [inf] * n, [[0] * (n + 1) for _ in range(p + 1)]
+    for j in range(p):
+        new = [inf] * (n + 1)
+        for i in range(j + 1, n - (p - j - 1) + 1):
+            for k in range(j, i):
+                v = max(best[k], seg.least_bytes(j, k, i, options))
+                if v < new[i]:
+                    new[i], back[j + 1][i] = v, k
+        best = new
+    bounds, i = [n], n
+    for j in range(p, 0, -1):
+        i = back[j][i]
+        bounds.append(i)
+    return int(best[n]), bounds[::-1]
 
 
 def _prefix(xs: Sequence[int]) -> list[int]:
@@ -179,13 +203,10 @@ def min_max_recompute(times: Sequence[float], memory: StageMemory, rc: Recompute
                     new[i] = cand
         best = new
     if best[n] is None:
-        leanest = StageMemory(memory.static, [x - s for x, s in zip(memory.activation, rc.full_saved)],
-                              memory.inflight, memory.workspace, memory.fixed, memory.step_transient,
-                              memory.recorded)
-        needed, bounds = min_memory_cut(leanest, n, num_stages)
-        stage = max(range(num_stages), key=lambda j: leanest(j, bounds[j], bounds[j + 1]))
-        raise MemoryCapError(f"no cut into {num_stages} stages fits {cap} bytes per stage even with every block "
-                             f"recomputed", needed, bounds, stage)
+        needed, bounds = _smallest_cap(seg, n, num_stages, options)
+        stage = max(range(num_stages), key=lambda j: seg.least_bytes(j, bounds[j], bounds[j + 1], options))
+        raise MemoryCapError(f"no cut into {num_stages} stages and no recomputation allowed fits {cap} bytes per "
+                             f"stage; the smallest cap that fits is {needed} bytes", needed, bounds, stage)
     return list(best[n][1]), list(best[n][2])
 
 
