@@ -7,19 +7,26 @@
   (tests/floor.py), through `build_engine` as `mpt train --recompute` composes it.
 * Kept bytes, measured: what autograd keeps for the backward (saved-tensor hooks), full < selective
   < none, and the figures the planner uses for what each mode drops.
+* The DeepSpeed keys (``pipeline.activation_checkpoint_interval``, ``activation_checkpointing``) read
+  and applied; bad requests refused in one line.
 """
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from model_zoo.gpt import GPT, GPTConfig, lm_loss
+from mp_toolkit.ds.config import read_ds_config
 from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import LayerList
 from mp_toolkit.partition.cost import ModelShape
 from mp_toolkit.partition.recompute import attention_core_bytes
 from mp_toolkit.recompute import RecomputeError, apply_recompute, parse_layer_counts, stage_choices
+from tests.cli_helpers import assert_one_line_exit_2
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within, assert_within
 from tests.oracle_tp_dp_workers import oracle_grid
@@ -151,3 +158,40 @@ def test_stage_choices_and_refusals():
     with pytest.raises(RecomputeError, match="no selective recomputation"):
         apply_recompute(plain, [0, 1], stage_choices("selective", None, 1))
     assert apply_recompute(plain, [0, 1], stage_choices("full", None, 1)) == {"h.0": "full"}
+
+
+def _ds_file(tmp_path, **blocks):
+    path = tmp_path / f"ds{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, **blocks}))
+    return path
+
+
+def test_deepspeed_keys_are_read_and_applied(tmp_path, capsys):
+    """``pipeline.activation_checkpoint_interval`` turns full recomputation on in a real `mpt train`
+    run; ``activation_checkpointing`` is honoured where it can be and refused in one line naming the
+    key where not."""
+    path = _ds_file(tmp_path, pipeline={"stages": 2, "activation_checkpoint_interval": 1},
+                    activation_checkpointing={"partition_activations": False, "contiguous_memory_optimization": True})
+    settings = read_ds_config(path)
+    assert settings.train_config_overrides()["recompute"] == "full"
+    assert settings.ignored == ("activation_checkpointing.contiguous_memory_optimization",)
+    assert read_ds_config(_ds_file(tmp_path, pipeline={"activation_checkpoint_interval": 0})).recompute is None
+    out = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", "train", "--config", str(path), "--model", "gpt-tiny",
+                          "--seq-len", "16", "--steps", "1", "--data", "synthetic", "--threads", "1", "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "--recompute full: stage 0: full x 2 of 2 blocks; stage 1: full x 2 of 2 blocks" in out.stdout
+    for key in ("partition_activations", "cpu_checkpointing"):
+        bad = _ds_file(tmp_path, activation_checkpointing={key: True})
+        assert_one_line_exit_2(capsys, ["train", "--config", bad, "--model", "gpt-tiny"],
+                               mentions=f"activation_checkpointing.{key} true is not supported")
+
+
+def test_train_refuses_in_one_line(capsys):
+    tiny = ["train", "--model", "gpt-tiny", "--seq-len", "16"]
+    assert_one_line_exit_2(capsys, tiny + ["--recompute", "auto"], mentions="--memory-gb")
+    assert_one_line_exit_2(capsys, tiny + ["--recompute", "full", "--recompute-layers", "1,1,1"],
+                           mentions="3 counts for 2 stages")
+    assert_one_line_exit_2(capsys, tiny + ["--recompute-layers", "a"], mentions="--recompute-layers")
+    assert_one_line_exit_2(capsys, tiny + ["--recompute", "full", "--engine", "deepspeed"],
+                           mentions="--recompute full is ours")

@@ -11,7 +11,8 @@ unless ``adam_w_mode`` is false), and train_batch_size = micro-batch x accumulat
 
 Understood: the batch keys, ``gradient_clipping``, ``fp16``, ``bf16`` (or the legacy ``bfloat16``),
 ``optimizer`` (Adam, AdamW, Lamb; Lars is mp_toolkit's own), ``scheduler`` (WarmupLR, WarmupDecayLR,
-WarmupCosineLR) and ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument).
+WarmupCosineLR), ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument), and
+``pipeline.activation_checkpoint_interval`` / ``activation_checkpointing`` (`mp_toolkit.ds.recompute`).
 mp_toolkit's extensions, which DeepSpeed's reader tolerates: ``pipeline.schedule``, ``pipeline.chunks``
 and explicit boundaries ("0,3,7") as ``partition_method``. Understood but unused keys (logging,
 profiling, ZeRO stage 0, ...) are listed in ``ignored``. Unknown keys fail where DeepSpeed fails
@@ -32,6 +33,7 @@ from typing import Any
 
 from mp_toolkit.run.config import SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.ds.json_doc import Block, load_json, show
+from mp_toolkit.ds.recompute import read_recompute
 from mp_toolkit.optim.loss_scaler import LossScaleSettings
 from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
@@ -125,6 +127,8 @@ class DeepSpeedSettings:
     """``pipeline.chunks`` (mp_toolkit's extension): model chunks per rank; None when absent."""
     ignored: tuple[str, ...] = ()
     """Dotted keys read but not used, sorted; unknown ones carry " (unknown)"."""
+    recompute: str | None = None
+    """``pipeline.activation_checkpoint_interval`` > 0: "full" (`mp_toolkit.ds.recompute`); None when off."""
 
     def _overrides(self) -> dict[str, Any]:
         """Every TrainConfig-style field the file determines, whether TrainConfig has it yet or not."""
@@ -158,6 +162,8 @@ class DeepSpeedSettings:
         for name in ("pp", "partition", "schedule", "chunks"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.recompute is not None:
+            out["recompute"] = self.recompute
         return out
 
     def train_config_overrides(self) -> dict[str, Any]:
@@ -393,10 +399,12 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1) -> DeepSpeedSettin
     precision, fp16 = _precision(root, ignored)
     optimizer = _optimizer(root, ignored)
     scheduler = _scheduler(root, optimizer, ignored)
+    recompute, honoured = read_recompute(root, ignored)
     pp, partition, schedule, chunks = _pipeline(root, ignored)
     _refused(root, ignored)
     root.finish(ignored, known=_IGNORED_TOP)
+    ignored = [k for k in ignored if k not in honoured]
     return DeepSpeedSettings(
         source=where, dp=dp, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
         gradient_clipping=clip, precision=precision, fp16=fp16, optimizer=optimizer, scheduler=scheduler, pp=pp,
-        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)))
+        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)), recompute=recompute)
