@@ -195,3 +195,50 @@ def test_train_refuses_in_one_line(capsys):
     assert_one_line_exit_2(capsys, tiny + ["--recompute-layers", "a"], mentions="--recompute-layers")
     assert_one_line_exit_2(capsys, tiny + ["--recompute", "full", "--engine", "deepspeed"],
                            mentions="--recompute full is ours")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert-pretraining"])
+def test_hf_layers_recompute_full_bitwise_and_refuse_selective(name, tmp_path, capsys):
+    """HF adapters' layers take ``full`` like any layer (dropout on where the family has it), under an
+    unsplit backward and under ZB-H1's split; ``selective`` is refused in one line, by the library and
+    by `mpt train --hf`."""
+    pytest.importorskip("transformers")
+    from mp_toolkit.hf import from_hf
+    from tests.hf_workers import causal_inputs, tiny_hf
+
+    drop = {"gpt2": dict(resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1),
+            "bert-pretraining": dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)}.get(name, {})
+
+    def grads(mode, split):
+        layers = from_hf(tiny_hf(name, train=True, **drop))
+        apply_recompute(layers, [0, len(layers)], stage_choices(mode, None, 1))
+        ids, mask = causal_inputs()
+        torch.manual_seed(3)
+        first = layers.layers[0](ids, mask) if name != "bert-pretraining" else layers.layers[0](ids, None, mask)
+        hidden = first[0].detach().requires_grad_(True)
+        rest = LayerList(list(zip(layers.names[1:], layers.layers[1:])))
+        out = rest(hidden, *first[1:])
+        loss = sum(o.float().square().mean() for o in (out if isinstance(out, tuple) else (out,)))
+        params = [p for layer in layers.layers[1:] for p in layer.parameters()]
+        if split:
+            (gin,), weight_pass = split_backward_input([loss], None, [hidden], params)
+            weight_pass.run() if weight_pass is not None else loss.backward(inputs=params)
+        else:
+            loss.backward()
+            gin = hidden.grad
+        return [gin] + [p.grad for p in params]
+
+    ref = grads("none", False)
+    for split in (False, True):
+        assert all(torch.equal(a, b) for a, b in zip(ref, grads("full", split))), split
+    layers = from_hf(tiny_hf(name))
+    with pytest.raises(RecomputeError, match="--recompute selective: layer"):
+        apply_recompute(layers, [0, len(layers)], stage_choices("selective", None, 1))
+    if name == "gpt2":
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar would reach capsys's stderr
+        tiny_hf(name).save_pretrained(tmp_path / "hf")
+        assert_one_line_exit_2(capsys, ["train", "--hf", tmp_path / "hf", "--pp", "1", "--seq-len", "16", "--data",
+                                        "synthetic", "--recompute", "selective"],
+                               mentions="has no selective recomputation")
