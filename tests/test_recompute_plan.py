@@ -1,7 +1,8 @@
 """The planner's recomputation (`mp_toolkit.partition.recompute`): its joint choice of cut and
 per-stage recomputation against brute force over every cut and every choice on small random
-instances, and `mpt plan` / `mpt train --recompute auto` applying it."""
+instances, and `mpt plan` / `mpt train --recompute auto` applying it; ``--schedule auto``."""
 
+import dataclasses
 import itertools
 import random
 import subprocess
@@ -9,12 +10,14 @@ import sys
 
 import pytest
 
+from mp_toolkit.partition import PartitionError
+from mp_toolkit.partition.auto_schedule import CANDIDATES, fastest_schedule
 from mp_toolkit.partition.memory import MemoryCapError, StageMemory
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.partition.recompute import RecomputeCosts, min_max_recompute, stage_options
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.config import TrainConfig
-from mp_toolkit.run.recompute_plan import auto_request
+from mp_toolkit.run.recompute_plan import auto_request, resolve_auto_schedule
 
 
 def _stage(memory: StageMemory, rc: RecomputeCosts, times, j, a, b, choice: StageRecompute, zbh1: bool):
@@ -129,3 +132,30 @@ def test_auto_needs_a_cap_and_selective_needs_a_family_that_has_it():
         make_plan(PlanRequest(model="gpt-tiny", pp=2, seq_len=32, method="flops", tflops=1.0, recompute="auto"))
     assert make_plan(PlanRequest(model="bert-tiny", pp=2, seq_len=64, method="flops", tflops=1.0,
                                  recompute="selective")).recompute[0].mode == "selective"
+
+
+def test_schedule_auto_takes_the_fastest_candidate_that_fits():
+    base = PlanRequest(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, tflops=0.1, method="memory",
+                       memory_gb=0.09, recompute="auto")
+    choice = fastest_schedule(base)
+    plans = {}
+    for schedule in CANDIDATES:
+        try:
+            plans[schedule] = make_plan(dataclasses.replace(base, schedule=schedule,
+                                                            chunks=2 if schedule == "interleaved" else 1))
+        except PartitionError:
+            continue
+    fitting = {k: p.step_time_ms for k, p in plans.items()
+               if all(s.memory_bytes <= 0.09e9 for s in p.stages)}
+    assert fitting and choice.plan.request.schedule == min(fitting, key=fitting.get)
+    assert choice.plan.step_time_ms == min(fitting.values())
+    unbounded = fastest_schedule(dataclasses.replace(base, method="flops", memory_gb=None, recompute="none"))
+    assert set(unbounded.considered) == set(CANDIDATES) and all("ms" in v for v in unbounded.considered.values())
+
+
+def test_train_schedule_auto_resolves_alike_and_says_so():
+    cfg = TrainConfig(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, schedule="auto")
+    first, line = resolve_auto_schedule(cfg)
+    again, _ = resolve_auto_schedule(cfg)
+    assert first == again and first.schedule in CANDIDATES and line.startswith("--schedule auto: ")
+    assert (first.chunks == 2) == (first.schedule == "interleaved")

@@ -59,7 +59,8 @@ def predict(w: Workload, config: Path, schedule: str, chunks: int, measure: bool
     torch.set_num_threads(w.threads)
     return make_plan(PlanRequest(model=str(config), pp=w.pp, micro_batch=w.micro_batch, microbatches=w.microbatches,
                                  seq_len=w.seq_len, dtype=w.precision, optimizer="adamw",
-                                 schedule=schedule, chunks=chunks, measure=measure, **{"method": "parameters", **request}))
+                                 schedule=schedule, chunks=chunks, measure=measure,
+                                 **{"method": "parameters", **request}))
 
 
 def per_rank(plan, pp: int) -> list[int]:
@@ -214,7 +215,8 @@ def compare_recompute(w: Workload, steps: int, timeout: float, measure_layers: b
     for r in rows:
         print(f"{r['recompute']:9s} {r['rank']:4d} {r['choice']:>22s} {r['pred_bytes'] / MB:8.1f} "
               f"{r['measured_bytes'] / MB:8.1f} {r['pred_bytes'] / r['measured_bytes'] - 1:+7.1%} "
-              f"{r['pred_step_ms']:8.0f} {r['measured_step_ms']:8.0f} {r['pred_step_ms'] / r['measured_step_ms'] - 1:+7.1%}")
+              f"{r['pred_step_ms']:8.0f} {r['measured_step_ms']:8.0f} "
+              f"{r['pred_step_ms'] / r['measured_step_ms'] - 1:+7.1%}")
     print(json.dumps({"bench": "memory-recompute", "date": time.strftime("%Y-%m-%d"), "nproc": os.cpu_count(),
                       "torch": torch.__version__, "workload": w.__dict__, "cap_gb": cap_gb, "rows": rows}))
 

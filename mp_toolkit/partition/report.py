@@ -46,7 +46,8 @@ def recompute_lines(plan: Plan) -> list[str]:
         return []
     names = [c.name for c in plan.layers]
     blocks = stage_blocks(names, plan.boundaries)
-    return [""] + [f"stage {j} recomputes: {c.describe(len(b))}" for j, (c, b) in enumerate(zip(plan.recompute, blocks))]
+    return [""] + [f"stage {j} recomputes: {c.describe(len(b))}"
+                    for j, (c, b) in enumerate(zip(plan.recompute, blocks))]
 
 
 def write_json(obj: dict, path: str | os.PathLike) -> None:

@@ -1,4 +1,4 @@
-"""The cut and the per-stage activation recomputation of an `mpt train` run.
+"""The cut and the per-stage activation recomputation of an `mpt train` run, and ``--schedule auto``.
 
 ``--recompute none|full|selective`` keeps the cut ``--partition`` names and recomputes the first
 ``--recompute-layers`` block layers of each stage (`mp_toolkit.recompute.stage_choices`).
@@ -9,8 +9,11 @@ depends on ratios of times only).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from mp_toolkit.layers import LayerList
 from mp_toolkit.partition import PartitionError
+from mp_toolkit.partition.auto_schedule import fastest_schedule
 from mp_toolkit.partition.cost import ACT_BYTES, CostModelError
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.recompute import RecomputeError, StageRecompute, apply_recompute, stage_blocks, stage_choices
@@ -61,3 +64,19 @@ def describe(layers: LayerList, boundaries: list[int], choices: list[StageRecomp
     """One line: each stage's recomputation."""
     blocks = stage_blocks(layers.names, boundaries)
     return "; ".join(f"stage {j}: {c.describe(len(b))}" for j, (c, b) in enumerate(zip(choices, blocks)))
+
+
+def resolve_auto_schedule(cfg: TrainConfig, chunks_given: bool = False) -> tuple[TrainConfig, str]:
+    """``--schedule auto``: ``cfg`` with the fastest schedule the planner predicts (FLOP times at
+    `AUTO_TFLOPS`, the cut ``--recompute auto`` or ``--partition flops`` would make, fitting
+    ``--memory-gb`` when given), and the line saying so."""
+    request = dataclasses.replace(auto_request(cfg), chunks=cfg.chunks if chunks_given else 1)
+    if cfg.recompute != "auto":
+        request = dataclasses.replace(request, method="flops", recompute=cfg.recompute,
+                                      recompute_layers=cfg.recompute_layers)
+    try:
+        choice = fastest_schedule(request)
+    except (PartitionError, CostModelError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    r = choice.plan.request
+    return dataclasses.replace(cfg, schedule=r.schedule, chunks=r.chunks), choice.describe()
