@@ -18,8 +18,8 @@ holds two stages (interleaved) is compared with the sum of their predictions.
     python tools/bench_memory.py --compare-free-sent --shape gpt-small-cpu   # issue 18, item 5
 
 ``--compare-recompute`` runs only our 1F1B with activation recomputation none, full and selective
-(every block of each stage; issue 19), and ``auto`` under a cap the planner says ``none`` cannot
-fit: per rank the peak resident memory (a ``memory`` run) and the step time (a second run without
+(every block of each stage; issue 19), and ``auto`` under a cap 5% below the least the planner says
+any cut fits without recomputation: per rank the peak resident memory (a ``memory`` run) and the step time (a second run without
 the memory instrumentation, which slows kernels), beside the planner's predictions (layers
 measured here unless ``--no-measure``).
 
@@ -178,15 +178,21 @@ def compare_free_sent(w: Workload, steps: int, timeout: float) -> None:
 
 
 def compare_recompute(w: Workload, steps: int, timeout: float, measure_layers: bool) -> None:
-    """Our 1F1B with recomputation none, full, selective and auto (under a cap 10% below what the
-    planner predicts for none): a table and one JSON line."""
+    """Our 1F1B with recomputation none, full, selective and auto (under a cap 5% below the least
+    the planner says any cut fits without recomputation): a table and one JSON line."""
+    from mp_toolkit.partition import PartitionError
+
     rows = []
     with tempfile.TemporaryDirectory() as d:
         config = Path(d, "config.json")
         config.write_text(json.dumps(w.gpt_config().to_dict()))
         plans = {mode: predict(w, config, "1f1b", 1, measure_layers, recompute=mode)
                  for mode in ("none", "full", "selective")}
-        cap_gb = 0.9 * max(s.memory_bytes for s in plans["none"].stages) / 1e9
+        try:  # the least cap any cut fits without recomputation (the planner names it when asked for less)
+            predict(w, config, "1f1b", 1, measure_layers, method="memory", memory_gb=1e-6)
+        except PartitionError as e:
+            least_none = e.needed_gb
+        cap_gb = 0.95 * least_none  # none cannot fit it, whatever the cut
         plans["auto"] = predict(w, config, "1f1b", 1, measure_layers, recompute="auto", method="memory",
                                 memory_gb=cap_gb)
     for mode, plan in plans.items():

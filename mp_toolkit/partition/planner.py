@@ -280,9 +280,11 @@ def make_plan(req: PlanRequest) -> Plan:
     except MemoryCapError as e:
         a, b = e.boundaries[e.stage], e.boundaries[e.stage + 1]
         need = e.needed * req.chunks / GB
-        raise PartitionError(f"--memory-gb {req.memory_gb:g} is too small: even the leanest cut puts "
-                             f"{need:.3g} GB on stage {e.stage} ({costs[a].name}..{costs[b - 1].name}); "
-                             f"use --memory-gb {_round_up(need)} or more") from None
+        error = PartitionError(f"--memory-gb {req.memory_gb:g} is too small: even the leanest cut puts "
+                               f"{need:.3g} GB on stage {e.stage} ({costs[a].name}..{costs[b - 1].name}); "
+                               f"use --memory-gb {_round_up(need)} or more")
+        error.needed_gb = need  # the least cap that fits, for programs (tools/bench_memory.py)
+        raise error from None
     memory, times, split = apply_to_plan(req, shape, costs, times, memory, bounds, choices, lt.split)
     stages = []
     shares = memory_shares(memory, bounds, schedule.stage_to_rank)
