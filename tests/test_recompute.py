@@ -102,10 +102,13 @@ def test_weight_pass_recomputes_a_block_once():
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("layout", [(1, 2, 1), (1, 1, 2)])
-def test_recompute_with_tp_or_dp_is_within_the_floor(layout):
+@pytest.mark.parametrize("layout,case", [((1, 2, 1), ("1f1b", 3, False, 25.0, "full")),
+                                         ((1, 2, 1), ("gpipe", 2, True, 25.0, "selective")),
+                                         ((1, 1, 2), ("1f1b", 3, True, 25.0, "full")),
+                                         ((1, 1, 2), ("gpipe", 2, False, 25.0, "selective"))])
+def test_recompute_with_tp_or_dp_is_within_the_floor(layout, case):
     pp, tp, dp = layout
-    cases = [("1f1b", 3, False, 25.0, "full"), ("gpipe", 2, True, 25.0, "selective")]
+    cases = [case]
     results = run_world(oracle_grid, pp * tp * dp, pp, tp, dp, cases, timeout_s=400)
     ratios = []
     for i, case in enumerate(cases):
