@@ -80,6 +80,8 @@ class PlanRequest:
     recompute_layers: tuple[int, ...] | None = None
     """full / selective: the first N block layers of every stage (one count), or of each stage (one
     count per stage); None: every block layer."""
+    recompute_modes: tuple[str, ...] = ("full", "selective")
+    """The modes ``recompute`` auto may choose (selective only where the family has it)."""
 
 
 @dataclass(frozen=True)

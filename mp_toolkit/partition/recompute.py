@@ -236,7 +236,7 @@ def choose_recompute(req, shape: ModelShape, costs: Sequence[LayerCost], times: 
         if req.method != "memory" or req.memory_gb is None:
             raise PartitionError("--recompute auto chooses with the cut under a memory cap: use --method memory "
                                  "--memory-gb GB")
-        modes = ("full", "selective") if shape.family in SELECTIVE_FAMILIES else ("full",)
+        modes = tuple(m for m in req.recompute_modes if m != "selective" or shape.family in SELECTIVE_FAMILIES)
         return min_max_recompute(per_layer, memory, rc, num_stages, _cap(req), stage_options(modes), zbh1)
     try:
         fixed = stage_choices(mode, req.recompute_layers, num_stages)

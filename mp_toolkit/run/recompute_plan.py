@@ -29,7 +29,8 @@ def auto_request(cfg: TrainConfig) -> PlanRequest:
     return PlanRequest(model=cfg.hf or cfg.model, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp, micro_batch=cfg.micro_batch,
                        microbatches=cfg.microbatches, seq_len=cfg.seq_len, method="memory", memory_gb=cfg.memory_gb,
                        dtype=cfg.precision if cfg.precision in ACT_BYTES else "fp32", optimizer=cfg.optimizer,
-                       schedule=cfg.schedule, chunks=cfg.chunks, tflops=AUTO_TFLOPS, recompute="auto")
+                       schedule=cfg.schedule, chunks=cfg.chunks, tflops=AUTO_TFLOPS, recompute="auto",
+                       recompute_modes=("full",) if cfg.hf is not None else ("full", "selective"))  # HF: full only
 
 
 def cut_and_recompute(cfg: TrainConfig, layers: LayerList, config, ctx=None) -> tuple[list[int], list[StageRecompute]]:
