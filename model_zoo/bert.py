@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from model_zoo.bert_config import ACTIVATIONS, PRESETS, BertConfig, get_config
 from model_zoo.bert_hf import hf_state_dict_map, load_hf_state_dict, to_hf_state_dict
 from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules, transformer_rules
+from model_zoo.recompute import attention_core
 
 __all__ = [
     "PRESETS", "TP_PLAN", "BertConfig", "BertForPreTraining", "get_config", "hf_state_dict_map",
@@ -108,14 +109,14 @@ class BertSelfAttention(nn.Module):
         # head_dim, not the head count, is fixed: a tensor-parallel split leaves fewer local heads.
         self.head_dim = C // config.num_attention_heads
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, recompute_core: bool = False) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, C') -> (B, nh, T, hs); C' = nh * hs is C, or C / tp after a tensor-parallel split
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.query, self.key, self.value))
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
-        )  # (B, nh, T, hs); scores scaled by 1/sqrt(hs) as in BERT
+        y = attention_core(q, k, v, recompute_core, attn_mask=mask,
+                           dropout_p=self.dropout_p if self.training else 0.0
+                           )  # (B, nh, T, hs); scores scaled by 1/sqrt(hs) as in BERT
         return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C')
 
 
@@ -140,8 +141,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertDenseNorm(config, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.output(self.self(x, mask), x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, recompute_core: bool = False) -> torch.Tensor:
+        return self.output(self.self(x, mask, recompute_core), x)
 
 
 class BertIntermediate(nn.Module):
@@ -157,7 +158,12 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """One post-LayerNorm encoder layer; (hidden, attention_mask) in and out."""
+    """One post-LayerNorm encoder layer; (hidden, attention_mask) in and out.
+
+    ``recompute`` as `model_zoo.gpt.GPTBlock`'s: "selective" runs the attention core again in the
+    backward."""
+
+    recompute: str = "none"
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -166,7 +172,7 @@ class BertLayer(nn.Module):
         self.output = BertDenseNorm(config, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.attention(x, additive_mask(attention_mask, x.dtype))
+        x = self.attention(x, additive_mask(attention_mask, x.dtype), self.recompute == "selective")
         return self.output(self.intermediate(x), x), attention_mask
 
 

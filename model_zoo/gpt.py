@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from model_zoo.config_io import check_type, read_config_json
 from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules, transformer_rules
+from model_zoo.recompute import attention_core
 
 import torch
 import torch.nn as nn
@@ -173,14 +174,13 @@ class CausalSelfAttention(nn.Module):
         # head_dim, not n_head, is fixed: a tensor-parallel split of qkv leaves fewer local heads.
         self.head_dim = C // config.n_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recompute_core: bool = False) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=2)  # (B, T, 3C') -> 3 x (B, T, C')
         # (B, T, C') -> (B, nh, T, hs); C' = nh * hs is C, or C / tp after a tensor-parallel split
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attn_pdrop if self.training else 0.0, is_causal=True
-        )  # (B, nh, T, hs)
+        y = attention_core(q, k, v, recompute_core, dropout_p=self.attn_pdrop if self.training else 0.0,
+                           is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, nh, T, hs) -> (B, T, C')
         return self.resid_drop(self.proj(y))  # (B, T, C)
 
@@ -200,7 +200,13 @@ class MLP(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
+
+    ``recompute`` (data, set after construction; one of `model_zoo.recompute.RECOMPUTE_MODES`):
+    "selective" runs the attention core again during the backward instead of keeping its tensors
+    (`model_zoo.recompute.attention_core`)."""
+
+    recompute: str = "none"
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -210,7 +216,7 @@ class GPTBlock(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+        x = x + self.attn(self.ln_1(x), recompute_core=self.recompute == "selective")
         return x + self.mlp(self.ln_2(x))
 
 

@@ -34,14 +34,17 @@ from mp_toolkit.ds.overrides import blame, ds_overrides, merge
 from mp_toolkit.parallel.context import GridError, check_grid
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.cost import CostModelError
+from mp_toolkit.partition.auto_schedule import fastest_schedule
 from mp_toolkit.partition.planner import MAX_MICROBATCHES, PLAN_METHODS, PlanRequest, make_plan
 from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
 from mp_toolkit.run.checks import validate
 from mp_toolkit.optim import master
 from mp_toolkit.optim.lamb import LAMB_RULES
+from mp_toolkit.recompute import MODES as RECOMPUTE_MODES, RecomputeError, parse_layer_counts
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
 from mp_toolkit.run.loop import run_training
+from mp_toolkit.run.recompute_plan import resolve_auto_schedule
 from mp_toolkit.run.skips import Diverged
 from mp_toolkit.run.state import PeerFailed
 from mp_toolkit.schedule import ScheduleError, simulate_report
@@ -70,6 +73,7 @@ class _Unset:
 
 
 _UNSET = _Unset()
+RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mpt", description="Pipeline model-parallel training for Transformers.")
@@ -102,7 +106,8 @@ def _add_train_parser(sub) -> None:
     opt("--dp", type=int, help="data-parallel replicas (the global batch is dp x microbatches); under a launcher "
                                "with --config, world size / (pp x tp) as DeepSpeed computes it")
     opt("--dp-bucket-mb", type=float, help="MiB of gradients per data-parallel all-reduce")
-    opt("--schedule", type=str.lower, choices=SCHEDULES)
+    opt("--schedule", type=str.lower, choices=(*SCHEDULES, "auto"),
+        help="auto: the fastest the planner predicts (FLOP times) that fits (--memory-gb when given)")
     opt("--engine", type=str.lower, choices=ENGINES, help=f"pipeline engine (default {d.engine}); deepspeed: "
         "DeepSpeed's PipelineEngine with this cut and optimizer (1F1B, pp x dp)")
     opt("--chunks", type=int, help="model chunks per rank (interleaved; default 2)")
@@ -155,6 +160,12 @@ def _add_train_parser(sub) -> None:
                                      "from the latest checkpoint (needs --save-dir and --save-every)")
     opt("--max-skips", type=int, help=f"stop after N consecutive steps skipped for non-finite loss or gradients "
                                       f"(default {d.max_skips})")
+    opt("--recompute", type=str.lower, choices=RECOMPUTE_CHOICES,
+        help="activation recomputation: none, full (whole blocks), selective (attention core), or auto "
+             "(per stage, with the cut, to fit --memory-gb at the least predicted time)")
+    opt("--recompute-layers", type=_layer_counts, metavar="N[,N...]",
+        help="recompute the first N block layers of every stage, or one count per stage (default: all)")
+    opt("--memory-gb", type=float, help="per-rank memory cap that --recompute auto plans for")
 
 
 def _add_plan_parser(sub) -> None:
@@ -170,7 +181,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory cap")
     p.add_argument("--dtype", default=d.dtype, type=str.lower, choices=tuple(master.PRECISIONS))
     p.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
-    p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=SCHEDULES)
+    p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=(*SCHEDULES, "auto"),
+                   help="auto: the fastest predicted schedule that fits --memory-gb")
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     p.add_argument("--tflops", type=float, default=None, help="device TFLOP/s for FLOP-based times (default: measured here)")
     p.add_argument("--measure", action="store_true", help="time every layer here whatever the method")
@@ -185,6 +197,17 @@ def _add_plan_parser(sub) -> None:
                    "modules (mpt train --hf): count what they keep")
     p.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
     p.add_argument("--gantt", type=Path, default=None, help="draw the predicted schedule (.png or .svg)")
+    p.add_argument("--recompute", default=d.recompute, type=str.lower, choices=RECOMPUTE_CHOICES,
+                   help="none, full, selective, or auto (with --method memory: chosen per stage with the cut)")
+    p.add_argument("--recompute-layers", type=_layer_counts, default=None, metavar="N[,N...]",
+                   help="first N block layers of every stage, or one count per stage (default: all)")
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        return parse_layer_counts(text)
+    except RecomputeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_simulate_parser(sub) -> None:
@@ -222,6 +245,9 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
     env = launcher_env()
     given, from_file, notes = _sources(args, env.world_size if env is not None else None)
     cfg = merge(given, from_file)
+    if cfg.schedule == "auto":  # every rank resolves it alike (FLOP times: arithmetic)
+        cfg, line = resolve_auto_schedule(cfg, chunks_given="chunks" in given)
+        notes = [*notes, line]
     try:
         validate(cfg)  # no process group needed: every rank fails the same way before any talks
     except ConfigError as e:
@@ -279,6 +305,15 @@ def _chunks(args: argparse.Namespace) -> int:
     return args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
 
 
+def _make_plan(req: PlanRequest):
+    """The plan of ``req``; ``--schedule auto`` plans every candidate and says which it took."""
+    if req.schedule != "auto":
+        return make_plan(req)
+    choice = fastest_schedule(req)
+    print(choice.describe())
+    return choice.plan
+
+
 def _plan(args: argparse.Namespace) -> int:
     req = PlanRequest(
         model=args.model, pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch,
@@ -286,10 +321,10 @@ def _plan(args: argparse.Namespace) -> int:
         dtype=args.dtype, optimizer=args.optimizer, schedule=args.schedule, chunks=_chunks(args),
         tflops=args.tflops, measure=args.measure, threads=args.threads, load=args.load,
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
-        mem_gbps=args.mem_gbps, hf=args.hf,
+        mem_gbps=args.mem_gbps, hf=args.hf, recompute=args.recompute, recompute_layers=args.recompute_layers,
     )
     _check_output(args.gantt)
-    plan = make_plan(req)
+    plan = _make_plan(req)
     print(format_plan(plan))
     if args.json:
         write_json(plan.to_json(), args.json)

@@ -14,16 +14,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 TieGroup = tuple[tuple[str, str], ...]  # ((layer name, parameter path inside that layer), ...)
 
 
 def run_layers(layers: Sequence[nn.Module], *inputs):
-    """Run ``layers`` in order; a tuple output is unpacked into the next layer's arguments."""
+    """Run ``layers`` in order; a tuple output is unpacked into the next layer's arguments.
+
+    A layer whose ``recompute`` attribute is "full" keeps only its inputs for the backward and runs
+    its forward again there (torch's non-reentrant checkpoint, which restores the random state
+    first, so dropout masks are the same; `mp_toolkit.recompute`)."""
     x = inputs
     for layer in layers:
-        x = layer(*x) if isinstance(x, tuple) else layer(x)
+        args = x if isinstance(x, tuple) else (x,)
+        if getattr(layer, "recompute", "none") == "full" and torch.is_grad_enabled():
+            x = checkpoint(layer, *args, use_reentrant=False)
+        else:
+            x = layer(*args)
     return x
 
 

@@ -132,10 +132,11 @@ def _log_dp_calls(engine) -> list:
     return calls
 
 
-def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb):
+def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none"):
     """One case on this rank. Every approximate figure comes back as (err, floor): the parallel
     result's and the fp32 single process's relative error against the float64 reference
-    (tests/floor.py); the test bounds one by a multiple of the other."""
+    (tests/floor.py); the test bounds one by a multiple of the other. ``recompute``: the run's
+    ``--recompute`` (the reference never recomputes)."""
     from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
 
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
@@ -145,7 +146,7 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb):
     train_cfg = TrainConfig(model="gpt-tiny", pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,
                             partition="uniform", optimizer="lamb", lr=LR, weight_decay=WD, clip_grad=CLIP,
                             precision="fp32", dp_bucket_mb=bucket_mb,
-                            chunks=2 if schedule == "interleaved" else 1)
+                            chunks=2 if schedule == "interleaved" else 1, recompute=recompute)
     torch.manual_seed(0)
     with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers and shards
         model = GPT(cfg)

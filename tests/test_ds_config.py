@@ -262,8 +262,8 @@ def test_pipeline_stages_and_partition_method(method, partition):
     s = read(pipeline={"stages": 4, "partition_method": method, "seed_layers": True, "activation_checkpoint_interval": 1})
     assert (s.pp, s.partition) == (4, partition)
     o = s.train_config_overrides()
-    assert (o["pp"], o["partition"]) == (4, partition)
-    assert s.ignored == ("pipeline.activation_checkpoint_interval", "pipeline.seed_layers")
+    assert (o["pp"], o["partition"], o["recompute"]) == (4, partition, "full")  # the interval: --recompute full
+    assert s.ignored == ("pipeline.seed_layers",)
 
 
 @pytest.mark.parametrize("name,ours", [("GPipe", "gpipe"), ("1F1B", "1f1b"), ("Interleaved1F1B", "interleaved"),
@@ -294,11 +294,11 @@ def test_pipeline_errors(pipeline, message):
 
 def test_understood_but_ignored_and_unknown_keys_are_listed():
     s = read(steps_per_print=10, wall_clock_breakdown=True, communication_data_type="fp32", prescale_gradients=False,
-             gradient_predivide_factor=2.0, activation_checkpointing={"partition_activations": True},
+             gradient_predivide_factor=2.0, activation_checkpointing={"partition_activations": False, "profile": True},
              flops_profiler={"enabled": False}, tensorboard={"enabled": True}, wandb={"enabled": False},
              zero_optimization={"stage": 0, "reduce_bucket_size": 5e8}, my_setting=1,
              pipeline={"stages": 2, "shedule": "1f1b"}, optimizer={"type": "Lamb", "legacy_fusion": False, "foo": 1})
-    assert s.ignored == ("activation_checkpointing", "communication_data_type", "flops_profiler",
+    assert s.ignored == ("activation_checkpointing.profile", "communication_data_type", "flops_profiler",
                          "gradient_predivide_factor", "my_setting (unknown)", "optimizer.foo (unknown)",
                          "optimizer.legacy_fusion", "pipeline.shedule (unknown)", "prescale_gradients",
                          "steps_per_print", "wall_clock_breakdown", "zero_optimization")  # monitors: mapped

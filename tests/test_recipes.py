@@ -55,7 +55,7 @@ def test_bert_recipe_config_parses(dp, gas):
     assert (s.precision, s.fp16.loss_scale, s.fp16.hysteresis, s.pp, s.partition) == ("fp16", 0.0, 2, 2, "uniform")
     assert (s.optimizer.name, s.optimizer.lr, s.optimizer.eps, s.optimizer.bias_correction) == ("lamb", 6e-3, 1e-6, True)
     assert s.scheduler == WarmupLR(warmup_min_lr=0.0, warmup_max_lr=6e-3, warmup_num_steps=2000, warmup_type="linear")
-    assert "pipeline.activation_checkpoint_interval" in s.ignored
+    assert s.recompute is None and "pipeline.activation_checkpoint_interval" not in s.ignored  # 0: read, off
 
 
 def losses(path):

@@ -17,6 +17,14 @@ holds two stages (interleaved) is compared with the sum of their predictions.
     python tools/bench_memory.py --precision bf16 --no-measure --ours-only
     python tools/bench_memory.py --compare-free-sent --shape gpt-small-cpu   # issue 18, item 5
 
+``--compare-recompute`` runs only our 1F1B with activation recomputation none, full and selective
+(every block of each stage; issue 19), and ``auto`` under a cap 5% below the least the planner says
+any cut fits without recomputation: per rank the peak resident memory (a ``memory`` run) and the step time (a second run without
+the memory instrumentation, which slows kernels), beside the planner's predictions (layers
+measured here unless ``--no-measure``).
+
+    python tools/bench_memory.py --compare-recompute --shape gpt-small-cpu
+
 ``--no-free-sent`` runs our engine with ``free_sent_outputs=False`` (every stage output kept whole
 until its backward). ``--compare-free-sent`` instead runs only our 1F1B, with the switch on and
 then off, and reports per rank the peak RSS and the peak bytes held for stage outputs (stored
@@ -45,13 +53,14 @@ MB = 1e6
 SCHEDULES = [("GPipe", "gpipe", 1), ("1F1B", "1f1b", 1), ("ZBH1", "zbh1", 1), ("Interleaved1F1B x2", "interleaved", 2)]
 
 
-def predict(w: Workload, config: Path, schedule: str, chunks: int, measure: bool):
+def predict(w: Workload, config: Path, schedule: str, chunks: int, measure: bool, **request):
     from mp_toolkit.partition.planner import PlanRequest, make_plan
 
     torch.set_num_threads(w.threads)
     return make_plan(PlanRequest(model=str(config), pp=w.pp, micro_batch=w.micro_batch, microbatches=w.microbatches,
-                                 seq_len=w.seq_len, method="parameters", dtype=w.precision, optimizer="adamw",
-                                 schedule=schedule, chunks=chunks, measure=measure))
+                                 seq_len=w.seq_len, dtype=w.precision, optimizer="adamw",
+                                 schedule=schedule, chunks=chunks, measure=measure,
+                                 **{"method": "parameters", **request}))
 
 
 def per_rank(plan, pp: int) -> list[int]:
@@ -84,11 +93,17 @@ def main() -> None:
                     help="free_sent_outputs of our engine (default on)")
     ap.add_argument("--compare-free-sent", action="store_true",
                     help="only our 1F1B, free_sent_outputs on then off: peak RSS and peak bytes held for stage outputs")
+    ap.add_argument("--compare-recompute", action="store_true",
+                    help="only our 1F1B with --recompute none / full / selective / auto: peak memory and step time "
+                         "beside the planner's predictions")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     args = ap.parse_args()
     w = Workload(precision=args.precision, **SHAPES[args.shape])
     if args.compare_free_sent:
         compare_free_sent(w, args.steps, args.timeout)
+        return
+    if args.compare_recompute:
+        compare_recompute(w, args.steps, args.timeout, measure_layers=not args.no_measure)
         return
     rows, errors = [], {}
     with tempfile.TemporaryDirectory() as d:
@@ -160,6 +175,56 @@ def compare_free_sent(w: Workload, steps: int, timeout: float) -> None:
               f"{r['freed_bytes_last_step']:15,d} {r['peak_rss_bytes'] / MB:12.1f}")
     print(json.dumps({"bench": "memory-free-sent", "date": time.strftime("%Y-%m-%d"), "nproc": os.cpu_count(),
                       "torch": torch.__version__, "workload": w.__dict__, "rows": rows}))
+
+
+def compare_recompute(w: Workload, steps: int, timeout: float, measure_layers: bool) -> None:
+    """Our 1F1B with recomputation none, full, selective and auto (under a cap 5% below the least
+    the planner says any cut fits without recomputation): a table and one JSON line."""
+    from mp_toolkit.partition import PartitionError
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        config = Path(d, "config.json")
+        config.write_text(json.dumps(w.gpt_config().to_dict()))
+        plans = {mode: predict(w, config, "1f1b", 1, measure_layers, recompute=mode)
+                 for mode in ("none", "full", "selective")}
+        try:  # the least cap any cut fits without recomputation (the planner names it when asked for less)
+            predict(w, config, "1f1b", 1, measure_layers, method="memory", memory_gb=1e-6)
+        except PartitionError as e:
+            least_none = e.needed_gb
+        cap_gb = 0.95 * least_none  # none cannot fit it, whatever the cut
+        plans["auto"] = predict(w, config, "1f1b", 1, measure_layers, recompute="auto", method="memory",
+                                memory_gb=cap_gb)
+    for mode, plan in plans.items():
+        spec = {"peer": "mpt", "schedule": "1f1b", "boundaries": list(plan.boundaries),
+                "recompute": [[c.mode, c.layers] for c in plan.recompute]}
+        memory = measure(w, spec, steps, timeout)
+        timed = run_ranks({**spec, "workload": w.__dict__, "warmup": 1, "steps": steps}, w.pp, timeout_s=timeout,
+                          threads=w.threads)
+        step_s = [max(r["times"][i] for r in timed) for i in range(1, len(timed[0]["times"]))]  # after warm-up
+        for r in memory:
+            stage = plan.stages[r["rank"]]
+            rows.append({"recompute": mode, "rank": r["rank"], "cut": list(plan.boundaries),
+                         "choice": plan.recompute[r["rank"]].describe(
+                             sum(n.rsplit(".", 1)[-1].isdigit() for n in
+                                 [c.name for c in plan.layers[stage.first_layer:stage.last_layer + 1]]))
+                         if plan.recompute else "none",
+                         "pred_bytes": stage.memory_bytes, "measured_bytes": r["peak_bytes"],
+                         "pred_step_ms": plan.step_time_ms, "measured_step_ms": 1e3 * min(step_s)})
+        print(f"{mode:9s} cut {plan.boundaries}: peak " + " / ".join(f"{r['peak_bytes'] / MB:.1f}" for r in memory)
+              + f" MB, step {1e3 * min(step_s):.0f} ms (predicted {plan.step_time_ms:.0f} ms)", flush=True)
+    print(f"\n1F1B, pp={w.pp}: {w.n_layer} x {w.n_embd}, vocab {w.vocab}, {w.microbatches} micro-batches of "
+          f"{w.micro_batch} x {w.seq_len}, {w.precision}, AdamW; auto under a {cap_gb:.3f} GB cap; peak RSS above the "
+          f"pre-model baseline; step time: the fastest of {steps} steps after a warm-up")
+    print(f"{'recompute':9s} {'rank':>4s} {'choice':>22s} {'pred MB':>8s} {'meas MB':>8s} {'error':>7s} "
+          f"{'pred ms':>8s} {'meas ms':>8s} {'error':>7s}")
+    for r in rows:
+        print(f"{r['recompute']:9s} {r['rank']:4d} {r['choice']:>22s} {r['pred_bytes'] / MB:8.1f} "
+              f"{r['measured_bytes'] / MB:8.1f} {r['pred_bytes'] / r['measured_bytes'] - 1:+7.1%} "
+              f"{r['pred_step_ms']:8.0f} {r['measured_step_ms']:8.0f} "
+              f"{r['pred_step_ms'] / r['measured_step_ms'] - 1:+7.1%}")
+    print(json.dumps({"bench": "memory-recompute", "date": time.strftime("%Y-%m-%d"), "nproc": os.cpu_count(),
+                      "torch": torch.__version__, "workload": w.__dict__, "cap_gb": cap_gb, "rows": rows}))
 
 
 def print_table(rows: list[dict], w: Workload) -> None:

@@ -149,6 +149,10 @@ class MptPeer:
         chunks = spec.get("chunks", 1)
         layers = LayerList.from_model(build_gpt(w))
         self.boundaries = spec.get("boundaries") or plan_boundaries(layers, w.pp, "parameters", chunks)
+        if spec.get("recompute"):  # [[mode, layers or None], ...] per stage (`mp_toolkit.recompute`)
+            from mp_toolkit.recompute import StageRecompute, apply_recompute
+
+            apply_recompute(layers, self.boundaries, [StageRecompute(m, n) for m, n in spec["recompute"]])
         self.engine = PipelineEngine(layers, ctx, self.boundaries, w.microbatches, spec["schedule"],
                                      optimizer=lambda named: optimizer(w, spec, named), loss_fn=lm_loss,
                                      clip_grad=None, precision=w.precision, chunks=chunks,

@@ -15,7 +15,8 @@ clamped, biases and norm weights included.
 
 Understood: the batch keys, ``gradient_clipping``, ``fp16``, ``bf16`` (or the legacy ``bfloat16``),
 ``optimizer`` (Adam, AdamW, Lamb; Lars is mp_toolkit's own), ``scheduler`` (WarmupLR, WarmupDecayLR,
-WarmupCosineLR), ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument) and
+WarmupCosineLR), ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument),
+``pipeline.activation_checkpoint_interval`` / ``activation_checkpointing`` (`mp_toolkit.ds.recompute`) and
 the monitors ``tensorboard``, ``csv_monitor`` and ``wandb`` (`_monitors`).
 mp_toolkit's extensions, which DeepSpeed's reader tolerates: ``pipeline.schedule``, ``pipeline.chunks``
 and explicit boundaries ("0,3,7") as ``partition_method``. Understood but unused keys (logging,
@@ -40,6 +41,7 @@ from typing import Any
 from mp_toolkit.run.config import SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.ds.defaults import DeepSpeedDefaults, deepspeed_defaults
 from mp_toolkit.ds.json_doc import Block, load_json, show
+from mp_toolkit.ds.recompute import read_recompute
 from mp_toolkit.optim.loss_scaler import LossScaleSettings
 from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
@@ -138,6 +140,8 @@ class DeepSpeedSettings:
     defaults: str = ""
     """Whose defaults filled the absent keys: "DeepSpeed 0.19.8" (the installed one), or 0.19.x's documented
     ones ("DeepSpeed 0.19.x (its documented defaults: deepspeed is not installed)")."""
+    recompute: str | None = None
+    """``pipeline.activation_checkpoint_interval`` > 0: "full" (`mp_toolkit.ds.recompute`); None when off."""
 
     def _overrides(self) -> dict[str, Any]:
         """Every TrainConfig-style field the file determines, whether TrainConfig has it yet or not."""
@@ -173,6 +177,8 @@ class DeepSpeedSettings:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out.update(self.monitors)
+        if self.recompute is not None:
+            out["recompute"] = self.recompute
         return out
 
     def train_config_overrides(self) -> dict[str, Any]:
@@ -456,11 +462,14 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1,
         raise ConfigError(f"{where}: optimizer.type {optimizer.type} with fp16.loss_scale {fp16.loss_scale:g}: "
                           "DeepSpeed's Lamb requires dynamic loss scaling: set fp16.loss_scale to 0")
     scheduler = _scheduler(root, optimizer, ignored)
+    recompute, honoured = read_recompute(root, ignored)
     pp, partition, schedule, chunks = _pipeline(root, ignored)
     _refused(root, ignored)
     monitors = _monitors(root, ignored)
     root.finish(ignored, known=_IGNORED_TOP)
+    ignored = [k for k in ignored if k not in honoured]
     return DeepSpeedSettings(
         source=where, dp=dp, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
         gradient_clipping=clip, precision=precision, fp16=fp16, optimizer=optimizer, scheduler=scheduler, pp=pp,
-        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)), monitors=monitors, defaults=ds.source)
+        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)), monitors=monitors, defaults=ds.source,
+        recompute=recompute)

@@ -29,7 +29,8 @@ _DS_KEYS = {"pp": "pipeline.stages", "partition": "pipeline.partition_method", "
             "trust_coefficient": "optimizer.params.trust_coefficient", "min_lr": "scheduler.params",
             "warmup_steps": "scheduler.params.warmup_num_steps", "loss_scale": "fp16.loss_scale",
             "min_loss_scale": "fp16.min_loss_scale", "hysteresis": "fp16.hysteresis",
-            "loss_scale_window": "fp16.loss_scale_window", "initial_scale_power": "fp16.initial_scale_power"}
+            "loss_scale_window": "fp16.loss_scale_window", "initial_scale_power": "fp16.initial_scale_power",
+            "recompute": "pipeline.activation_checkpoint_interval"}
 
 
 def flag_name(field: str) -> str:

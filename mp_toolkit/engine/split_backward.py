@@ -28,10 +28,19 @@ other (a weight used twice in a row: its second use's gradient already includes 
 path, so re-entering at both would count it twice), or an intermediate that is a custom
 ``autograd.Function`` (its backward computes every output whatever is asked, and may communicate:
 running it again in ``W`` would repeat that work and its collectives).
+
+With activation recomputation (`mp_toolkit.recompute`: torch's non-reentrant checkpoint) the graph
+is the same graph; only its saved tensors are dropped after the forward and rebuilt on first use in
+each backward call, from the restored random state, so both ``I`` and ``W`` see bitwise the values
+an unsplit backward sees. ``I`` is one backward call (one recomputation of each region it enters);
+``W``'s calls run under one `GraphExecGroup` where torch has it (>= 2.9), so a region is recomputed
+once for all groups, not once per group (its groups touch disjoint saved tensors, which is what
+such a group requires); older torch recomputes per group, with the same result.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.utils import checkpoint as torch_checkpoint
 
 
 @dataclass
@@ -58,6 +68,11 @@ class WeightPass:
 
     def run(self) -> None:
         """Add every group's weight gradients to ``.grad`` (groups in parameter order)."""
+        with one_recomputation():
+            self._run_groups()
+        self.recorded.clear()
+
+    def _run_groups(self) -> None:
         for group in self.groups:
             edges, grads = [], []
             for node in group.nodes:
@@ -73,7 +88,13 @@ class WeightPass:
             for p, g in zip(group.params, got):
                 if g is not None:
                     _accumulate(p, g)
-        self.recorded.clear()
+
+
+def one_recomputation():
+    """A context under which several backward calls recompute a checkpointed region once (torch's
+    `GraphExecGroup`, torch >= 2.9); a no-op context on older torch."""
+    group = getattr(torch_checkpoint, "GraphExecGroup", None)
+    return group() if group is not None else contextlib.nullcontext()
 
 
 def _accumulate(p: torch.nn.Parameter, g: torch.Tensor) -> None:

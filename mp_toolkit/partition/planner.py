@@ -28,6 +28,7 @@ from mp_toolkit.schedule import get_schedule, simulate
 from .build import measure_model
 from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape, step_bytes_per_param
 from .memory import MemoryCapError, StageMemory, min_max_memory
+from .recompute import apply_to_plan, choose_recompute
 from .solvers import PartitionError, min_max, uniform
 
 PLAN_METHODS = ("uniform", "parameters", "flops", "time", "type:REGEX", "memory")
@@ -76,6 +77,14 @@ class PlanRequest:
     hf: bool = False
     """The model is a HuggingFace config trained from transformers' own modules (``mpt train --hf``):
     count what they keep (`ModelShape.hf_modules`); formula times only."""
+    recompute: str = "none"
+    """Activation recomputation: none, full, selective (`mp_toolkit.recompute`), or auto: per stage,
+    chosen jointly with the cut (``method`` memory), the fastest that fits ``memory_gb``."""
+    recompute_layers: tuple[int, ...] | None = None
+    """full / selective: the first N block layers of every stage (one count), or of each stage (one
+    count per stage); None: every block layer."""
+    recompute_modes: tuple[str, ...] = ("full", "selective")
+    """The modes ``recompute`` auto may choose (selective only where the family has it)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,8 @@ class Plan:
     time_source: str
     warnings: list[str] = field(default_factory=list)
     timeline: object = None
+    recompute: list = field(default_factory=list)
+    """Per stage, its `mp_toolkit.recompute.StageRecompute` (empty: none anywhere)."""
 
     @property
     def max_stage_time_ms(self) -> float:
@@ -121,6 +132,7 @@ class Plan:
                        for s in self.stages],
             "max_stage_time_ms": self.max_stage_time_ms, "bubble_fraction": self.bubble_fraction,
             "step_time_ms": self.step_time_ms, "tokens_per_s": self.tokens_per_s,
+            **({"recompute": [{"mode": c.mode, "layers": c.layers} for c in self.recompute]} if self.recompute else {}),
         }
 
 
@@ -267,20 +279,24 @@ def make_plan(req: PlanRequest) -> Plan:
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], fixed=2 * msg_in + residue,
                          step_transient=step_bytes, recorded=lt.recorded)
     try:
-        bounds = cut(req, costs, times, memory, num_stages)
+        bounds, choices = choose_recompute(req, shape, costs, times, memory, num_stages, lambda: cut(
+            req, costs, times, memory, num_stages))
     except MemoryCapError as e:
         a, b = e.boundaries[e.stage], e.boundaries[e.stage + 1]
         need = e.needed * req.chunks / GB
-        raise PartitionError(f"--memory-gb {req.memory_gb:g} is too small: even the leanest cut puts "
-                             f"{need:.3g} GB on stage {e.stage} ({costs[a].name}..{costs[b - 1].name}); "
-                             f"use --memory-gb {_round_up(need)} or more") from None
+        error = PartitionError(f"--memory-gb {req.memory_gb:g} is too small: even the leanest cut puts "
+                               f"{need:.3g} GB on stage {e.stage} ({costs[a].name}..{costs[b - 1].name}); "
+                               f"use --memory-gb {_round_up(need)} or more")
+        error.needed_gb = need  # the least cap that fits, for programs (tools/bench_memory.py)
+        raise error from None
+    memory, times, split = apply_to_plan(req, shape, costs, times, memory, bounds, choices, lt.split)
     stages = []
     shares = memory_shares(memory, bounds, schedule.stage_to_rank)
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         fwd, bwd = sum(t[0] for t in times[a:b]), sum(t[1] for t in times[a:b])
         stages.append(StagePlan(s, a, b - 1, sum(c.params for c in costs[a:b]), 1e3 * (fwd + bwd),
                                 shares[s], 1e3 * fwd, 1e3 * bwd, 1e3 * sum(opt_s[a:b])))
-    stage_costs = {st.index: {"F": st.forward_ms, "B": st.backward_ms, **_split_backward_ms(st, bounds, lt.split)}
+    stage_costs = {st.index: {"F": st.forward_ms, "B": st.backward_ms, **_split_backward_ms(st, bounds, split)}
                    for st in stages}
     out_bytes = [costs[b - 1].output_bytes for b in bounds[1:]]
 
@@ -302,7 +318,7 @@ def make_plan(req: PlanRequest) -> Plan:
     step_ms = timeline.step_time + max(per_rank_opt)
     tokens = req.microbatches * req.micro_batch * req.seq_len * req.dp
     plan = Plan(req, costs, bounds, stages, timeline.bubble_fraction, step_ms, tokens / (step_ms / 1e3),
-                source, timeline=timeline)
+                source, timeline=timeline, recompute=choices)
     plan.warnings.extend(_memory_warnings(req, plan, schedule))
     return plan
 

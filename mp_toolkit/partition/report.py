@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+from mp_toolkit.recompute import stage_blocks
 from mp_toolkit.schedule import draw_gantt
 
 from .planner import GB, Plan
@@ -32,10 +33,21 @@ def format_plan(plan: Plan) -> str:
     lines = [head, ""]
     for row in rows:
         lines.append("  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    lines += recompute_lines(plan)
     lines += ["", f"bubble fraction {plan.bubble_fraction:.3f}   step time {plan.step_time_ms:.2f} ms   "
                   f"{plan.tokens_per_s:,.0f} tokens/s   slowest stage {plan.max_stage_time_ms:.3f} ms"]
     lines += plan.warnings
     return "\n".join(lines)
+
+
+def recompute_lines(plan: Plan) -> list[str]:
+    """One line per stage saying which of its blocks recompute (none when the plan recomputes nothing)."""
+    if not plan.recompute:
+        return []
+    names = [c.name for c in plan.layers]
+    blocks = stage_blocks(names, plan.boundaries)
+    return [""] + [f"stage {j} recomputes: {c.describe(len(b))}"
+                    for j, (c, b) in enumerate(zip(plan.recompute, blocks))]
 
 
 def write_json(obj: dict, path: str | os.PathLike) -> None:

@@ -14,7 +14,7 @@ from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import OptimizerOptions, check_optimizer_options
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
 from mp_toolkit.run.config import ConfigError, TrainConfig
-from mp_toolkit.run.cut import CutWorkload, plan_boundaries
+from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute
 from mp_toolkit.run.families import ModelSpec, resolve_hf, resolve_model
 from mp_toolkit.run.loggers import check_loggers
 from mp_toolkit.schedule import get_schedule
@@ -90,7 +90,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
     with torch.device("meta"):
         layers = LayerList.from_model(spec.build())
-    plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks, CutWorkload.of(cfg, spec.config))
+    if cfg.recompute != "none" and cfg.engine != "mp_toolkit":
+        raise ConfigError(f"--recompute {cfg.recompute} is ours: --engine {cfg.engine} runs DeepSpeed's pipeline "
+                          "(use --engine mp_toolkit, or --recompute none)")
+    if cfg.memory_gb is not None and not (cfg.memory_gb > 0 and math.isfinite(cfg.memory_gb)):
+        raise ConfigError(f"--memory-gb {cfg.memory_gb} must be a positive finite number")
+    apply_choices(layers, *cut_and_recompute(cfg, layers, spec.config))  # refuses selective where unsupported
     try:
         get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks)
     except ValueError as e:

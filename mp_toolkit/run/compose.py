@@ -18,6 +18,7 @@ from mp_toolkit.parallel.materialize import is_meta, materialize, rank_layers
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.cut import CutWorkload, config_of, plan_boundaries
 from mp_toolkit.run.families import loss_function, tensor_parallel
+from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute, describe
 from mp_toolkit.schedule import get_schedule
 
 
@@ -26,7 +27,8 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
     The order matters:
 
     1. Plan the pipeline cut on the *unsplit* layer list (boundaries are data), so every tp degree
-       cuts the model at the same layers.
+       cuts the model at the same layers; with it, which block layers of each stage recompute their
+       activations (``--recompute``; auto: chosen with the cut by the planner).
     2. Tensor parallelism: `apply_tensor_parallel` (an HF model: `apply_hf_tensor_parallel`) swaps
        the modules the model's TP plan names for this rank's shards over the whole list at once,
        so the tied embedding and LM head (MLM decoder), which may land on different stages, are
@@ -41,16 +43,20 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
        (a model built for real: they are freed with ``model`` once the caller drops it).
     5. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
        once its backward is done; nothing is wrapped, the modules stay plain.
+    Recomputation is data on the layers (their ``recompute`` attribute, set after the split, on
+    whatever modules the list then holds; `mp_toolkit.recompute`).
 
     ``model`` must be built identically on every rank (same seed): each keeps its own slice.
     ``values=False`` (a run that resumes): step 3 gives storage only, the checkpoint fills it.
     """
     layers = LayerList.from_model(model)
-    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks,  # 1
-                                 CutWorkload.of(cfg, config_of(model), ctx))
+    boundaries, recompute = cut_and_recompute(cfg, layers, config_of(model), ctx)  # 1
     on_meta = is_meta(model)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         layers = tensor_parallel(model, layers, ctx)  # 2: shapes only on meta
+    apply_choices(layers, boundaries, recompute)
+    if cfg.recompute != "none" and ctx.rank == 0:
+        print(f"--recompute {cfg.recompute}: {describe(layers, boundaries, recompute)}", flush=True)
     stages = get_schedule(cfg.schedule, ctx.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(ctx.pp_rank)
     own_layers(model, layers, rank_layers(boundaries, stages), ctx, values)  # 3
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios

@@ -166,6 +166,16 @@ class TrainConfig:
     def held_out_sequences(self) -> int:
         """Sequences of the validation split (0 without --eval-every)."""
         return self.eval_batches * self.dp * self.microbatches * self.micro_batch if self.eval_every else 0
+    recompute: str = "none"
+    """Activation recomputation (`mp_toolkit.recompute`): none; full (a block keeps only its input and
+    runs its forward again in its backward); selective (only the attention core is run again;
+    model_zoo GPT and BERT); auto (per stage, chosen with the cut by the planner so every rank fits
+    memory_gb at the least predicted time, as ``mpt plan --method memory --recompute auto``)."""
+    recompute_layers: tuple[int, ...] | None = None
+    """full / selective: recompute the first N block layers of every stage (one count) or of each
+    stage (one count per stage, pp x chunks of them); None: every block layer."""
+    memory_gb: float | None = None
+    """Per-rank memory cap (GB) that ``recompute`` auto plans for."""
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,65 @@
+"""``--schedule auto``: the fastest predicted schedule among GPipe, 1F1B, interleaved 1F1B and ZB-H1
+that fits the memory cap.
+
+Each candidate is planned in full (`planner.make_plan`: its own cut, in-flight memory, simulated
+timeline with messages, optimizer step); a candidate fits when no rank is over ``memory_gb`` (and
+its cut exists: ``method`` memory raises when nothing fits). Interleaved runs with ``chunks`` model
+chunks per rank (2 unless the request names more) where the micro-batches are a multiple of pp and
+the layers suffice. Ties go to the earlier candidate in the order above (the simpler schedule).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .cost import CostModelError
+from .planner import GB, Plan, PlanRequest, make_plan
+from .solvers import PartitionError
+
+CANDIDATES = ("gpipe", "1f1b", "interleaved", "zbh1")
+
+
+@dataclass
+class ScheduleChoice:
+    """The chosen plan and every candidate's predicted step time (ms) or why it was left out."""
+
+    plan: Plan
+    considered: dict[str, str]
+
+    def describe(self) -> str:
+        r = self.plan.request
+        name = r.schedule + (f" x{r.chunks} chunks" if r.chunks > 1 else "")
+        return f"--schedule auto: {name} ({'; '.join(f'{k} {v}' for k, v in self.considered.items())})"
+
+
+def _fits(plan: Plan) -> bool:
+    cap = plan.request.memory_gb
+    if cap is None:
+        return True
+    per_rank: dict[int, int] = {}
+    for s in plan.stages:
+        rank = s.index % plan.request.pp
+        per_rank[rank] = per_rank.get(rank, 0) + s.memory_bytes
+    return max(per_rank.values()) <= cap * GB
+
+
+def fastest_schedule(req: PlanRequest) -> ScheduleChoice:
+    """Plan ``req`` under every candidate schedule; the fastest that fits. Raises PartitionError
+    (one line, each candidate's reason) when none does."""
+    considered, best = {}, None
+    for schedule in CANDIDATES:
+        chunks = max(req.chunks, 2) if schedule == "interleaved" else 1
+        try:
+            plan = make_plan(replace(req, schedule=schedule, chunks=chunks))
+        except (PartitionError, CostModelError) as e:
+            considered[schedule] = f"left out: {str(e).splitlines()[0]}"
+            continue
+        if not _fits(plan):
+            considered[schedule] = f"left out: over --memory-gb {req.memory_gb:g}"
+            continue
+        considered[schedule] = f"{plan.step_time_ms:.1f} ms"
+        if best is None or plan.step_time_ms < best.step_time_ms:
+            best = plan
+    if best is None:
+        reasons = "; ".join(f"{k} {v}" for k, v in considered.items())
+        raise PartitionError(f"--schedule auto: no schedule fits: {reasons}")
+    return ScheduleChoice(best, considered)

@@ -1,0 +1,83 @@
+"""The cut and the per-stage activation recomputation of an `mpt train` run, and ``--schedule auto``.
+
+``--recompute none|full|selective`` keeps the cut ``--partition`` names and recomputes the first
+``--recompute-layers`` block layers of each stage (`mp_toolkit.recompute.stage_choices`).
+``--recompute auto`` asks the planner for both, as ``mpt plan --method memory --recompute auto
+--memory-gb GB`` answers (`mp_toolkit.partition.recompute.min_max_recompute`), with times from the
+cost model's FLOPs at one fixed rate: pure arithmetic, so every rank plans the same cut (the choice
+depends on ratios of times only).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from mp_toolkit.layers import LayerList
+from mp_toolkit.partition import PartitionError
+from mp_toolkit.partition.auto_schedule import fastest_schedule
+from mp_toolkit.partition.cost import ACT_BYTES, CostModelError
+from mp_toolkit.partition.planner import PlanRequest, make_plan
+from mp_toolkit.recompute import RecomputeError, StageRecompute, apply_recompute, stage_blocks, stage_choices
+from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.cut import CutWorkload, plan_boundaries
+
+AUTO_TFLOPS = 1.0
+"""The rate turning FLOPs into seconds for ``--recompute auto`` (any fixed value gives the same choice)."""
+
+
+def auto_request(cfg: TrainConfig) -> PlanRequest:
+    """The ``mpt plan`` request whose answer ``--recompute auto`` applies."""
+    return PlanRequest(model=cfg.hf or cfg.model, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp, micro_batch=cfg.micro_batch,
+                       microbatches=cfg.microbatches, seq_len=cfg.seq_len, method="memory", memory_gb=cfg.memory_gb,
+                       dtype=cfg.precision if cfg.precision in ACT_BYTES else "fp32", optimizer=cfg.optimizer,
+                       schedule=cfg.schedule, chunks=cfg.chunks, tflops=AUTO_TFLOPS, recompute="auto",
+                       recompute_modes=("full",) if cfg.hf is not None else ("full", "selective"))  # HF: full only
+
+
+def cut_and_recompute(cfg: TrainConfig, layers: LayerList, config, ctx=None) -> tuple[list[int], list[StageRecompute]]:
+    """(boundaries, one `StageRecompute` per stage) for ``cfg`` over the unsplit ``layers``."""
+    if cfg.recompute != "auto":
+        bounds = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks, CutWorkload.of(cfg, config, ctx))
+        try:
+            return bounds, stage_choices(cfg.recompute, cfg.recompute_layers, len(bounds) - 1)
+        except RecomputeError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.memory_gb is None:
+        raise ConfigError("--recompute auto plans for a memory cap: give --memory-gb GB (per rank)")
+    try:
+        plan = make_plan(auto_request(cfg))
+    except (PartitionError, CostModelError) as e:
+        raise ConfigError(f"--recompute auto: {str(e).splitlines()[0]}") from None
+    if plan.boundaries[-1] != len(layers):
+        raise ConfigError(f"--recompute auto: the cost model describes {plan.boundaries[-1]} layers but the model "
+                          f"has {len(layers)}; use --recompute full or selective")
+    return plan.boundaries, plan.recompute
+
+
+def apply_choices(layers: LayerList, boundaries: list[int], choices: list[StageRecompute]) -> dict[str, str]:
+    """`apply_recompute`, its refusal as a `ConfigError`."""
+    try:
+        return apply_recompute(layers, boundaries, choices)
+    except RecomputeError as e:
+        raise ConfigError(str(e)) from None
+
+
+def describe(layers: LayerList, boundaries: list[int], choices: list[StageRecompute]) -> str:
+    """One line: each stage's recomputation."""
+    blocks = stage_blocks(layers.names, boundaries)
+    return "; ".join(f"stage {j}: {c.describe(len(b))}" for j, (c, b) in enumerate(zip(choices, blocks)))
+
+
+def resolve_auto_schedule(cfg: TrainConfig, chunks_given: bool = False) -> tuple[TrainConfig, str]:
+    """``--schedule auto``: ``cfg`` with the fastest schedule the planner predicts (FLOP times at
+    `AUTO_TFLOPS`, the cut ``--recompute auto`` or ``--partition flops`` would make, fitting
+    ``--memory-gb`` when given), and the line saying so."""
+    request = dataclasses.replace(auto_request(cfg), chunks=cfg.chunks if chunks_given else 1)
+    if cfg.recompute != "auto":
+        request = dataclasses.replace(request, method="flops", recompute=cfg.recompute,
+                                      recompute_layers=cfg.recompute_layers)
+    try:
+        choice = fastest_schedule(request)
+    except (PartitionError, CostModelError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    r = choice.plan.request
+    return dataclasses.replace(cfg, schedule=r.schedule, chunks=r.chunks), choice.describe()

@@ -1,0 +1,176 @@
+"""The planner's recomputation (`mp_toolkit.partition.recompute`): its joint choice of cut and
+per-stage recomputation against brute force over every cut and every choice on small random
+instances, and `mpt plan` / `mpt train --recompute auto` applying it; ``--schedule auto``."""
+
+import dataclasses
+import itertools
+import random
+import subprocess
+import sys
+
+import pytest
+
+from mp_toolkit.partition import PartitionError
+from mp_toolkit.partition.auto_schedule import CANDIDATES, fastest_schedule
+from mp_toolkit.partition.memory import MemoryCapError, StageMemory
+from mp_toolkit.partition.planner import PlanRequest, make_plan
+from mp_toolkit.partition.recompute import RecomputeCosts, min_max_recompute, stage_options
+from mp_toolkit.recompute import StageRecompute
+from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.run.recompute_plan import auto_request, resolve_auto_schedule
+
+
+def _stage(memory: StageMemory, rc: RecomputeCosts, times, j, a, b, choice: StageRecompute, zbh1: bool):
+    """(bytes, time) of one stage, computed from scratch: the layers' kept bytes less what the
+    chosen blocks drop, their workspace what they rebuild, their backward longer."""
+    blocks = [i for i in range(a, b) if rc.block[i]]
+    chosen = blocks[:choice.layers] if choice.mode != "none" else []
+    act, ws = list(memory.activation), list(memory.workspace)
+    extra = 0
+    for i in chosen:
+        full = choice.mode == "full"
+        act[i] -= rc.full_saved[i] if full else rc.selective_saved[i]
+        ws[i] = max(ws[i], rc.full_workspace[i]) if full else ws[i]
+        extra += rc.full_s[i] if full else rc.selective_s[i]
+    adjusted = StageMemory(memory.static, act, memory.inflight, ws, memory.fixed, memory.step_transient)
+    runs = 2 if zbh1 and j > 0 else 1
+    return adjusted(j, a, b), sum(times[a:b]) + runs * extra
+
+
+def _brute(times, memory, rc, p, cap, options, zbh1):
+    """The least bottleneck over every cut and every choice per stage; None when nothing fits."""
+    n, best = len(times), None
+    for inner in itertools.combinations(range(1, n), p - 1):
+        bounds = [0, *inner, n]
+        per_stage = []
+        for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            fits = [_stage(memory, rc, times, j, a, b, c, zbh1) for c in options(j, sum(rc.block[a:b]))]
+            fits = [t for nbytes, t in fits if nbytes <= cap]
+            if not fits:
+                break
+            per_stage.append(min(fits))  # a stage's fastest fitting choice is its best for the max
+        else:
+            bottleneck = max(per_stage)
+            best = bottleneck if best is None else min(best, bottleneck)
+    return best
+
+
+def _instance(rng: random.Random):
+    n = rng.randint(2, 6)
+    p = rng.randint(1, min(3, n))
+    block = [rng.random() < 0.7 for _ in range(n)]
+    act = [rng.randint(10, 100) for _ in range(n)]
+    memory = StageMemory(static=[rng.randint(0, 50) for _ in range(n)], activation=act,
+                         inflight=[rng.randint(1, 3) for _ in range(p)],
+                         workspace=[rng.randint(0, 30) for _ in range(n)], fixed=rng.randint(0, 10),
+                         step_transient=[rng.randint(0, 40) for _ in range(n)])
+    full_saved = [rng.randint(0, a) if b else 0 for a, b in zip(act, block)]
+    sel_saved = [rng.randint(0, s) if b else 0 for s, b in zip(full_saved, block)]
+    rc = RecomputeCosts(block, full_saved, [a if b else 0 for a, b in zip(act, block)],
+                        [rng.randint(1, 20) if b else 0 for b in block], sel_saved,
+                        [rng.randint(0, 5) if b else 0 for b in block])
+    times = [rng.randint(1, 60) for _ in range(n)]
+    total = sum(memory.static) + 3 * sum(act) + 100
+    return times, memory, rc, p, rng.randint(total // 6, total)
+
+
+@pytest.mark.parametrize("modes", [("full",), ("full", "selective")])
+def test_joint_choice_matches_brute_force(modes):
+    rng = random.Random(19)
+    options = stage_options(modes)
+    solved = infeasible = 0
+    for _ in range(250):
+        times, memory, rc, p, cap = _instance(rng)
+        zbh1 = rng.random() < 0.3
+        expected = _brute(times, memory, rc, p, cap, options, zbh1)
+        if expected is None:
+            with pytest.raises(MemoryCapError):
+                min_max_recompute(times, memory, rc, p, cap, options, zbh1)
+            infeasible += 1
+            continue
+        bounds, choices = min_max_recompute(times, memory, rc, p, cap, options, zbh1)
+        got = [_stage(memory, rc, times, j, a, b, c, zbh1) for j, (a, b, c) in
+               enumerate(zip(bounds, bounds[1:], choices))]
+        assert all(nbytes <= cap for nbytes, _ in got), (bounds, choices, cap)
+        assert max(t for _, t in got) == expected, (times, bounds, choices)
+        solved += 1
+    assert solved > 100 and infeasible > 5  # both outcomes exercised
+
+
+def test_auto_fits_a_cap_none_cannot_and_is_faster_than_full():
+    base = dict(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, tflops=0.1, method="memory")
+    for cap in (0.08, 0.085):
+        with pytest.raises(Exception, match="too small"):
+            make_plan(PlanRequest(**base, memory_gb=cap))
+        full = make_plan(PlanRequest(**base, memory_gb=cap, recompute="full"))
+        auto = make_plan(PlanRequest(**base, memory_gb=cap, recompute="auto"))
+        assert all(s.memory_bytes <= cap * 1e9 for s in auto.stages + full.stages)
+        assert any(c.mode != "none" for c in auto.recompute)
+        assert auto.max_stage_time_ms < full.max_stage_time_ms and auto.step_time_ms < full.step_time_ms
+    with pytest.raises(Exception, match="use --memory-gb 0.090 or more"):  # the least cap selective fits
+        make_plan(PlanRequest(**base, memory_gb=0.085, recompute="selective"))
+
+
+def test_mpt_plan_prints_the_choice_per_stage_and_train_applies_the_same():
+    out = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", "plan", "--model", "gpt-small-cpu", "--pp", "2",
+                          "--micro-batch", "8", "--seq-len", "128", "--method", "memory", "--memory-gb", "0.08",
+                          "--tflops", "1", "--recompute", "auto"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if "recomputes:" in line]
+    assert len(lines) == 2 and any("full x" in line or "selective x" in line for line in lines)
+    train = TrainConfig(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, recompute="auto", memory_gb=0.08)
+    plan = make_plan(auto_request(train))
+    printed = [line.split(": ", 1)[1] for line in lines]
+    names = [c.name for c in plan.layers]
+    blocks = [sum(n.rsplit(".", 1)[-1].isdigit() for n in names[a:b]) for a, b in zip(plan.boundaries,
+                                                                                     plan.boundaries[1:])]
+    assert printed == [c.describe(k) for c, k in zip(plan.recompute, blocks)]
+
+
+def test_auto_needs_a_cap_and_selective_needs_a_family_that_has_it():
+    with pytest.raises(Exception, match="--method memory --memory-gb"):
+        make_plan(PlanRequest(model="gpt-tiny", pp=2, seq_len=32, method="flops", tflops=1.0, recompute="auto"))
+    assert make_plan(PlanRequest(model="bert-tiny", pp=2, seq_len=64, method="flops", tflops=1.0,
+                                 recompute="selective")).recompute[0].mode == "selective"
+
+
+def test_schedule_auto_takes_the_fastest_candidate_that_fits():
+    base = PlanRequest(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, tflops=0.1, method="memory",
+                       memory_gb=0.09, recompute="auto")
+    choice = fastest_schedule(base)
+    plans = {}
+    for schedule in CANDIDATES:
+        try:
+            plans[schedule] = make_plan(dataclasses.replace(base, schedule=schedule,
+                                                            chunks=2 if schedule == "interleaved" else 1))
+        except PartitionError:
+            continue
+    fitting = {k: p.step_time_ms for k, p in plans.items()
+               if all(s.memory_bytes <= 0.09e9 for s in p.stages)}
+    assert fitting and choice.plan.request.schedule == min(fitting, key=fitting.get)
+    assert choice.plan.step_time_ms == min(fitting.values())
+    unbounded = fastest_schedule(dataclasses.replace(base, method="flops", memory_gb=None, recompute="none"))
+    assert set(unbounded.considered) == set(CANDIDATES) and all("ms" in v for v in unbounded.considered.values())
+
+
+def test_train_schedule_auto_resolves_alike_and_says_so():
+    cfg = TrainConfig(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, schedule="auto")
+    first, line = resolve_auto_schedule(cfg)
+    again, _ = resolve_auto_schedule(cfg)
+    assert first == again and first.schedule in CANDIDATES and line.startswith("--schedule auto: ")
+    assert (first.chunks == 2) == (first.schedule == "interleaved")
+
+
+def test_auto_takes_selective_where_it_pays_and_only_the_modes_allowed():
+    """BERT's kept probabilities make selective the cheap way under a cap 5% below what fits without
+    recomputation; with full alone (an HF model's ``mpt train --recompute auto``), full it is."""
+    base = dict(model="bert-tiny", pp=2, micro_batch=16, seq_len=64, tflops=0.1, method="memory")
+    with pytest.raises(PartitionError) as e:
+        make_plan(PlanRequest(**base, memory_gb=1e-6))
+    cap = 0.95 * e.value.needed_gb
+    both = make_plan(PlanRequest(**base, memory_gb=cap, recompute="auto"))
+    full = make_plan(PlanRequest(**base, memory_gb=cap, recompute="auto", recompute_modes=("full",)))
+    assert {c.mode for c in both.recompute} == {"none", "selective"}
+    assert {c.mode for c in full.recompute} == {"none", "full"}
+    assert both.max_stage_time_ms < full.max_stage_time_ms
+    assert auto_request(TrainConfig(hf="some/dir", recompute="auto", memory_gb=1.0)).recompute_modes == ("full",)
