@@ -101,6 +101,8 @@ def _add_train_parser(sub) -> None:
     opt("--dp", type=int, help="data-parallel replicas (the global batch is dp x microbatches); under a launcher "
                                "with --config, world size / (pp x tp) as DeepSpeed computes it")
     opt("--dp-bucket-mb", type=float, help="MiB of gradients per data-parallel all-reduce")
+    opt("--zero", type=int, help="ZeRO stage: 0 (default) or 1: fp32 masters and optimizer state partitioned over "
+                                 "the data-parallel replicas (gradients reduce-scattered, parameters all-gathered)")
     opt("--schedule", type=str.lower, choices=SCHEDULES)
     opt("--engine", type=str.lower, choices=ENGINES, help=f"pipeline engine (default {d.engine}); deepspeed: "
         "DeepSpeed's PipelineEngine with this cut and optimizer (1F1B, pp x dp)")

@@ -8,7 +8,9 @@ Which group carries what, and why:
   ``dp_group`` then averages the replicas, which saw different micro-batches.
 * trust ratios: each optimizer computes whole-tensor norms of its shards (LAMB / LARS take the
   tp group), so every tp rank and, after the data-parallel gradient average, every dp replica
-  holds the same ratios; gathering over ``pp_group`` alone gives one row per pipeline rank.
+  holds the same ratios; gathering over ``pp_group`` alone gives one row per pipeline rank. Under
+  ZeRO-1 a replica holds the ratios of its pieces only: each tensor's ratio is reported by the
+  piece that holds its first element and the replicas' lists are gathered over ``dp_group`` first.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mp_toolkit.optim.clip import gather_ragged
 from mp_toolkit.parallel.context import ParallelContext
 
 
@@ -42,7 +45,8 @@ def global_mean_loss(losses: Sequence[torch.Tensor], ctx: ParallelContext, last_
 def _adapted_ratios(optimizer) -> list[float]:
     """Last step's trust ratios of the tensors that layer adaptation applies to (not the 1.0s of
     biases and norms, which ``adapt=False`` excludes)."""
-    adapted = {id(p) for g in optimizer.param_groups if g.get("adapt", True) for p in g["params"]}
+    adapted = {id(p) for g in optimizer.param_groups if g.get("adapt", True) for p in g["params"]
+               if getattr(p, "zero_piece", None) is None or p.zero_piece.first}  # ZeRO-1: once per tensor
     return [float(v) for p, v in optimizer.last_trust_ratios().items() if id(p) in adapted]
 
 
@@ -51,7 +55,11 @@ def trust_ratio_rows(optimizer, ctx: ParallelContext) -> list[dict] | None:
     rank; None for optimizers without trust ratios."""
     if not hasattr(optimizer, "last_trust_ratios"):
         return None
-    ratios = torch.tensor(_adapted_ratios(optimizer) or [float("nan")])
+    ratios = torch.tensor(_adapted_ratios(optimizer), dtype=torch.float32)
+    partitioned = any(hasattr(p, "zero_piece") for g in optimizer.param_groups for p in g["params"])
+    if partitioned and ctx.dp_group is not None:
+        ratios = gather_ragged(ratios.to(ctx.device), ctx.dp_group).cpu()
+    ratios = ratios if ratios.numel() else torch.tensor([float("nan")])
     mine = torch.stack([ratios.min(), ratios.median(), ratios.max()]).float().to(ctx.device)
     rows = [mine]
     if ctx.pp_group is not None:
