@@ -165,6 +165,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory cap")
     p.add_argument("--dtype", default=d.dtype, type=str.lower, choices=tuple(master.PRECISIONS))
     p.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
+    p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0 or 1: optimizer state and fp32 masters "
+                   "partitioned over the dp replicas (static bytes per parameter)")
     p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=SCHEDULES)
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     p.add_argument("--tflops", type=float, default=None, help="device TFLOP/s for FLOP-based times (default: measured here)")
@@ -279,7 +281,7 @@ def _plan(args: argparse.Namespace) -> int:
         dtype=args.dtype, optimizer=args.optimizer, schedule=args.schedule, chunks=_chunks(args),
         tflops=args.tflops, measure=args.measure, threads=args.threads, load=args.load,
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
-        mem_gbps=args.mem_gbps,
+        mem_gbps=args.mem_gbps, zero=args.zero,
     )
     _check_output(args.gantt)
     plan = make_plan(req)

@@ -20,7 +20,8 @@ from model_zoo.gpt import GPT, PRESETS
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import gather_full
 from mp_toolkit.run.config import TrainConfig
-from tests.floor import rel_err
+from tests.floor import pair, rel_err
+from tests.oracle_tp_dp_workers import CLIP, LR, WD, reference
 from tests.oracle_workers import make_batches
 
 STEPS, M = 3, 2
@@ -33,10 +34,9 @@ class Case:
 
     optimizer: str
     precision: str = "fp32"
-    clip: float | None = 0.05
+    clip: float | None = CLIP
     bucket_mb: float = 25.0
     overflow_step: int = 0
-    lr: float = 1e-2
 
 
 def state_numel(optimizer: torch.optim.Optimizer) -> int:
@@ -60,17 +60,40 @@ def full_master(engine, p: torch.nn.Parameter) -> torch.Tensor:
     return engine.master_of(p).detach()
 
 
+def _count_dp_all_reduces(engine, ctx) -> list[int]:
+    """Filled with the all-reduces over the dp group each optimizer.step() makes (the real step runs)."""
+    counts: list[int] = []
+    real_step, real_all_reduce = engine.optimizer.step, dist.all_reduce
+
+    def counting(tensor, *args, group=None, **kwargs):
+        if group is ctx.dp_group:
+            counts[-1] += 1
+        return real_all_reduce(tensor, *args, group=group, **kwargs)
+
+    def step(*args, **kwargs):
+        counts.append(0)
+        dist.all_reduce = counting
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            dist.all_reduce = real_all_reduce
+
+    engine.optimizer.step = step
+    return counts
+
+
 def train(ctx, pp, tp, dp, case: Case, zero: int, batches) -> dict:
     from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
 
     cfg = TrainConfig(model="gpt-tiny", pp=pp, tp=tp, dp=dp, schedule="1f1b", microbatches=M, partition="uniform",
-                      optimizer=case.optimizer, lr=case.lr, weight_decay=0.01, clip_grad=case.clip,
+                      optimizer=case.optimizer, lr=LR, weight_decay=WD, clip_grad=case.clip,
                       precision=case.precision, dp_bucket_mb=case.bucket_mb, zero=zero, initial_scale_power=8)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(PRESETS["gpt-tiny"])
     engine = build_engine(cfg, ctx, model)
     losses, norms, skipped, unchanged = [], [], [], None
+    calls = _count_dp_all_reduces(engine, ctx)
     for step, batch in enumerate(batches, start=1):
         handle = None
         if step == case.overflow_step and ctx.rank == ctx.world_size - 1:
@@ -88,7 +111,8 @@ def train(ctx, pp, tp, dp, case: Case, zero: int, batches) -> dict:
         skipped.append(stats.skipped)
     params = {n: gather_full(p, ctx.tp_group, tensor=full_master(engine, p)) for n, p in engine.named_parameters()}
     return {"losses": losses, "norms": norms, "skipped": skipped, "unchanged": unchanged, "params": params,
-            "trust": engine.trust_ratio_stats(), "state": state_numel(engine.optimizer),
+            "trust": engine.trust_ratio_stats(), "state": state_numel(engine.optimizer), "dp_calls": calls,
+            "buckets": engine.dp_grads.num_buckets,
             "model_numel": sum(p.numel() for _, p in engine.named_parameters())}
 
 
@@ -98,12 +122,21 @@ def compare(rank, world, pp, tp, dp, cases):
     vocab = PRESETS["gpt-tiny"].vocab_size
     out = []
     for case in cases:
-        batches = make_batches(STEPS, dp * M, vocab)
+        *batches, held_out = make_batches(STEPS + 1, dp * M, vocab)
         plain = train(ctx, pp, tp, dp, case, 0, batches)
         zero = train(ctx, pp, tp, dp, case, 1, batches)
         errors = {n: rel_err(zero["params"][n], p) for n, p in plain["params"].items()}
+        floors = {}
+        if case.precision == "fp32":  # the oracle's floor: the single process in fp32 and float64
+            ref32, ref64 = (reference(PRESETS["gpt-tiny"], batches, held_out, dtype, case.optimizer)
+                            for dtype in (torch.float32, torch.float64))
+            floors = {n: pair(p, ref64["params"][n], ref32["params"][n]) for n, p in zero["params"].items()}
+        names = sorted(plain["params"])
         out.append({
-            "case": case, "errors": errors,
+            "case": case, "errors": errors, "floors": floors,
+            "model_err": rel_err(torch.cat([zero["params"][n].reshape(-1) for n in names]),
+                                 torch.cat([plain["params"][n].reshape(-1) for n in names])),
+            "dp_calls": (plain["dp_calls"], zero["dp_calls"]), "buckets": zero["buckets"],
             "loss_err": rel_err(zero["losses"], plain["losses"]),
             "norm_err": rel_err([x for x in zero["norms"] if x == x], [x for x in plain["norms"] if x == x]),
             "skipped": (plain["skipped"], zero["skipped"]), "unchanged": (plain["unchanged"], zero["unchanged"]),

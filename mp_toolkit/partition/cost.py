@@ -236,16 +236,23 @@ def _block(shape: ModelShape, b: int, s: int, d: int, tp: int) -> tuple[int, flo
     return params, flops, act
 
 
-def bytes_per_param(precision: str, optimizer: str) -> int:
+def bytes_per_param(precision: str, optimizer: str, zero_dp: int = 1) -> float:
     """Static bytes per parameter on its stage.
 
     fp32: weight + gradient (4 + 4) + optimizer state. fp16/bf16: 2-byte weight and gradient,
     fp32 master weight and master gradient (4 + 4), fp32 optimizer state (`MasterWeights`).
+
+    ``zero_dp``: ZeRO-1 over that many data-parallel replicas (`mp_toolkit.engine.zero`) divides
+    what only a piece's owner keeps -- the optimizer state and, under fp16 / bf16, the fp32 master
+    weight and master gradient -- by it: fp32 + Adam 16 -> 8 + 8/dp, bf16 + Adam 20 -> 4 + 16/dp
+    (Megatron's distributed-optimizer table, whose bf16 row keeps a 4-byte main gradient per
+    parameter on every replica, reads 18 -> 6 + 12/dp). 1: no ZeRO.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATE_BYTES)}")
     state = OPTIMIZER_STATE_BYTES[optimizer]
-    return 8 + state if precision == "fp32" else 12 + state
+    kept, owned = (8, state) if precision == "fp32" else (4, 8 + state)  # replicated, partitioned by ZeRO-1
+    return kept + owned / zero_dp
 
 
 def total_parameters(shape: ModelShape) -> int:
