@@ -4,7 +4,9 @@ the fp32 masters and the optimizer state partitioned over each stage's data-para
 Equivalence (tests/zero_workers.py): gpt-tiny, 3 steps of 2 micro-batches per replica, global-norm
 clipping at 0.4 that binds on every step, trained with and without ZeRO-1 on dp=2, pp=2 x dp=2 and
 tp=2 x dp=2, for AdamW, LAMB (with ~1 KiB buckets: dozens of tensors split between the two
-replicas' pieces), LARS, and AdamW in fp16 with an inf injected into one rank's gradient at step 2.
+replicas' pieces), LARS, and AdamW in fp16 with an inf injected into one rank's gradient at step 2;
+LAMB once more with the reduce-scatter and all-gather collectives that NCCL runs (under gloo
+ZeRO-1 all-reduces and broadcasts in place instead: `mp_toolkit.parallel.zero`).
 
 What differs, and the bound: the gradients, their mean and every element-wise update are the same
 arithmetic (reduce-scatter and all-reduce of two replicas add the same two numbers), but the
@@ -43,7 +45,7 @@ from tests.zero_workers import Case, compare
 
 TIGHT = 1e-6
 CASES = [Case("adamw"), Case("lamb", bucket_mb=0.001), Case("lars"),
-         Case("adamw", precision="fp16", overflow_step=2)]
+         Case("adamw", precision="fp16", overflow_step=2), Case("lamb", bucket_mb=0.001, in_place=False)]
 
 
 def _close(a, b) -> bool:
@@ -91,8 +93,8 @@ def test_zero1_equals_plain_data_parallelism(layout):
     t0 = time.perf_counter()
     results = run_world(compare, pp * tp * dp, pp, tp, dp, CASES, timeout_s=900)
     worst = _check(results, layout)
-    errs = {str(c["case"].optimizer + "-" + c["case"].precision): max(c["errors"].values())
-            for c in results[0]["cases"]}
+    errs = {f"{c['case'].optimizer}-{c['case'].precision}{'-rs/ag' if c['case'].in_place is False else ''}":
+            max(c["errors"].values()) for c in results[0]["cases"]}
     print(f"\n{layout}: {time.perf_counter() - t0:.1f}s; worst per-tensor relative difference from plain dp: "
           + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()) + f"; worst err / floor {worst:.2f}")
 

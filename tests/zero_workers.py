@@ -37,6 +37,9 @@ class Case:
     clip: float | None = CLIP
     bucket_mb: float = 25.0
     overflow_step: int = 0
+    in_place: bool | None = None
+    """ZeRO-1's collectives: None as the backend picks (gloo: all-reduce and broadcasts); False:
+    reduce-scatter and all-gather, which NCCL runs (gloo has them too)."""
 
 
 def state_numel(optimizer: torch.optim.Optimizer) -> int:
@@ -92,6 +95,8 @@ def train(ctx, pp, tp, dp, case: Case, zero: int, batches) -> dict:
     with torch.device("meta"):
         model = GPT(PRESETS["gpt-tiny"])
     engine = build_engine(cfg, ctx, model)
+    if zero and case.in_place is not None:
+        engine.dp_grads.in_place = case.in_place
     losses, norms, skipped, unchanged = [], [], [], None
     calls = _count_dp_all_reduces(engine, ctx)
     for step, batch in enumerate(batches, start=1):

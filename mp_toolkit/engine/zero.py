@@ -109,7 +109,8 @@ class ShardedMasters:
     @torch.no_grad()
     def copy_back(self) -> None:
         """Every replica's parameters <- the ranks' updated pieces (an all-gather per bucket)."""
-        all_gather_buckets({b: self._range(b) for b in self.buckets}, self.group)
+        all_gather_buckets({b: (lambda b=b: self._range(b)) for b in self.buckets}, self.group,
+                           in_place=self.grads.in_place)
 
     def _range(self, bucket: ShardedBucket) -> torch.Tensor:
         """This rank's (shard,) fp32 range of ``bucket``: its pieces end to end, zero-padded."""

@@ -15,10 +15,18 @@ One step's traffic, per bucket::
                   -> all-gather of the updated ranges: every replica's parameters again whole
 
 A reduce-scatter and an all-gather move what one all-reduce moves (an all-reduce *is* the pair),
-so ZeRO-1 costs plain data parallelism's bandwidth. gloo implements both collectives for fp32,
-fp16 and bf16 CPU tensors in torch 2.13 (probed: ``reduce_scatter_single`` and
-``all_gather_single``, torch's names since 2.13 for ``reduce_scatter_tensor`` /
-``all_gather_into_tensor``, which older versions use), so no all-reduce stands in for them.
+so ZeRO-1 costs plain data parallelism's bandwidth.
+
+The collectives by backend. NCCL (and any backend but gloo): ``reduce_scatter_single`` and
+``all_gather_single`` (torch 2.13's names; ``reduce_scatter_tensor`` / ``all_gather_into_tensor``
+before). gloo implements both for fp32, fp16 and bf16 CPU tensors in torch 2.13, but measured on
+2 ranks its reduce-scatter of a 128 MiB input holds another 130 MiB beyond its 64 MiB output,
+and its all-gather of 64 MiB into 128 MiB another 128 MiB -- a full copy of the bucket each,
+which would spend the memory ZeRO-1 exists to save -- while its in-place all-reduce holds
+nothing extra. So under gloo the reduce-scatter is an in-place all-reduce of the bucket of which
+each rank keeps its range (a ring all-reduce is a reduce-scatter then an all-gather: twice the
+reduce-scatter's bytes on the wire), and the all-gather is one in-place broadcast of each rank's
+range into the gathered buffer (the all-gather's bytes).
 
 Overlap is plain data parallelism's (`mp_toolkit.parallel.data_parallel`): a stage's buckets are
 posted as asynchronous reduce-scatters once its last backward has run, and waited for at the step.
@@ -30,7 +38,7 @@ piece by piece over the stages (`mp_toolkit.engine.ties`).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +106,10 @@ def sharded_buckets(param_sets: Mapping[Hashable, Sequence[torch.nn.Parameter]],
     return out
 
 
+def _gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
 class ShardedGrads:
     """Reduce-scatters the gradients of named parameter sets over ``group`` (the dp group, size > 1).
 
@@ -110,6 +122,7 @@ class ShardedGrads:
     def __init__(self, buckets: Mapping[Hashable, Sequence[ShardedBucket]], group):
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.buckets = buckets
+        self.in_place = _gloo(group)  # all-reduce and keep the range, gather by broadcasts (module docstring)
         self.grad_shard: dict[ShardedBucket, torch.Tensor] = {}
         self._inflight: list[tuple] = []  # (work, packed input, output, bucket)
         self._started: set = set()
@@ -127,16 +140,21 @@ class ShardedGrads:
             flat = bucket.flat_grads()  # summed in fp32, as plain data parallelism does
             for p in bucket.params:
                 p.grad = None
-            out = torch.empty(bucket.shard, dtype=torch.float32, device=flat.device)
-            work = _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            if self.in_place:
+                work, out = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True), None
+            else:
+                out = torch.empty(bucket.shard, dtype=torch.float32, device=flat.device)
+                work = _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             self._inflight.append((work, flat, out, bucket))
 
     def finish_grad_sync(self) -> None:
         """Post what is left, wait for all, and keep each bucket's mean gradient range."""
         for key in self.buckets:
             self.start_grad_sync(key)
-        for work, _, out, bucket in self._inflight:
+        for work, flat, out, bucket in self._inflight:
             work.wait()
+            if out is None:  # the whole bucket was all-reduced: keep this rank's range
+                out = flat[self.rank * bucket.shard:(self.rank + 1) * bucket.shard].clone()
             out.div_(self.size)
             dtype = bucket.params[0].dtype
             if dtype != torch.float32:
@@ -150,16 +168,36 @@ class ShardedGrads:
         self.grad_shard.clear()
 
 
-def all_gather_buckets(ranges: Mapping[ShardedBucket, torch.Tensor], group) -> None:
-    """Every bucket's parameters <- the ranks' updated fp32 ranges (``ranges[bucket]``: this rank's,
-    (shard,)), rounded to each parameter's dtype. All gathers are posted before the first wait."""
-    posted = []
-    for bucket, mine in ranges.items():
+def all_gather_buckets(ranges: Mapping[ShardedBucket, Callable[[], torch.Tensor]], group,
+                       in_place: bool | None = None) -> None:
+    """Every bucket's parameters <- the ranks' updated fp32 ranges (``ranges[bucket]()`` makes this
+    rank's, (shard,)), rounded to each parameter's dtype. ``in_place``: broadcasts of each range
+    into the gathered buffer instead of an all-gather (None: under gloo, see the module docstring).
+
+    One bucket ahead is in flight while the previous one is copied out, so at most two buckets'
+    gathered buffers exist at a time (posting every bucket first would hold a full fp32 copy of the
+    stage's parameters: the memory ZeRO-1 saves on optimizer state would go to gather buffers)."""
+
+    in_place = _gloo(group) if in_place is None else in_place
+
+    def post(bucket):
+        mine = ranges[bucket]()
         whole = torch.empty(bucket.dp * bucket.shard, dtype=mine.dtype, device=mine.device)
-        posted.append((_all_gather(whole, mine, group=group, async_op=True), whole, bucket))
+        if not in_place:
+            return [_all_gather(whole, mine, group=group, async_op=True)], whole, bucket
+        me, n = dist.get_rank(group), bucket.shard
+        whole[me * n:(me + 1) * n].copy_(mine)
+        return [dist.broadcast(whole[r * n:(r + 1) * n], src=dist.get_global_rank(group, r), group=group,
+                               async_op=True) for r in range(bucket.dp)], whole, bucket
+
+    buckets = list(ranges)
+    ahead = post(buckets[0]) if buckets else None
     with torch.no_grad():
-        for work, whole, bucket in posted:
-            work.wait()
+        for i in range(len(buckets)):
+            works, whole, bucket = ahead
+            ahead = post(buckets[i + 1]) if i + 1 < len(buckets) else None
+            for work in works:
+                work.wait()
             at = 0
             for p in bucket.params:
                 p.copy_(whole[at:at + p.numel()].view_as(p))
