@@ -106,6 +106,8 @@ def _add_train_parser(sub) -> None:
     opt("--dp", type=int, help="data-parallel replicas (the global batch is dp x microbatches); under a launcher "
                                "with --config, world size / (pp x tp) as DeepSpeed computes it")
     opt("--dp-bucket-mb", type=float, help="MiB of gradients per data-parallel all-reduce")
+    opt("--zero", type=int, help="ZeRO stage: 0 (default) or 1: fp32 masters and optimizer state partitioned over "
+                                 "the data-parallel replicas (gradients reduce-scattered, parameters all-gathered)")
     opt("--schedule", type=str.lower, choices=(*SCHEDULES, "auto"),
         help="auto: the fastest the planner predicts (FLOP times) that fits (--memory-gb when given)")
     opt("--engine", type=str.lower, choices=ENGINES, help=f"pipeline engine (default {d.engine}); deepspeed: "
@@ -181,6 +183,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory cap")
     p.add_argument("--dtype", default=d.dtype, type=str.lower, choices=tuple(master.PRECISIONS))
     p.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
+    p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0 or 1: optimizer state and fp32 masters "
+                   "partitioned over the dp replicas (static bytes per parameter)")
     p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=(*SCHEDULES, "auto"),
                    help="auto: the fastest predicted schedule that fits --memory-gb")
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
@@ -322,6 +326,7 @@ def _plan(args: argparse.Namespace) -> int:
         tflops=args.tflops, measure=args.measure, threads=args.threads, load=args.load,
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
         mem_gbps=args.mem_gbps, hf=args.hf, recompute=args.recompute, recompute_layers=args.recompute_layers,
+        zero=args.zero,
     )
     _check_output(args.gantt)
     plan = _make_plan(req)

@@ -322,8 +322,8 @@ def test_monitor_sections_map_onto_the_loggers():
 
 
 @pytest.mark.parametrize("keys,message", [
-    (dict(zero_optimization={"stage": 2}), "zero_optimization.stage 2: mp_toolkit does not implement ZeRO"),
-    (dict(zero_optimization=True), "zero_optimization.stage 1: mp_toolkit does not implement ZeRO"),
+    (dict(zero_optimization={"stage": 2}), "zero_optimization.stage 2: mp_toolkit implements ZeRO stage 1"),
+    (dict(zero_optimization={"stage": 3}), "zero_optimization.stage 3: mp_toolkit implements ZeRO stage 1"),
     (dict(zero_optimization={"stage": "1"}), 'zero_optimization.stage "1" must be an integer >= 0'),
     (dict(torch_autocast={"enabled": True}), "torch_autocast.enabled is not supported by mp_toolkit"),
 ])
@@ -334,6 +334,12 @@ def test_refused_features(keys, message):
 def test_zero_stage_0_and_legacy_false_are_accepted():
     assert read(zero_optimization=False).ignored == ("zero_optimization",)
     assert read(zero_optimization={"stage": 0}).precision == "fp32"
+    assert read(zero_optimization={"stage": 0}).zero == 0
+
+
+def test_zero_stage_1_and_legacy_true_select_zero1():  # tests/test_zero.py trains with it
+    assert read(zero_optimization=True).train_config_overrides()["zero"] == 1
+    assert read(zero_optimization={"stage": 1}).zero == 1
 
 
 # -- wrong types -------------------------------------------------------------------------------------

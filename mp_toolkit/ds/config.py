@@ -23,7 +23,8 @@ and explicit boundaries ("0,3,7") as ``partition_method``. Understood but unused
 profiling, ZeRO stage 0, ...) are listed in ``ignored``. Unknown keys fail where DeepSpeed fails
 (inside ``fp16``, ``bf16``, ``optimizer.params``, ``scheduler.params``: DeepSpeed validates those or
 passes them to a constructor) and elsewhere, where DeepSpeed tolerates them, are listed in ``ignored``
-as "(unknown)". ZeRO stages above 0, torch autocast, options mp_toolkit cannot honour and every wrong
+as "(unknown)". ``zero_optimization.stage`` 1 is mp_toolkit's ZeRO-1 (TrainConfig.zero); stages 2 and 3,
+torch autocast, options mp_toolkit cannot honour and every wrong
 type or range are a ConfigError: one line naming the dotted key and the file; so are the keys DeepSpeed
 itself refuses (``sparse_attention``, ``amp``, ``elasticity``, ...: features removed from DeepSpeed),
 all of them named in the one line. A JSON null counts as
@@ -142,6 +143,8 @@ class DeepSpeedSettings:
     ones ("DeepSpeed 0.19.x (its documented defaults: deepspeed is not installed)")."""
     recompute: str | None = None
     """``pipeline.activation_checkpoint_interval`` > 0: "full" (`mp_toolkit.ds.recompute`); None when off."""
+    zero: int = 0
+    """``zero_optimization.stage`` (0 or 1; TrainConfig.zero)."""
 
     def _overrides(self) -> dict[str, Any]:
         """Every TrainConfig-style field the file determines, whether TrainConfig has it yet or not."""
@@ -173,6 +176,8 @@ class DeepSpeedSettings:
                 out.update(lr_decay="linear", min_lr=min(s.warmup_min_lr, s.warmup_max_lr))
             else:
                 out.update(lr_decay="none")
+        if self.zero:
+            out["zero"] = self.zero
         for name in ("pp", "partition", "schedule", "chunks"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -389,15 +394,26 @@ def _pipeline(root: Block, ignored: list[str]) -> tuple[int | None, str | None, 
     return stages, partition, schedule, chunks
 
 
-def _refused(root: Block, ignored: list[str]) -> None:
-    """ZeRO and torch autocast: accepted only when off, then listed as ignored."""
+def _zero(root: Block, ignored: list[str]) -> int:
+    """``zero_optimization.stage``: 0 (the block is ignored) or 1 (mp_toolkit's ZeRO-1, its other keys
+    ignored); stages 2 and 3 refused."""
     zero = root.get("zero_optimization")
-    if zero is not None:  # DeepSpeed's legacy form is a bool: true means stage 1
-        stage = int(zero) if isinstance(zero, bool) else root.block("zero_optimization").integer("stage", 0, lowest=0)
-        if stage > 0:
-            raise ConfigError(f"{root.where}: zero_optimization.stage {stage}: mp_toolkit does not implement ZeRO; "
-                              "set stage 0 or remove the block")
+    if zero is None:
+        return 0
+    block = None if isinstance(zero, bool) else root.block("zero_optimization")
+    stage = int(zero) if block is None else block.integer("stage", 0, lowest=0)  # legacy bool: true is stage 1
+    if stage > 1:
+        raise ConfigError(f"{root.where}: zero_optimization.stage {stage}: mp_toolkit implements ZeRO stage 1 "
+                          "(optimizer state partitioned), not gradient or parameter partitioning; set stage 1 or 0")
+    if stage == 0 or block is None:
         ignored.append("zero_optimization")
+    else:
+        block.finish(ignored, known=frozenset(block.data) - {"stage"})
+    return stage
+
+
+def _refused(root: Block, ignored: list[str]) -> None:
+    """torch autocast: accepted only when off, then listed as ignored."""
     autocast = root.block("torch_autocast")
     if autocast is not None:
         if autocast.boolean("enabled", False):
@@ -464,6 +480,7 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1,
     scheduler = _scheduler(root, optimizer, ignored)
     recompute, honoured = read_recompute(root, ignored)
     pp, partition, schedule, chunks = _pipeline(root, ignored)
+    zero = _zero(root, ignored)
     _refused(root, ignored)
     monitors = _monitors(root, ignored)
     root.finish(ignored, known=_IGNORED_TOP)
@@ -472,4 +489,4 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1,
         source=where, dp=dp, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
         gradient_clipping=clip, precision=precision, fp16=fp16, optimizer=optimizer, scheduler=scheduler, pp=pp,
         partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)), monitors=monitors, defaults=ds.source,
-        recompute=recompute)
+        recompute=recompute, zero=zero)

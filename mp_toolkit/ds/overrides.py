@@ -21,7 +21,7 @@ _OPTIMIZER_FIELDS = ("betas", "eps", "min_trust", "max_trust", "bias_correction"
                      "lamb_rule")
 # The DeepSpeed key each TrainConfig field comes from, to name it when its value fails a check.
 _DS_KEYS = {"pp": "pipeline.stages", "partition": "pipeline.partition_method", "schedule": "pipeline.schedule",
-            "chunks": "pipeline.chunks", "micro_batch": "train_micro_batch_size_per_gpu",
+            "chunks": "pipeline.chunks", "zero": "zero_optimization.stage", "micro_batch": "train_micro_batch_size_per_gpu",
             "microbatches": "gradient_accumulation_steps", "clip_grad": "gradient_clipping",
             "lr": "optimizer.params.lr (or scheduler.params)", "weight_decay": "optimizer.params.weight_decay",
             "eps": "optimizer.params.eps", "betas": "optimizer.params.betas", "min_trust": "optimizer.params.min_coeff",

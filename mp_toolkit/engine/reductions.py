@@ -8,7 +8,9 @@ Which group carries what, and why:
   ``dp_group`` then averages the replicas, which saw different micro-batches.
 * trust ratios: each optimizer computes whole-tensor norms of its shards (LAMB / LARS take the
   tp group), so every tp rank and, after the data-parallel gradient average, every dp replica
-  holds the same ratios; gathering over ``pp_group`` alone gives one row per pipeline rank.
+  holds the same ratios; gathering over ``pp_group`` alone gives one row per pipeline rank. Under
+  ZeRO-1 a replica holds the ratios of its pieces only: each tensor's ratio is reported by the
+  piece that holds its first element and the replicas' lists are gathered over ``dp_group`` first.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mp_toolkit.optim.clip import gather_ragged
 from mp_toolkit.parallel.context import ParallelContext
 
 
@@ -44,8 +47,9 @@ def global_mean_loss(losses: Sequence[torch.Tensor], ctx: ParallelContext, last_
 def _adapted_ratios(optimizer) -> list[float]:
     """Last step's trust ratios of the tensors that layer adaptation applies to: not the 1.0s of
     biases and norms that ``adapt=False`` excludes (our LAMB and LARS), but every tensor under
-    DeepSpeed's FusedLamb rule, 1-D ones included."""
-    adapted = {id(p) for g in optimizer.param_groups if g.get("adapt", True) for p in g["params"]}
+    DeepSpeed's FusedLamb rule, 1-D ones included. Under ZeRO-1, once per tensor (its first piece)."""
+    adapted = {id(p) for g in optimizer.param_groups if g.get("adapt", True) for p in g["params"]
+               if getattr(p, "zero_piece", None) is None or p.zero_piece.first}
     return [float(v) for p, v in optimizer.last_trust_ratios().items() if id(p) in adapted]
 
 
@@ -55,10 +59,13 @@ def trust_ratio_rows(optimizer, ctx: ParallelContext) -> list[dict] | None:
     "lars") and how many tensors they cover; None for optimizers without trust ratios."""
     if not hasattr(optimizer, "last_trust_ratios"):
         return None
-    adapted = _adapted_ratios(optimizer)
-    ratios = torch.tensor(adapted or [float("nan")])
-    mine = torch.stack([ratios.min(), ratios.median(), ratios.max(), torch.tensor(float(len(adapted)))])
-    mine = mine.float().to(ctx.device)
+    ratios = torch.tensor(_adapted_ratios(optimizer), dtype=torch.float32)
+    partitioned = any(hasattr(p, "zero_piece") for g in optimizer.param_groups for p in g["params"])
+    if partitioned and ctx.dp_group is not None:
+        ratios = gather_ragged(ratios.to(ctx.device), ctx.dp_group).cpu()
+    count = torch.tensor(float(ratios.numel()))
+    ratios = ratios if ratios.numel() else torch.tensor([float("nan")])
+    mine = torch.stack([ratios.min(), ratios.median(), ratios.max(), count]).float().to(ctx.device)
     rows = [mine]
     if ctx.pp_group is not None:
         rows = [torch.empty_like(mine) for _ in range(ctx.pp)]

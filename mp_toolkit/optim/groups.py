@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,11 +48,66 @@ def lamb_param_groups(model_or_named_params, weight_decay: float,
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        skip = p.dim() <= 1 or any(k in name.lower() for k in keys)
+        skip = whole_dim(p) <= 1 or any(k in name.lower() for k in keys)
         (plain if skip else decay).append(p)
     groups = [{"params": decay, "weight_decay": float(weight_decay), "adapt": True},
               {"params": plain, "weight_decay": 0.0, "adapt": adapt_all}]
     return [g for g in groups if g["params"]]
+
+
+@dataclass(frozen=True)
+class PartialSums:
+    """ZeRO-1: the data-parallel group whose ranks hold pieces of the optimizer's tensors, and how
+    many of those tensors are split between two or more ranks (alike on every rank of the group)."""
+
+    group: Any
+    slots: int
+
+
+@dataclass(frozen=True)
+class ZeroPiece:
+    """Attached as ``t.zero_piece`` to an optimizer tensor that is one rank's 1-D piece of a
+    parameter under ZeRO-1 (`mp_toolkit.engine.zero`)."""
+
+    shape: tuple[int, ...]
+    """The whole tensor's shape (this rank's tensor-parallel shard)."""
+    slot: int
+    """Its index among the tensors split between ranks (`PartialSums.slots`); -1 when whole here."""
+    first: bool
+    """The piece holds the tensor's first element (the one rank that reports its trust ratio)."""
+    partials: PartialSums
+
+
+def whole_dim(p: torch.Tensor) -> int:
+    """Dimensions of the tensor ``p`` is (a ZeRO-1 piece: of the parameter it is cut from)."""
+    piece = getattr(p, "zero_piece", None)
+    return len(piece.shape) if piece is not None else p.dim()
+
+
+def sum_partial_squares(squares: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """ZeRO-1: the rows of ``squares`` (squared norms, one row per tensor of ``params``) of pieces
+    whose tensor is split between ranks become the whole tensor's, in place, with ONE all-reduce of
+    every split tensor's partial sums over the data-parallel group (zeros where a rank holds none).
+    Tensors that are not pieces, or lie whole on this rank, keep their rows."""
+    pieces = [getattr(p, "zero_piece", None) for p in params]
+    partials = next((z.partials for z in pieces if z is not None), None)
+    if partials is None or partials.slots == 0:
+        return squares
+    rows = [i for i, z in enumerate(pieces) if z is not None and z.slot >= 0]
+    slots = torch.tensor([pieces[i].slot for i in rows], dtype=torch.long, device=squares.device)
+    rows_t = torch.tensor(rows, dtype=torch.long, device=squares.device)
+    table = torch.zeros(partials.slots, *squares.shape[1:], dtype=squares.dtype, device=squares.device)
+    table.index_copy_(0, slots, squares.index_select(0, rows_t))
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=partials.group)
+    return squares.index_copy_(0, rows_t, table.index_select(0, slots))
+
+
+def whole_tensor_squares(squares: torch.Tensor, params: Sequence[torch.Tensor], tp_group) -> torch.Tensor:
+    """Per-tensor squared norms of this rank's pieces and shards -> the whole tensors': ZeRO-1
+    pieces summed over the data-parallel group, then tensor-parallel shards over ``tp_group``
+    (sums of squares: the order of the two does not matter). One all-reduce each, per step."""
+    squares = sum_partial_squares(squares, params)
+    return allreduce_sharded_squares(squares, [is_tensor_parallel(p) for p in params], tp_group)
 
 
 def is_tensor_parallel(p: torch.Tensor) -> bool:

@@ -24,7 +24,10 @@ and adapts every tensor, 1-D ones included, as FusedLamb does (`LAMB_RULES`).
 
 Tensor parallelism: for a shard (``p.tensor_model_parallel = True``) ``||w||^2`` and ``||u||^2`` are
 summed over ``tp_group`` in one all-reduce per step for all shards together, so its trust ratio is
-the whole tensor's; no traffic ever crosses pipeline stages.
+the whole tensor's; no traffic ever crosses pipeline stages. ZeRO-1 (a tensor is a rank's piece of
+a parameter, ``p.zero_piece``): the partial squares of the tensors split between data-parallel
+ranks are summed over the dp group first, in one more all-reduce per step
+(`mp_toolkit.optim.groups.whole_tensor_squares`).
 
 The multi-tensor path (default on CPU and CUDA) makes two passes over memory. Pass 1 walks the
 tensors in cache-sized *waves* of chunks: ``s = wd w`` in a wave scratch, then one fused kernel
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_toolkit.optim.groups import (allreduce_sharded_squares, check_betas, check_hparam,
-                                     evaluate_closure, is_tensor_parallel, optional_hparam)
+                                     evaluate_closure, is_tensor_parallel, optional_hparam, whole_tensor_squares)
 
 _WAVE = {"cpu": 1 << 18, "cuda": 1 << 22}
 """Elements per wave. CPU: 1 MiB per operand, so a wave's w, g, m, v and scratch (5 MiB) stay in
@@ -174,7 +177,7 @@ class LAMB(torch.optim.Optimizer):
             for ps, sq in self._directions(group, *tensors, scale):
                 order += [(p, group) for p in ps]
                 rows.append(sq.to(rows[0].device) if rows else sq)
-        squares = allreduce_sharded_squares(torch.cat(rows), [is_tensor_parallel(p) for p, _ in order], self.tp_group)
+        squares = whole_tensor_squares(torch.cat(rows), [p for p, _ in order], self.tp_group)
         self._apply(order, squares)
         return loss
 
@@ -201,6 +204,9 @@ class LAMB(torch.optim.Optimizer):
         """NVLAMB: max(1, ||all grads|| / max_grad_norm) (shards summed over tp_group), or None."""
         if self.max_grad_norm is None:
             return None
+        if any(hasattr(p, "zero_piece") for p in params):
+            raise RuntimeError("LAMB's max_grad_norm (NVLAMB pre-normalisation) is per rank and would differ "
+                               "between ZeRO-1 shards: clip by the global norm instead")
         norms = torch._foreach_norm([p.grad for p in params])
         sq = torch.stack([n.double().to(norms[0].device) for n in norms]).square().unsqueeze(1)
         sq = allreduce_sharded_squares(sq, [is_tensor_parallel(p) for p in params], self.tp_group)

@@ -317,7 +317,7 @@ def _llama_kept(shape: ModelShape, b: int, s: int, d: int, tp: int) -> int:
     return norms + attention + 4 * n * fl * d
 
 
-def bytes_per_param(precision: str, optimizer: str) -> int:
+def bytes_per_param(precision: str, optimizer: str, zero_dp: int = 1) -> float:
     """Static bytes per parameter on its stage: what it holds from the first backward to the step.
 
     fp32: weight + gradient (4 + 4) + optimizer state. fp16/bf16: 2-byte weight and gradient and
@@ -325,10 +325,18 @@ def bytes_per_param(precision: str, optimizer: str) -> int:
     during the step (`MasterWeights.grads_to_master` frees each 2-byte gradient as it makes it;
     `step_bytes_per_param`). So 8 + state in every precision: 16 for AdamW and LAMB, 12 for SGD;
     `tests/test_cost_families.py` measures a real step.
+
+    ``zero_dp``: ZeRO-1 over that many data-parallel replicas (`mp_toolkit.engine.zero`) divides
+    what only a piece's owner keeps -- the optimizer state and, under fp16 / bf16, the fp32 master
+    weight -- by it: fp32 + Adam 16 -> 8 + 8/dp, bf16 + Adam 16 -> 4 + 12/dp (Megatron's
+    distributed-optimizer table, whose bf16 row keeps a 4-byte main gradient per parameter on every
+    replica, reads 18 -> 6 + 12/dp). 1: no ZeRO.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATE_BYTES)}")
-    return 8 + OPTIMIZER_STATE_BYTES[optimizer]
+    state = OPTIMIZER_STATE_BYTES[optimizer]
+    kept, owned = (8, state) if precision == "fp32" else (4, 4 + state)  # replicated, partitioned by ZeRO-1
+    return kept + owned / zero_dp
 
 
 OPTIMIZER_STEP_BYTES = {"adamw": 0, "adam": 0, "lamb": 0, "lars": 4, "sgd": 4, "adagrad": 8, "rmsprop": 8}

@@ -85,6 +85,9 @@ class PlanRequest:
     count per stage); None: every block layer."""
     recompute_modes: tuple[str, ...] = ("full", "selective")
     """The modes ``recompute`` auto may choose (selective only where the family has it)."""
+    zero: int = 0
+    """ZeRO stage 0 or 1: masters and optimizer state partitioned over the dp replicas
+    (`bytes_per_param`'s ``zero_dp``); each replica's optimizer step touches 1/dp of them."""
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,8 @@ def make_plan(req: PlanRequest) -> Plan:
     times, opt_s, step_bytes, residue, costs, source = lt.times, lt.opt_s, lt.step_bytes, lt.residue, lt.costs, lt.source
     schedule, inflight = _inflight(req)
     num_stages = schedule.num_stages
-    bpp = bytes_per_param(req.dtype, req.optimizer)
+    zero_dp = req.dp if req.zero else 1
+    bpp = bytes_per_param(req.dtype, req.optimizer, zero_dp=zero_dp)
     msg_in = max(c.output_bytes for c in costs[:-1]) if len(costs) > 1 else 0
     memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], fixed=2 * msg_in + residue,
@@ -309,7 +313,8 @@ def make_plan(req: PlanRequest) -> Plan:
     for st in stages:  # every rank steps its own stages; the slowest rank closes the step
         r = schedule.stage_to_rank[st.index]
         grad_bytes = st.params * 4
-        per_rank_opt[r] += st.optimizer_ms + 1e3 * _allreduce_s(grad_bytes, req.dp, req)
+        # ZeRO-1: a reduce-scatter and an all-gather move an all-reduce's bytes; the step covers 1/dp
+        per_rank_opt[r] += st.optimizer_ms / zero_dp + 1e3 * _allreduce_s(grad_bytes, req.dp, req)
     ends = {schedule.stage_to_rank[0], schedule.stage_to_rank[len(stages) - 1]}
     if shape.tied and len(ends) == 2:  # the tied embedding / LM head gradient, summed over its two ranks
         tie_ms = 1e3 * _allreduce_s(shape.vocab_size * shape.hidden // req.tp * ACT_BYTES[req.dtype], 2, req)
@@ -370,6 +375,8 @@ def check_request(req: PlanRequest, shape: ModelShape) -> None:
         raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of gpipe, 1f1b, interleaved, zbh1")
     if not (req.method in PLAN_METHODS[:4] or req.method == "memory" or req.method.startswith("type:")):
         raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
+    if req.zero not in (0, 1):
+        raise PartitionError(f"--zero {req.zero}: ZeRO stage 0 (off) or 1 (optimizer state partitioned over dp)")
     if req.dtype not in ACT_BYTES:
         raise PartitionError(f"unknown --dtype {req.dtype!r}: choose one of {', '.join(ACT_BYTES)}")
     if req.memory_gb is not None and not (math.isfinite(req.memory_gb) and req.memory_gb > 0):

@@ -41,6 +41,9 @@ def _validate_numbers(cfg: TrainConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be a {'positive' if name == 'lr' else 'non-negative'} finite number")
     if not (cfg.dp_bucket_mb > 0 and math.isfinite(cfg.dp_bucket_mb)):
         raise ConfigError(f"--dp-bucket-mb {cfg.dp_bucket_mb} must be a positive finite number")
+    if cfg.zero not in (0, 1):
+        raise ConfigError(f"--zero {cfg.zero}: mp_toolkit implements ZeRO stage 0 (off) and 1 (optimizer state "
+                          "partitioned over data-parallel replicas); use --zero 1")
     if cfg.clip_grad is not None and not (cfg.clip_grad > 0 and math.isfinite(cfg.clip_grad)):
         raise ConfigError(f"--clip-grad {cfg.clip_grad} must be a positive finite number (or none)")
     for name in ("warmup_steps", "loss_scale_window", "hysteresis", "initial_scale_power", "save_every", "restarts",

@@ -42,7 +42,9 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
     4. Pipeline: the engine keeps this rank's stages of the sharded list; the others stay on meta
        (a model built for real: they are freed with ``model`` once the caller drops it).
     5. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
-       once its backward is done; nothing is wrapped, the modules stay plain.
+       once its backward is done (``--zero 1``: reduce-scatters them, each replica steps its
+       piece of the masters and optimizer state, and all-gathers the parameters); nothing is
+       wrapped, the modules stay plain.
     Recomputation is data on the layers (their ``recompute`` attribute, set after the split, on
     whatever modules the list then holds; `mp_toolkit.recompute`).
 
@@ -67,6 +69,7 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
                                                 options=options),
         loss_fn=loss_function(model, ctx), clip_grad=cfg.clip_grad, precision=cfg.precision,
         loss_scaler=loss_scaler(cfg), chunks=cfg.chunks, dp_bucket_bytes=max(1, int(cfg.dp_bucket_mb * 2**20)),
+        zero=cfg.zero,
     )
 
 

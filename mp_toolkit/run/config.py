@@ -42,6 +42,9 @@ class TrainConfig:
     """Data-parallel replicas: each trains on its own micro-batches, gradients are averaged."""
     dp_bucket_mb: float = 25.0
     """Data-parallel gradient buckets: MiB of fp32 gradients per all-reduce (DDP's bucket_cap_mb)."""
+    zero: int = 0
+    """ZeRO stage: 0 (off) or 1 (fp32 masters and optimizer state partitioned over each stage's
+    data-parallel replicas; DeepSpeed's zero_optimization.stage 1; `mp_toolkit.engine.zero`)."""
     engine: str = "mp_toolkit"
     """Which pipeline engine trains: mp_toolkit (ours: every schedule, tp, checkpoints) or deepspeed
     (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.ds.engine`)."""

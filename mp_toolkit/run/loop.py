@@ -119,7 +119,9 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         padded = padded_vocab_size(spec.vocab_size, cfg.tp)  # the vocab shards' rows (vocab_parallel)
         pad = f" (vocab {spec.vocab_size} padded to {padded})" if padded != spec.vocab_size else ""
         print(f"model {cfg.hf or cfg.model} ({spec.label}), precision {cfg.precision}, optimizer {cfg.optimizer}, "
-              f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}{pad}, dp {cfg.dp}", flush=True)
+              f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}{pad}, dp {cfg.dp}"
+              f"{f', ZeRO-1 (masters and optimizer state 1/{cfg.dp} per replica)' if cfg.zero and cfg.dp > 1 else ''}",
+              flush=True)
     ctx = build_context(cfg.pp, cfg.tp, cfg.dp, device=device)
     data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
     # Peak memory is reported as RSS above this baseline. It follows live tensors closely only when
