@@ -270,3 +270,23 @@ def test_zbh1s_recorded_gradients_count_on_every_stage_but_the_first():
     assert mem(0, 0, 2) == 2 * 20  # the first stage does not split: nothing recorded
     assert mem(1, 2, 4) == 1 * (20 + 10)
     assert mem.of_rank([(0, 0, 1), (1, 1, 2)]) == 2 * 10 + 1 * 15
+
+
+def test_a_given_cut_is_planned_as_the_method_that_picks_it():
+    """``boundaries`` (what `mpt train` asks for its own cut) gives the plan a method choosing that
+    cut gives, stage for stage; a cut of the wrong length is refused."""
+    by_method = plan(method="flops", pp=4)
+    given = plan(method="uniform", pp=4, boundaries=tuple(by_method.boundaries))
+    assert given.boundaries == by_method.boundaries != plan(method="uniform", pp=4).boundaries
+    assert [s.memory_bytes for s in given.stages] == [s.memory_bytes for s in by_method.stages]
+    with pytest.raises(PartitionError):
+        plan(pp=4, boundaries=(0, 2, 4))
+
+
+def test_the_planner_holds_the_padded_vocabulary_under_tp():
+    """The run pads the vocabulary to a multiple of 128 x tp (gpt2: 50257 -> 50432 at tp=2), so
+    the plan counts those rows on the embedding's stage instead of refusing the tp."""
+    tp1, tp2 = plan(model="gpt2", method="flops", pp=2), plan(model="gpt2", method="flops", pp=2, tp=2)
+    embed = lambda p: next(c for c in p.layers if c.name == "embed")  # noqa: E731
+    assert embed(tp2).params == (50432 * 768) // 2 + 1024 * 768
+    assert embed(tp1).params == 50257 * 768 + 1024 * 768

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from mp_toolkit.optim.master import PRECISIONS
+from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
 from mp_toolkit.schedule import get_schedule, simulate
 
 from .build import measure_model
 from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape, step_bytes_per_param
 from .memory import MemoryCapError, StageMemory, min_max_memory
 from .recompute import apply_to_plan, choose_recompute
-from .solvers import PartitionError, min_max, uniform
+from .solvers import PartitionError, explicit, min_max, uniform
 
 PLAN_METHODS = ("uniform", "parameters", "flops", "time", "type:REGEX", "memory")
 MAX_MICROBATCHES = 65536
@@ -85,6 +86,8 @@ class PlanRequest:
     count per stage); None: every block layer."""
     recompute_modes: tuple[str, ...] = ("full", "selective")
     """The modes ``recompute`` auto may choose (selective only where the family has it)."""
+    boundaries: tuple[int, ...] | None = None
+    """A given cut (``mpt train``'s own, to predict what its ranks hold): ``method`` is not consulted."""
     zero: int = 0
     """ZeRO stage 0 or 1: masters and optimizer state partitioned over the dp replicas
     (`bytes_per_param`'s ``zero_dp``); each replica's optimizer step touches 1/dp of them."""
@@ -212,8 +215,10 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> 
 
 def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float]],
         memory: StageMemory | None, num_stages: int) -> list[int]:
-    """Boundaries by ``req.method``."""
+    """Boundaries by ``req.method`` (or ``req.boundaries`` when given)."""
     n = len(costs)
+    if req.boundaries is not None:
+        return explicit(list(req.boundaries), n, num_stages)
     m = req.method
     if m == "uniform":
         return uniform(n, num_stages)
@@ -268,6 +273,8 @@ def make_plan(req: PlanRequest) -> Plan:
     """Plan ``req``; raises PartitionError / CostModelError / ValueError with one-line messages."""
     shape = model_shape(req.model, hf_modules=req.hf)
     check_request(req, shape)
+    # the run pads the vocabulary to a multiple of 128 x tp (`vocab_parallel`): those rows are held too
+    shape = replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, req.tp))
     if req.hf and (req.method == "time" or req.measure):
         raise PartitionError("--hf plans from the cost model: measuring layers (--method time, --measure) builds "
                              "model_zoo's modules; drop --hf or the measurement")
@@ -393,7 +400,7 @@ def check_request(req: PlanRequest, shape: ModelShape) -> None:
                              f"got {req.microbatches}")
     if req.tp > 1:
         for what, value in (("attention heads", shape.heads), ("key/value heads", shape.kvh),
-                            ("MLP size", shape.ffn), ("vocabulary", shape.vocab_size)):
+                            ("MLP size", shape.ffn)):
             if value % req.tp:
                 raise PartitionError(f"--tp {req.tp} does not divide the model's {what} ({value}): "
                                      f"choose a tp that divides {value}")

@@ -35,6 +35,7 @@ from mp_toolkit.partition.memstats import (keep_freed_memory, peak_rss_bytes, re
                                            rss_bytes, warm_runtime)
 from mp_toolkit.run.checks import model_spec
 from mp_toolkit.run.compose import make_engine
+from mp_toolkit.run.predict import predicted_rank_bytes
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.families import micro_batches
 from mp_toolkit.run.launch import (
@@ -138,6 +139,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     resume_from = find_checkpoint(cfg) if cfg.resume else None
     engine = make_engine(cfg, ctx, model, values=resume_from is None)  # resuming: the checkpoint fills them
     del model
+    planned = predicted_rank_bytes(cfg, engine.boundaries, ctx.pp_rank)  # mpt plan's figure for this rank
     progress = _resume(cfg, resume_from, engine, ctx, names, data, spec, rank0)
     if progress.step >= cfg.steps:
         if rank0:
@@ -161,6 +163,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
             row["peak_memory_bytes"] = gather_ints(peak_rss_bytes() - base_rss, ctx.device)
             row["peak_rss_bytes"] = gather_ints(max(peak_since_start, peak_rss_bytes()), ctx.device)
             row["peak_load_rss_bytes"] = gather_ints(peak_loaded, ctx.device)  # before the first step
+            row["planned_memory_bytes"] = gather_ints(planned or 0, ctx.device)  # 0: the cost model cannot say
         if step == first:  # steady state: later steps' peak (the first adds one-time shape agreement)
             peak_since_start = max(peak_since_start, peak_rss_bytes())
             reset_peak()

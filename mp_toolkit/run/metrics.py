@@ -89,6 +89,11 @@ class MetricsLog:
                 "post-import baseline: " + ", ".join(f"{b / 2**20:.0f}" for b in last["peak_memory_bytes"]) + " MiB; "
                 "built and loaded, before the first step: "
                 + ", ".join(f"{b / 2**20:.0f}" for b in last.get("peak_load_rss_bytes", [])) + " MiB)")
+            planned = last.get("planned_memory_bytes", [])
+            if planned and all(planned):
+                print("  mpt plan predicts for the steps: " + ", ".join(f"{b / 2**20:.0f}" for b in planned)
+                      + " MiB (measured / predicted: " + ", ".join(
+                          f"{m / p:.2f}" for m, p in zip(last["peak_memory_bytes"], planned)) + ")")
         if self.last_val is not None:
             print(f"  {validation_text(self.last_val)} after step {self.last_val['step']}")
         for t in last.get("trust_ratio", []):

@@ -14,23 +14,18 @@ import dataclasses
 from mp_toolkit.layers import LayerList
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.auto_schedule import fastest_schedule
-from mp_toolkit.partition.cost import ACT_BYTES, CostModelError
+from mp_toolkit.partition.cost import CostModelError
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.recompute import RecomputeError, StageRecompute, apply_recompute, stage_blocks, stage_choices
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.cut import CutWorkload, plan_boundaries
-
-AUTO_TFLOPS = 1.0
-"""The rate turning FLOPs into seconds for ``--recompute auto`` (any fixed value gives the same choice)."""
-
+from mp_toolkit.run.predict import plan_request
 
 def auto_request(cfg: TrainConfig) -> PlanRequest:
-    """The ``mpt plan`` request whose answer ``--recompute auto`` applies."""
-    return PlanRequest(model=cfg.hf or cfg.model, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp, micro_batch=cfg.micro_batch,
-                       microbatches=cfg.microbatches, seq_len=cfg.seq_len, method="memory", memory_gb=cfg.memory_gb,
-                       dtype=cfg.precision if cfg.precision in ACT_BYTES else "fp32", optimizer=cfg.optimizer,
-                       schedule=cfg.schedule, chunks=cfg.chunks, tflops=AUTO_TFLOPS, recompute="auto",
-                       recompute_modes=("full",) if cfg.hf is not None else ("full", "selective"))  # HF: full only
+    """The ``mpt plan`` request whose answer ``--recompute auto`` applies (FLOP times at `PLAN_TFLOPS`:
+    any fixed rate gives the same choice)."""
+    return plan_request(cfg, method="memory", recompute="auto", recompute_layers=None,
+                        recompute_modes=("full",) if cfg.hf is not None else ("full", "selective"))  # HF: full only
 
 
 def cut_and_recompute(cfg: TrainConfig, layers: LayerList, config, ctx=None) -> tuple[list[int], list[StageRecompute]]:
@@ -69,7 +64,7 @@ def describe(layers: LayerList, boundaries: list[int], choices: list[StageRecomp
 
 def resolve_auto_schedule(cfg: TrainConfig, chunks_given: bool = False) -> tuple[TrainConfig, str]:
     """``--schedule auto``: ``cfg`` with the fastest schedule the planner predicts (FLOP times at
-    `AUTO_TFLOPS`, the cut ``--recompute auto`` or ``--partition flops`` would make, fitting
+    `PLAN_TFLOPS`, the cut ``--recompute auto`` or ``--partition flops`` would make, fitting
     ``--memory-gb`` when given), and the line saying so."""
     request = dataclasses.replace(auto_request(cfg), chunks=cfg.chunks if chunks_given else 1)
     if cfg.recompute != "auto":
