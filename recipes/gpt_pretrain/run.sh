@@ -18,12 +18,13 @@ port="${MASTER_PORT:-29500}"
 if [[ "${1:-}" == "--smoke" ]]; then
   shift
   # CPU accelerator, gloo; one thread per rank. The scheduler block's 200 warm-up steps would not
-  # finish in 30 steps, so the smoke run warms up over 3 (the log line names the replaced keys).
+  # finish in 30 steps, so the smoke run warms up over 3 (the log line names the replaced keys), at an
+  # lr for which "Lamb" (DeepSpeed's FusedLamb rule: every trust ratio clamped to [0.01, 10]) learns in 30.
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
   exec "$launcher" --num_gpus 2 --master_port "$port" train.py --deepspeed_config ds_config.json \
     --model smoke_model.json --data "${DATA:-$here/../../mp_toolkit}" --seq-len 64 \
-    --micro-batch 4 --microbatches 4 --steps 30 --precision fp32 --lr 1e-2 --warmup-steps 3 \
-    --lr-decay cosine --min-lr 1e-3 --threads 1 --no-progress "$@"
+    --micro-batch 4 --microbatches 4 --steps 30 --precision fp32 --lr 3e-2 --warmup-steps 3 \
+    --lr-decay cosine --min-lr 3e-3 --threads 1 --no-progress "$@"
 fi
 
 common=(train.py --deepspeed_config ds_config.json --model gpt2 --seq-len 1024 --data "${DATA:-stdlib}"
