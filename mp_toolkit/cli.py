@@ -39,6 +39,7 @@ from mp_toolkit.partition.planner import MAX_MICROBATCHES, PLAN_METHODS, PlanReq
 from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
 from mp_toolkit.run.checks import validate
 from mp_toolkit.optim import master
+from mp_toolkit.optim.lamb import LAMB_RULES
 from mp_toolkit.recompute import MODES as RECOMPUTE_MODES, RecomputeError, parse_layer_counts
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
@@ -105,6 +106,8 @@ def _add_train_parser(sub) -> None:
     opt("--dp", type=int, help="data-parallel replicas (the global batch is dp x microbatches); under a launcher "
                                "with --config, world size / (pp x tp) as DeepSpeed computes it")
     opt("--dp-bucket-mb", type=float, help="MiB of gradients per data-parallel all-reduce")
+    opt("--zero", type=int, help="ZeRO stage: 0 (default) or 1: fp32 masters and optimizer state partitioned over "
+                                 "the data-parallel replicas (gradients reduce-scattered, parameters all-gathered)")
     opt("--schedule", type=str.lower, choices=(*SCHEDULES, "auto"),
         help="auto: the fastest the planner predicts (FLOP times) that fits (--memory-gb when given)")
     opt("--engine", type=str.lower, choices=ENGINES, help=f"pipeline engine (default {d.engine}); deepspeed: "
@@ -123,6 +126,8 @@ def _add_train_parser(sub) -> None:
     opt("--min-trust", type=float, help="LAMB: lower clamp of the trust ratio (DeepSpeed's min_coeff)")
     opt("--max-trust", type=float, help="LAMB: upper clamp of the trust ratio (DeepSpeed's max_coeff)")
     opt("--no-bias-correction", dest="bias_correction", action="store_const", const=False, help="LAMB without bias correction")
+    opt("--lamb-rule", type=str.lower, choices=LAMB_RULES, help="LAMB: mp_toolkit (biases and norm weights not "
+        "adapted; default) or deepspeed (FusedLamb's: every tensor's trust ratio clamped; a config's \"Lamb\")")
     opt("--momentum", type=float, help="SGD / LARS (default 0.9), RMSprop (default 0)")
     opt("--trust-coefficient", type=float, help="LARS eta (default 0.001)")
     opt("--warmup-steps", type=int)
@@ -140,6 +145,10 @@ def _add_train_parser(sub) -> None:
     opt("--data", help="stdlib, synthetic, or a local text/JSON-lines file or folder")
     opt("--metrics", type=Path, help="write one JSON object per step here")
     opt("--plot", type=Path, help="write the loss curve PNG here")
+    opt("--eval-every", type=int, help="validation loss every N steps (and after the last) on a held-out split")
+    opt("--eval-batches", type=int, help=f"global batches per validation (default {d.eval_batches})")
+    opt("--tensorboard", type=Path, metavar="DIR", help="write TensorBoard scalars to DIR")
+    opt("--csv", type=Path, metavar="FILE", help="write the per-step scalars as CSV")
     opt("--cache-dir", type=Path, help="tokenizer cache")
     opt("--threads", type=int, help="torch threads per rank")
     opt("--timeout", dest="timeout_s", type=float, metavar="SECONDS", help="seconds any communication may wait")
@@ -174,6 +183,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory cap")
     p.add_argument("--dtype", default=d.dtype, type=str.lower, choices=tuple(master.PRECISIONS))
     p.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
+    p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0 or 1: optimizer state and fp32 masters "
+                   "partitioned over the dp replicas (static bytes per parameter)")
     p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=(*SCHEDULES, "auto"),
                    help="auto: the fastest predicted schedule that fits --memory-gb")
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
@@ -186,6 +197,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--p2p-latency-us", type=float, default=d.p2p_latency_us)
     p.add_argument("--p2p-gbps", type=float, default=d.p2p_gbps, help="p2p and collective bandwidth, GB/s")
     p.add_argument("--mem-gbps", type=float, default=d.mem_gbps, help="memory bandwidth for the optimizer step estimate")
+    p.add_argument("--hf", action="store_true", help="--model is a HuggingFace config trained from transformers' "
+                   "modules (mpt train --hf): count what they keep")
     p.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
     p.add_argument("--gantt", type=Path, default=None, help="draw the predicted schedule (.png or .svg)")
     p.add_argument("--recompute", default=d.recompute, type=str.lower, choices=RECOMPUTE_CHOICES,
@@ -312,7 +325,8 @@ def _plan(args: argparse.Namespace) -> int:
         dtype=args.dtype, optimizer=args.optimizer, schedule=args.schedule, chunks=_chunks(args),
         tflops=args.tflops, measure=args.measure, threads=args.threads, load=args.load,
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
-        mem_gbps=args.mem_gbps, recompute=args.recompute, recompute_layers=args.recompute_layers,
+        mem_gbps=args.mem_gbps, hf=args.hf, recompute=args.recompute, recompute_layers=args.recompute_layers,
+        zero=args.zero,
     )
     _check_output(args.gantt)
     plan = _make_plan(req)
@@ -332,8 +346,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.cost_f) and math.isfinite(args.cost_b) and args.cost_f > 0 and args.cost_b > 0):
         raise ConfigError(f"--cost-f {args.cost_f:g} and --cost-b {args.cost_b:g} must be positive")
     _check_output(args.gantt)
-    report = simulate_report(args.schedule, args.pp, args.microbatches, _chunks(args),
-                             {"F": args.cost_f, "B": args.cost_b}, gantt=str(args.gantt) if args.gantt else None)
+    try:
+        report = simulate_report(args.schedule, args.pp, args.microbatches, _chunks(args),
+                                 {"F": args.cost_f, "B": args.cost_b}, gantt=str(args.gantt) if args.gantt else None)
+    except ValueError as e:  # sizes the schedule cannot take: one line, as mpt plan and mpt train say it
+        raise ConfigError(str(e)) from None
     print(f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']} "
           f"chunks={report['chunks']}: step time {report['step_time']:g}, "
           f"bubble fraction {report['bubble_fraction']:.4f}, peak in-flight per stage {report['peak_inflight']}")
@@ -351,13 +368,17 @@ def _add_export_parser(sub) -> None:
     e.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer directory or tokenizers JSON to ship (default: the run's own, when it can be found)")
     e.add_argument("--force", action="store_true", help="replace --out when it is not empty")
+    e.add_argument("--max-shard-size", default="5GB",
+                   help="split the weights into model-0000i-of-0000n.safetensors + index above this size "
+                        "(e.g. 5GB, 500MiB; default 5GB); the export streams one layer at a time either way")
 
 
 def _export(args: argparse.Namespace) -> int:
     from mp_toolkit.hf.export_run import export_run  # imports transformers (seconds, optional): export only
 
     try:
-        done = export_run(args.checkpoint, args.out, config=args.config, tokenizer=args.tokenizer, force=args.force)
+        done = export_run(args.checkpoint, args.out, config=args.config, tokenizer=args.tokenizer, force=args.force,
+                          max_shard_size=args.max_shard_size)
     except ValueError as e:  # also HF's config errors; a CheckpointError (e.g. a hash mismatch) names --checkpoint
         line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"--checkpoint {line}" if isinstance(e, CheckpointError) else line) from None

@@ -103,7 +103,8 @@ def tp_rank(rank: int, world: int, names):
         sharded = apply_hf_tensor_parallel(from_hf(tiny_hf(name, train=True)), ctx)
         ids, mask = causal_inputs()
         labels = torch.where(mask.bool(), torch.roll(ids, -1, dims=1), -100)
-        full_logits, local = full(ids, mask), sharded(ids, mask)
+        # the HF-callable list as HF's model is called; the sharded one (a plain LayerList) positionally
+        full_logits, local = full(input_ids=ids, attention_mask=mask), sharded(ids, mask)
         loss_full, loss_tp = causal_lm_loss(full_logits, labels), causal_lm_loss(local, labels, ctx.tp_group)
         loss_full.backward()
         loss_tp.backward()
@@ -138,7 +139,7 @@ def bert_tp_rank(rank: int, world: int, names):
         types = (torch.arange(SEQ) >= SEQ // 2).long().expand_as(ids)
         mlm = torch.where(mask.bool() & (torch.arange(SEQ) % 3 == 0), ids, -100)
         labels = (mlm, torch.tensor([0, 1, 0]))
-        full_out, local_out = full(ids, types, mask), sharded(ids, types, mask)
+        full_out, local_out = full(ids, mask, types), sharded(ids, mask, types)  # HF BERT's order
         if name == "bert-pretraining":
             loss_full, loss_tp = pretraining_loss(full_out, labels), pretraining_loss(local_out, labels, ctx.tp_group)
             full_out, local_out = full_out[0], local_out[0]

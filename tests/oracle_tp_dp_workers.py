@@ -74,8 +74,9 @@ def reference(cfg, batches, held_out, dtype=torch.float32, optimizer: str = "lam
         losses.append(total.item())
     with torch.no_grad():
         held_out_loss = sum(lm_loss(model(x), y) / len(held_out) for x, y in held_out).item()
-    adapted = {id(p) for g in opt.param_groups if g["adapt"] for p in g["params"]}
-    ratios = {id(p): r for p, r in opt.last_trust_ratios().items() if id(p) in adapted}
+    adapted = {id(p) for g in opt.param_groups if g.get("adapt") for p in g["params"]}
+    last = opt.last_trust_ratios() if hasattr(opt, "last_trust_ratios") else {}  # AdamW has none
+    ratios = {id(p): r for p, r in last.items() if id(p) in adapted}
     trust = {n: ratios[id(p)] for n, p in _by_name(model, lambda p: p).items() if id(p) in ratios}
     return {"params": _by_name(model, lambda p: p.detach()), "grads": first_grads, "losses": losses,
             "norms": norms, "eval": held_out_loss, "trust": trust}

@@ -102,11 +102,11 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3):
     return report
 
 
-def eval_matches(rank, world, schedule):
+def eval_matches(rank, world, schedule, chunks=1):
     """eval_batch's mean loss after training equals the reference model's, and changes nothing."""
     cfg = GPTConfig(**TINY, tie_word_embeddings=False)
     batches = make_batches(3, 4, cfg.vocab_size)
-    engine, _ = pipeline_run(cfg, world, schedule, batches[:2])
+    engine, _ = pipeline_run(cfg, world, schedule, batches[:2], chunks=chunks)
     ref_params, _ = single_process(cfg, batches[:2])
     before = [p.detach().clone() for _, p in engine.named_parameters()]
     loss = engine.eval_batch(iter(batches[2]))

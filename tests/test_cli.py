@@ -1,6 +1,7 @@
 """`mpt train` end to end: losses agree across layouts, bad input ends in one line with exit 2."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -25,6 +26,11 @@ def losses(tmp_path, name, *args):
     assert [row["step"] for row in rows] == [1, 2, 3]
     for row in rows:
         assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= row.keys()
+    world = math.prod(int(args[i + 1]) for i, a in enumerate(args) if a in ("--pp", "--tp", "--dp"))
+    memory = {k: rows[-1][k] for k in ("peak_rss_bytes", "peak_load_rss_bytes", "peak_memory_bytes")}
+    assert all(len(v) == world for v in memory.values()), memory  # one entry per rank
+    assert all(0 < load <= peak for load, peak in zip(memory["peak_load_rss_bytes"], memory["peak_rss_bytes"])), memory
+    assert all(0 < steps < peak for steps, peak in zip(memory["peak_memory_bytes"], memory["peak_rss_bytes"])), memory
     return [row["loss"] for row in rows]
 
 

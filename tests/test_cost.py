@@ -112,8 +112,8 @@ def test_flops_match_torch_flop_counter():
 
 def test_static_bytes_per_parameter():
     assert bytes_per_param("fp32", "adamw") == 16  # weight, grad, two moments
-    assert bytes_per_param("bf16", "lamb") == 20   # + fp32 master and master grad, bf16 weight and grad
-    assert bytes_per_param("fp16", "sgd") == 16
+    assert bytes_per_param("bf16", "lamb") == 16   # bf16 weight and grad, fp32 master, two moments
+    assert bytes_per_param("fp16", "sgd") == 12     # the fp32 master grad lives only in the step
     assert bytes_per_param("fp32", "lars") == 12
     with pytest.raises(CostModelError):
         bytes_per_param("fp32", "adafactor")

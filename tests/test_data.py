@@ -260,3 +260,24 @@ def test_stdlib_dataset_small_vocab(tmp_path, monkeypatch):
     assert "def " in decoded and "self" in decoded
     again = build_lm_dataset("stdlib", vocab_size=512, seq_len=64, seed=0, cache_dir=tmp_path / "cache")
     assert torch.equal(again[:]["input_ids"], rows)
+
+
+def test_progressprogress_bars_only_on_a_terminal(monkeypatch):
+    """Tokenizer training, corpus encoding and `mpt plan`'s layer timing draw a tqdm bar on a terminal,
+    after DELAY_S seconds; elsewhere (tests, pipes, --no-progress) they iterate the plain list."""
+    from tqdm import tqdm
+
+    from mp_toolkit import progress as bars
+
+    items = [1, 2, 3]
+    assert bars.progress(items, "x") is items  # pytest's stderr is not a terminal
+    monkeypatch.setattr(bars.sys.stderr, "isatty", lambda: True, raising=False)
+    bar = bars.progress(items, "encoding corpus", len(items))
+    assert isinstance(bar, tqdm) and bar.delay == bars.DELAY_S and list(bar) == items
+    assert bars.progress(items, "x", enabled=False) is items
+    datasets.disable_progress_bars()  # what `mpt train --no-progress` does
+    try:
+        assert not data.progress_bars_on()
+    finally:
+        datasets.enable_progress_bars()
+    assert data.progress_bars_on()

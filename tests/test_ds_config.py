@@ -4,6 +4,7 @@ BERT-LAMB config end to end, and DeepSpeed's own config class on the same JSON."
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,8 +90,9 @@ def test_inconsistent_batch_is_rejected_by_deepspeed_too(deepspeed_config):
 
 # -- clipping and precision -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("keys,clip", [({}, None), (dict(gradient_clipping=0), None), (dict(gradient_clipping=1.5), 1.5)])
-def test_gradient_clipping_zero_or_absent_is_off(keys, clip):
+@pytest.mark.parametrize("keys,clip", [({}, 1.0), (dict(gradient_clipping=0), None), (dict(gradient_clipping=1.5), 1.5)])
+def test_gradient_clipping_absent_is_deepspeeds_default_and_zero_is_off(keys, clip):
+    """DeepSpeed >= 0.19.3 clips at 1.0 when the key is absent (GRADIENT_CLIPPING_DEFAULT); 0 turns it off."""
     s = read(**keys)
     assert s.gradient_clipping == (clip or 0.0)
     assert s.train_config_overrides()["clip_grad"] == clip
@@ -98,12 +100,12 @@ def test_gradient_clipping_zero_or_absent_is_off(keys, clip):
 
 def test_fp16_block_maps_every_key():
     s = read(fp16=dict(enabled=True, loss_scale=0, initial_scale_power=12, loss_scale_window=500, hysteresis=4,
-                       min_loss_scale=0.25, consecutive_hysteresis=True, auto_cast=False))
+                       min_loss_scale=2, consecutive_hysteresis=True, auto_cast=False))
     assert s.precision == "fp16"
-    assert s.fp16 == FP16Settings(True, 0.0, 12, 500, 4, 0.25, True)
+    assert s.fp16 == FP16Settings(True, 0.0, 12, 500, 4, 2.0, True)
     o = s.train_config_overrides()
     assert (o["precision"], o["loss_scale"], o["initial_scale_power"], o["loss_scale_window"], o["hysteresis"],
-            o["min_loss_scale"]) == ("fp16", 0.0, 12, 500, 4, 0.25)
+            o["min_loss_scale"]) == ("fp16", 0.0, 12, 500, 4, 2.0)
     assert {**o, **s.pending_overrides()}["consecutive_hysteresis"] is True
     assert s.ignored == ("fp16.auto_cast",)
 
@@ -299,14 +301,29 @@ def test_understood_but_ignored_and_unknown_keys_are_listed():
     assert s.ignored == ("activation_checkpointing.profile", "communication_data_type", "flops_profiler",
                          "gradient_predivide_factor", "my_setting (unknown)", "optimizer.foo (unknown)",
                          "optimizer.legacy_fusion", "pipeline.shedule (unknown)", "prescale_gradients",
-                         "steps_per_print", "tensorboard", "wall_clock_breakdown", "wandb", "zero_optimization")
+                         "steps_per_print", "wall_clock_breakdown", "zero_optimization")  # monitors: mapped
     assert s.ignored_message() == "DeepSpeed config (dict): keys not used by mp_toolkit: " + ", ".join(s.ignored)
     assert read().ignored == () and read().ignored_message() is None
 
 
+def test_monitor_sections_map_onto_the_loggers():
+    """tensorboard -> output_path/job_name, csv_monitor -> output_path/job_name/metrics.csv, wandb -> its
+    project; disabled sections set nothing; their other keys are listed as ignored or unknown."""
+    s = read(tensorboard={"enabled": True, "output_path": "logs", "job_name": "run1"},
+             csv_monitor={"enabled": True, "output_path": "logs", "job_name": "run1", "flush": 1},
+             wandb={"enabled": True, "project": "bert", "team": "t"})
+    o = s.train_config_overrides()
+    assert (o["tensorboard"], o["csv"], o["wandb"]) == (Path("logs/run1"), Path("logs/run1/metrics.csv"), "bert")
+    assert s.ignored == ("csv_monitor.flush (unknown)", "wandb.team")
+    assert read(tensorboard={"enabled": True}).train_config_overrides()["tensorboard"] == Path("DeepSpeedJobName")
+    off = read(tensorboard={"enabled": False, "output_path": "x"}, wandb={"enabled": False}).train_config_overrides()
+    assert not {"tensorboard", "csv", "wandb"} & off.keys()
+    fails({**BASE, "tensorboard": {"enabled": "yes"}}, 'tensorboard.enabled "yes" must be true or false')
+
+
 @pytest.mark.parametrize("keys,message", [
-    (dict(zero_optimization={"stage": 2}), "zero_optimization.stage 2: mp_toolkit does not implement ZeRO"),
-    (dict(zero_optimization=True), "zero_optimization.stage 1: mp_toolkit does not implement ZeRO"),
+    (dict(zero_optimization={"stage": 2}), "zero_optimization.stage 2: mp_toolkit implements ZeRO stage 1"),
+    (dict(zero_optimization={"stage": 3}), "zero_optimization.stage 3: mp_toolkit implements ZeRO stage 1"),
     (dict(zero_optimization={"stage": "1"}), 'zero_optimization.stage "1" must be an integer >= 0'),
     (dict(torch_autocast={"enabled": True}), "torch_autocast.enabled is not supported by mp_toolkit"),
 ])
@@ -317,6 +334,12 @@ def test_refused_features(keys, message):
 def test_zero_stage_0_and_legacy_false_are_accepted():
     assert read(zero_optimization=False).ignored == ("zero_optimization",)
     assert read(zero_optimization={"stage": 0}).precision == "fp32"
+    assert read(zero_optimization={"stage": 0}).zero == 0
+
+
+def test_zero_stage_1_and_legacy_true_select_zero1():  # tests/test_zero.py trains with it
+    assert read(zero_optimization=True).train_config_overrides()["zero"] == 1
+    assert read(zero_optimization={"stage": 1}).zero == 1
 
 
 # -- wrong types -------------------------------------------------------------------------------------
@@ -336,6 +359,7 @@ def test_zero_stage_0_and_legacy_false_are_accepted():
     (dict(fp16={"hysteresis": True}), "fp16.hysteresis true must be a positive integer"),
     (dict(fp16={"loss_scale": -1}), "fp16.loss_scale -1 must be a non-negative"),
     (dict(fp16={"min_loss_scale": 0}), "fp16.min_loss_scale 0 must be a positive"),
+    (dict(fp16={"min_loss_scale": 0.5}), "fp16.min_loss_scale 0.5 must be a whole number .*DeepSpeed reads it"),
     (dict(fp16={"initial_scale_power": -1}), "fp16.initial_scale_power -1 must be an integer >= 0"),
     (dict(bf16=[]), "bf16 must be a JSON object, got \\[\\]"),
 ])
@@ -396,7 +420,7 @@ def test_bert_lamb_config_end_to_end(tmp_path):
     expected = dict(micro_batch=64, microbatches=16, clip_grad=1.0, precision="fp16", loss_scale=0.0,
                     initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1.0,
                     consecutive_hysteresis=False, optimizer="lamb", lr=11e-3, weight_decay=0.01, eps=1e-8,
-                    betas=(0.9, 0.999), min_trust=0.01, max_trust=0.3, bias_correction=False,
+                    betas=(0.9, 0.999), min_trust=0.01, max_trust=0.3, bias_correction=False, lamb_rule="deepspeed",
                     lr_schedule=WarmupDecayLR(total_num_steps=7038, warmup_num_steps=2000, warmup_max_lr=11e-3,
                                               warmup_type="linear"),
                     warmup_steps=2000, lr_decay="linear", min_lr=0.0)
@@ -445,4 +469,4 @@ def test_schedule_read_from_json_matches_deepspeeds_engine(scheduler):
 def test_json_null_counts_as_absent():
     s = read(gradient_clipping=None, fp16=None, zero_optimization=None, torch_autocast=None,
              optimizer={"type": "Lamb", "params": {"max_coeff": None}})
-    assert (s.gradient_clipping, s.fp16, s.optimizer.max_trust, s.ignored) == (0.0, FP16Settings(), 10.0, ())
+    assert (s.gradient_clipping, s.fp16, s.optimizer.max_trust, s.ignored) == (1.0, FP16Settings(), 10.0, ())

@@ -237,3 +237,60 @@ def test_hf_loaded_checkpoint_goes_through_its_hf_config_or_config_flag(capsys, 
     export(capsys, tmp_path / "bare", tmp_path / "hf2", "--config", tmp_path / "cfg" / "config.json")
     with torch.no_grad():
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")(ids).logits, model(ids).logits)
+
+
+def test_sharded_export_matches_save_pretrained_and_reads_one_layer_at_a_time(runs, capsys, tmp_path, monkeypatch):
+    """Above --max-shard-size the weights are split as ``save_pretrained`` splits them (numbered
+    shards + index); the directory holds the same keys, tensors and config as HF's own
+    ``save_pretrained`` of the loaded model, and the export never holds two layers at once: every
+    tensor a layer read returned is gone before the next layer is read."""
+    import gc
+    import weakref
+
+    from mp_toolkit.checkpoint.reader import Checkpoint
+
+    alive, overlaps, read = weakref.WeakSet(), [], Checkpoint.read_layer
+
+    def watched(self, name):
+        gc.collect()
+        overlaps.append(len(alive))
+        tensors = read(self, name)
+        alive.update(tensors.values())
+        return tensors
+
+    monkeypatch.setattr(Checkpoint, "read_layer", watched)
+    export(capsys, runs["gpt_pp2"], tmp_path / "sharded", "--max-shard-size", "20kB")
+    monkeypatch.setattr(Checkpoint, "read_layer", read)
+    assert len(overlaps) == len(open_checkpoint(runs["gpt_pp2"]).layer_names) and not any(overlaps), overlaps
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", shards
+    assert not (tmp_path / "sharded" / "model.safetensors").exists()
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").eval()
+    hf.save_pretrained(tmp_path / "reference")  # HF's own writer of the same model: one file
+    from safetensors.torch import load_file
+
+    ours = {}
+    for shard in shards:
+        part = load_file(tmp_path / "sharded" / shard)
+        assert all(index["weight_map"][k] == shard for k in part)
+        ours.update(part)
+    theirs = load_file(tmp_path / "reference" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and "lm_head.weight" not in ours  # the tie written once, as HF does
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ours.values())
+    read_json = lambda d, name: {k: v for k, v in json.loads((d / name).read_text()).items()  # noqa: E731
+                                 if k != "transformers_version"}
+    for name in ("config.json", "generation_config.json"):
+        assert read_json(tmp_path / "sharded", name) == read_json(tmp_path / "reference", name), name
+    single = tmp_path / "single"
+    export(capsys, runs["gpt_pp2"], single)
+    assert sorted(p.name for p in single.iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
+    assert load_file(single / "model.safetensors").keys() == ours.keys()
+
+
+def test_bad_max_shard_size_is_one_line(runs, capsys, tmp_path):
+    assert_one_line_exit_2(capsys, ["export", "--checkpoint", str(runs["gpt_pp2"]), "--out", str(tmp_path / "o"),
+                                    "--max-shard-size", "lots"], "--max-shard-size")
+    assert not (tmp_path / "o").exists()

@@ -33,9 +33,10 @@ def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def bert_inputs(padded=True):
+    """(input_ids, attention_mask, token_type_ids): HF BERT's positional order."""
     ids, mask = causal_inputs(padded=padded)
     types = (torch.arange(ids.shape[1]) >= ids.shape[1] // 2).long().expand_as(ids).clone()
-    return ids, types, mask
+    return ids, mask, types
 
 
 # --- from_hf: the same logits as HF, bit for bit ------------------------------------------------
@@ -48,7 +49,7 @@ def test_causal_lm_logits_bitwise_equal_hf(name, attn, padded):
     ids, mask = causal_inputs(padded=padded)
     with torch.no_grad():
         if padded:
-            want, got = model(input_ids=ids, attention_mask=mask).logits, layers(ids, mask)
+            want, got = model(input_ids=ids, attention_mask=mask).logits, layers(input_ids=ids, attention_mask=mask)
             # the padding really reaches the blocks: row 2 (left padding) changes without its mask
             assert not torch.equal(model(input_ids=ids).logits[2], want[2])
         else:  # no mask at all on either side
@@ -63,9 +64,9 @@ def test_causal_lm_logits_bitwise_equal_hf(name, attn, padded):
 def test_bert_logits_bitwise_equal_hf(name, attn, padded):
     model = tiny_hf(name, attn)
     layers = from_hf(model)
-    ids, types, mask = bert_inputs(padded)
+    ids, mask, types = bert_inputs(padded)
     with torch.no_grad():
-        ref, got = model(input_ids=ids, token_type_ids=types, attention_mask=mask), layers(ids, types, mask)
+        ref, got = model(input_ids=ids, token_type_ids=types, attention_mask=mask), layers(ids, mask, types)
         if padded:  # bidirectional: the padding changes the real positions of row 1 too
             unmasked = model(input_ids=ids, token_type_ids=types)[0]
             assert not torch.equal(unmasked[1, :8], ref[0][1, :8])
@@ -74,6 +75,77 @@ def test_bert_logits_bitwise_equal_hf(name, attn, padded):
         assert got[1].shape == (3, 2)
     else:
         assert bitwise(got, ref.logits)
+
+
+# --- called as the HF model is called: HF's positional order, keywords, labels ----------------
+def hf_calls(name):
+    """[(description, args, kwargs)]: each way this HF model is called, with the same inputs."""
+    ids, mask = causal_inputs()
+    if name.startswith("bert"):
+        types = bert_inputs()[2]
+        labels = torch.where(mask.bool() & (torch.arange(ids.shape[1]) % 3 == 0), ids, -100)
+        extra = {"next_sentence_label": torch.tensor([0, 1, 0])} if name == "bert-pretraining" else {}
+        return [("positional", (ids, mask, types), {}),
+                ("keywords", (), dict(input_ids=ids, attention_mask=mask, token_type_ids=types)),
+                ("keywords, shuffled", (), dict(token_type_ids=types, input_ids=ids, attention_mask=mask)),
+                ("positional + keyword", (ids,), dict(token_type_ids=types, attention_mask=mask)),
+                ("positional, position ids", (ids, mask, types, torch.arange(12).flip(0)[None]), {}),
+                ("labels", (), dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels, **extra))]
+    hf_labels = torch.where(mask.bool(), ids, -100)
+    calls = [("keywords", (), dict(input_ids=ids, attention_mask=mask)),
+             ("keywords, shuffled", (), dict(attention_mask=mask, input_ids=ids)),
+             ("keywords, position ids", (), dict(input_ids=ids, attention_mask=mask,
+                                                 position_ids=torch.arange(3, 15).expand(3, 12))),
+             ("labels", (), dict(input_ids=ids, attention_mask=mask, labels=hf_labels)),
+             ("labels, positional", (ids,), dict(labels=hf_labels))]
+    if name == "gpt2":  # HF's order: input_ids, cache, attention_mask, token_type_ids
+        return calls + [("positional", (ids, None, mask), {}),
+                        ("token types", (), dict(input_ids=ids, attention_mask=mask, token_type_ids=mask.flip(1)))]
+    return calls + [("positional", (ids, mask), {})]  # Llama family: input_ids, attention_mask, position_ids
+
+
+def as_tuple(out):
+    """HF's return_dict=False tuple, or our return value, as a tuple of tensors."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("name", list(CAUSAL) + ["bert-pretraining", "bert-mlm"])
+def test_layer_list_is_called_as_its_hf_model(name):
+    """Every way of calling the HF model, applied to the layer list, gives HF's outputs (loss
+    first with labels), bitwise; BERT's positional order is HF's (mask before token types)."""
+    model = tiny_hf(name)
+    layers = from_hf(model)
+    calls = hf_calls(name)
+    with torch.no_grad():
+        for what, args, kwargs in calls:
+            want = [t for t in model(*args, **kwargs, return_dict=False) if isinstance(t, torch.Tensor)]  # no cache
+            got = as_tuple(layers(*args, **kwargs))
+            assert len(got) == len(want), what
+            assert all(bitwise(a, b) for a, b in zip(got, want)), (name, what)
+    if name.startswith("bert"):  # the order matters: the old (ids, token types, mask) differs
+        ids, mask, types = bert_inputs()
+        with torch.no_grad():
+            assert not torch.equal(as_tuple(layers(ids, types, mask))[0], as_tuple(layers(ids, mask, types))[0])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert-pretraining"])
+def test_layer_list_refuses_what_it_cannot_take(name):
+    layers = from_hf(tiny_hf(name))
+    ids, mask = causal_inputs()
+    with pytest.raises(ValueError, match=r"does not take inputs_embeds"):
+        layers(inputs_embeds=torch.zeros(3, 12, 32))
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'attn_mask'.*it takes .*forward's arguments"):
+        layers(input_ids=ids, attn_mask=mask)
+    if name == "gpt2":  # HF's second parameter is the cache: a mask given there is refused, not misread
+        with pytest.raises(ValueError, match=r"does not take cache"):
+            layers(ids, mask)
+    if name == "bert-pretraining":  # HF silently computes no loss from labels alone; we say so
+        with pytest.raises(ValueError, match=r"labels= and next_sentence_label= together"):
+            layers(input_ids=ids, labels=ids)
+    if name == "bert-pretraining":
+        return
+    with torch.no_grad():  # a cache asked for nothing (use_cache=False) is no cache
+        assert bitwise(as_tuple(layers(input_ids=ids, use_cache=False))[0], as_tuple(layers(input_ids=ids))[0])
 
 
 def test_layer_names_ties_and_shared_modules():
@@ -130,7 +202,7 @@ def test_causal_lm_loss_is_hf_loss_with_pre_shifted_labels():
     assert ours[:, :-1].tolist() == hf_labels[:, 1:].tolist() and ours[:, -1].tolist() == [-100] * 3
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, labels=hf_labels).loss
-        got = causal_lm_loss(from_hf(model)(ids, mask), ours)
+        got = causal_lm_loss(from_hf(model)(ids, mask), ours)  # Llama's order: (input_ids, attention_mask)
     assert bitwise(got, want)
     with pytest.raises(ValueError, match=r"already shifted"):
         causal_lm_loss(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long))
@@ -267,14 +339,14 @@ def one_step(name, layers):
     """One AdamW step on the layer list, so exported weights are not the initial ones."""
     opt = torch.optim.AdamW(layers.parameters(), lr=1e-2)
     if name.startswith("bert"):
-        ids, types, mask = bert_inputs()
-        out = layers(ids, types, mask)
+        ids, mask, types = bert_inputs()
+        out = layers(ids, mask, types)
         mlm = torch.where(mask.bool(), ids, -100)
         loss = pretraining_loss(out, (mlm, torch.tensor([0, 1, 0]))) if name == "bert-pretraining" else \
             torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), mlm.reshape(-1))
     else:
         ids, mask = causal_inputs()
-        loss = causal_lm_loss(layers(ids, mask), shift_labels(torch.where(mask.bool(), ids, -100)))
+        loss = causal_lm_loss(layers(input_ids=ids, attention_mask=mask), shift_labels(torch.where(mask.bool(), ids, -100)))
     loss.backward()
     opt.step()
     layers.eval()
@@ -290,13 +362,13 @@ def load_exported(name, path):
 def assert_same_logits(name, layers, loaded):
     with torch.no_grad():
         if name.startswith("bert"):
-            ids, types, mask = bert_inputs()
-            got, ref = layers(ids, types, mask), loaded(input_ids=ids, token_type_ids=types, attention_mask=mask)
+            ids, mask, types = bert_inputs()
+            got, ref = layers(ids, mask, types), loaded(input_ids=ids, token_type_ids=types, attention_mask=mask)
             want = (ref.prediction_logits, ref.seq_relationship_logits) if name == "bert-pretraining" else (ref.logits,)
             got = got if isinstance(got, tuple) else (got,)
         else:
             ids, mask = causal_inputs()
-            got, want = (layers(ids, mask),), (loaded(input_ids=ids, attention_mask=mask).logits,)
+            got, want = (layers(input_ids=ids, attention_mask=mask),), (loaded(input_ids=ids, attention_mask=mask).logits,)
     assert all(bitwise(a, b) for a, b in zip(got, want)) and len(got) == len(want)
 
 

@@ -143,3 +143,20 @@ def test_every_rank_holds_its_own_layers_and_shards_only(pp, tp, schedule, tied)
                 assert shape != tuple(ref[n].shape) and torch.Size(shape).numel() * tp == ref[n].numel(), (n, shape)
         covered |= set(r["full"])
     assert covered == set(ref)  # every tensor of the model is held somewhere, tied ends on both stages
+
+
+def test_a_resuming_rank_allocates_its_layers_without_drawing_them():
+    """``values=False`` (the run resumes: its checkpoint fills every parameter): the rank's layers get
+    storage of the right shape and the others stay on meta, and no initial value is drawn."""
+    from mp_toolkit.run.compose import own_layers
+
+    model = _meta(lambda: GPT(PRESETS["gpt-tiny"]))
+    drawn, draw = [], model.initial_value
+    model.initial_value = lambda name: (drawn.append(name), draw(name))[1]
+    layers = LayerList.from_model(model)
+    own_layers(model, layers, [1, 2], build_context(1), values=False)
+    assert not drawn
+    for i, layer in enumerate(layers.layers):
+        assert all(p.is_meta == (i not in (1, 2)) for p in layer.parameters()), layers.names[i]
+    own_layers(model, layers, [3], build_context(1))  # with values (a fresh run): drawn
+    assert drawn and all(name.startswith(f"{layers.names[3]}.") for name in drawn), drawn

@@ -48,7 +48,10 @@ def test_tied_embedding_across_stages_matches_and_copies_stay_equal():
     print(f"\nworst err / floor: {max(ratios):.2f}")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbh1"])
 def test_eval_batch_equals_single_process_and_changes_nothing(schedule):
-    for loss, expected, unchanged in run_world(eval_matches, 2, schedule, timeout_s=120):
+    """Forward only through every schedule (interleaved: 2 chunks per rank): bitwise the unsplit model's
+    loss (`mpt train --eval-every`'s validation; tp x dp: tests/test_oracle_tp_dp.py's eval_batch)."""
+    chunks = 2 if schedule == "interleaved" else 1
+    for loss, expected, unchanged in run_world(eval_matches, 2, schedule, chunks, timeout_s=120):
         assert loss == expected and unchanged

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mp_toolkit.cli import build_parser, main, train_config
+from mp_toolkit.ds.defaults import deepspeed_defaults
 from tests.cli_helpers import assert_one_line_exit_2
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
@@ -19,7 +20,7 @@ DS = {
     "train_batch_size": 48, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5,
     "steps_per_print": 10, "wall_clock_breakdown": False,
     "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 100, "hysteresis": 3,
-             "consecutive_hysteresis": True, "min_loss_scale": 0.5},
+             "consecutive_hysteresis": True, "min_loss_scale": 2},
     "optimizer": {"type": "Lamb", "params": {"lr": 4e-3, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.02,
                                              "min_coeff": 0.05, "max_coeff": 4.0, "bias_correction": False}},
     "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 4e-3, "warmup_num_steps": 10,
@@ -38,12 +39,15 @@ def test_every_deepspeed_value_reaches_the_train_config(tmp_path):
     cfg, notes = config(tmp_path)
     assert (cfg.pp, cfg.dp, cfg.partition, cfg.micro_batch, cfg.microbatches, cfg.clip_grad) == (2, 1, "uniform", 4, 12, 0.5)
     assert (cfg.precision, cfg.initial_scale_power, cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale,
-            cfg.consecutive_hysteresis) == ("fp16", 12, 100, 3, 0.5, True)
+            cfg.consecutive_hysteresis) == ("fp16", 12, 100, 3, 2.0, True)
     assert (cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps) == ("lamb", 4e-3, 0.02, (0.8, 0.95), 1e-7)
     assert (cfg.min_trust, cfg.max_trust, cfg.bias_correction) == (0.05, 4.0, False)
     assert cfg.lr_schedule == WarmupDecayLR(warmup_max_lr=4e-3, warmup_num_steps=10, total_num_steps=100,
                                             warmup_type="linear")
-    assert notes[0].endswith("settings from the DeepSpeed config (dp 1)")  # nothing overridden
+    assert cfg.lamb_rule == "deepspeed"  # "type": "Lamb" is DeepSpeed's FusedLamb
+    # nothing overridden; the DeepSpeed whose defaults filled the absent keys is named first
+    assert notes[0].endswith(f"settings from the DeepSpeed config (dp 1; absent keys take the defaults of "
+                             f"{deepspeed_defaults().source})")
     assert notes[1] == (f"{tmp_path / 'ds.json'}: keys not used by mp_toolkit: "
                         "steps_per_print, wall_clock_breakdown")
 
@@ -58,14 +62,15 @@ def test_flags_on_the_command_line_override_the_file_and_say_so(tmp_path):
     assert any("the scheduler block is replaced by warm-up/decay of --lr" in n for n in notes)
     # another optimizer drops Lamb's coefficients
     cfg, _ = config(tmp_path, DS, "--optimizer", "adamw")
-    assert (cfg.optimizer, cfg.betas, cfg.min_trust, cfg.bias_correction) == ("adamw", None, None, True)
+    assert (cfg.optimizer, cfg.betas, cfg.min_trust, cfg.bias_correction, cfg.lamb_rule) == (
+        "adamw", None, None, True, "mp_toolkit")
 
 
 def test_dp_is_what_the_launcher_world_leaves_after_pp_and_tp(tmp_path):
     """DeepSpeed: dp = world / (pp x tp), and the batch arithmetic uses it: 48 = 4 x 6 x dp 2."""
     cfg, notes = config(tmp_path, world_size=4)
     assert (cfg.pp, cfg.dp, cfg.micro_batch, cfg.microbatches) == (2, 2, 4, 6)
-    assert "(dp 2)" in notes[0]
+    assert "(dp 2; " in notes[0]
     cfg, _ = config(tmp_path, DS, "--pp", "1", "--tp", "2", world_size=8)
     assert (cfg.dp, cfg.microbatches) == (4, 3)
 
@@ -97,7 +102,7 @@ def test_the_loss_scaler_and_the_schedule_come_from_the_config(tmp_path):
     cfg, _ = config(tmp_path)
     scaler = loss_scaler(cfg)
     assert (scaler.scale, scaler.loss_scale_window, scaler.hysteresis, scaler.min_loss_scale,
-            scaler.consecutive_hysteresis) == (2.0 ** 12, 100, 3, 0.5, True)
+            scaler.consecutive_hysteresis) == (2.0 ** 12, 100, 3, 2.0, True)
     # the DeepSpeed schedule counts applied steps: after 5 steps of which 2 were skipped, step 6 runs at
     # schedule position 4 = DeepSpeed iteration 2 of a linear 10-step warm-up
     assert lr_at(cfg, Progress(step=5, applied=3), 6) == pytest.approx(4e-3 * 2 / 10)

@@ -18,6 +18,12 @@ measured per-rank peak.
 
     python tools/bench_scale.py --runs gpt2-medium:1,2,4,8:1 --precision fp32
     python tools/bench_scale.py --runs gpt2-large:8:1 gpt2-large:1:1 --largest --verify
+    python tools/bench_scale.py --hf-dir gpt2-large:4
+
+``--hf-dir MODEL:PP`` writes an HF GPT2LMHeadModel directory shaped like the preset (random weights,
+written tensor by tensor into 1 GB safetensors shards with their index, as large models are
+published), trains it with ``mpt train --hf DIR`` at that pp, and compares each rank's peak with
+the directory's weight bytes.
 
 Prints a table and, last, one JSON line. Nothing here is timed; the runs are slow on 2 cores.
 """
@@ -31,6 +37,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from model_zoo import gpt
+from mp_toolkit.hf.export import HFTarget, write_hf_dir
+from mp_toolkit.hf.safetensors_out import parse_size
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 
 GIB = 2**30
@@ -45,11 +57,13 @@ def plan(model: str, pp: int, tp: int, precision: str):
                                  seq_len=WORKLOAD["seq_len"], optimizer=WORKLOAD["optimizer"], load=False))
 
 
-def train(model: str, pp: int, tp: int, precision: str, boundaries: list[int], out: Path, timeout: float) -> dict:
+def train(model: str, pp: int, tp: int, precision: str, boundaries: list[int] | str, out: Path, timeout: float,
+          source: str = "--model") -> dict:
     """One `mpt train` run of 2 steps on that cut: its last metrics row (per-rank memory figures)."""
     metrics = out / f"{Path(model).stem}-pp{pp}-tp{tp}-{precision}.jsonl"
-    cmd = [sys.executable, "-m", "mp_toolkit.cli", "train", "--model", model, "--pp", str(pp), "--tp", str(tp),
-           "--partition", ",".join(map(str, boundaries)), "--precision", precision, "--optimizer", "adamw",
+    cut = boundaries if isinstance(boundaries, str) else ",".join(map(str, boundaries))
+    cmd = [sys.executable, "-m", "mp_toolkit.cli", "train", source, model, "--pp", str(pp), "--tp", str(tp),
+           "--partition", cut, "--precision", precision, "--optimizer", "adamw",
            "--micro-batch", "1", "--seq-len", "128", "--microbatches", "8", "--steps", "2", "--data", "synthetic",
            "--threads", "1", "--no-progress", "--metrics", str(metrics), "--timeout", str(int(timeout))]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -74,6 +88,41 @@ def run_row(model: str, pp: int, tp: int, precision: str, out: Path, timeout: fl
             "params": sum(s.params for s in p.stages), "predicted_bytes": predicted,
             "peak_memory_bytes": row["peak_memory_bytes"], "peak_rss_bytes": row["peak_rss_bytes"],
             "ratio": [m / max(1, q) for m, q in zip(row["peak_memory_bytes"], predicted)]}
+
+
+def hf_directory(preset: str, folder: Path) -> tuple[Path, int]:
+    """An HF GPT-2 directory shaped like our ``preset``, random weights written one tensor at a time
+    into 1 GB shards (`write_hf_dir`: never the whole model in memory); (its path, weight bytes)."""
+    c = gpt.PRESETS[preset]
+    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
+                     n_head=c.n_head, bos_token_id=0, eos_token_id=0)
+    target = HFTarget.of(GPT2LMHeadModel, cfg, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+
+    def tensors():
+        for key, shape in target.kept.items():
+            if key.endswith(".bias"):
+                yield key, torch.zeros(shape)
+            elif ".ln_" in key:
+                yield key, torch.ones(shape)
+            else:
+                yield key, torch.randn(shape, generator=gen) * 0.02
+
+    path = folder / f"hf-{preset}"
+    write_hf_dir(target, tensors(), path, parse_size("1GB"))
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return path, weights
+
+
+def hf_run(preset: str, pp: int, precision: str, out: Path, timeout: float) -> dict:
+    path, weights = hf_directory(preset, out)
+    row = train(str(path), pp, 1, precision, "flops", out, timeout, source="--hf")
+    return {"hf_dir": preset, "pp": pp, "precision": precision, "weight_bytes": weights,
+            "shards": sorted(f.name for f in path.glob("*.safetensors")),
+            "peak_rss_bytes": row["peak_rss_bytes"], "peak_memory_bytes": row["peak_memory_bytes"],
+            "peak_load_rss_bytes": row["peak_load_rss_bytes"],
+            "rss_over_weights": [b / weights for b in row["peak_rss_bytes"]],
+            "load_over_weights": [b / weights for b in row["peak_load_rss_bytes"]]}
 
 
 def config_file(n_layer: int, n_embd: int, folder: Path) -> str:
@@ -108,6 +157,7 @@ def main() -> None:
     ap.add_argument("--largest", action="store_true", help="part 2: the largest GPT under --cap-gib per rank")
     ap.add_argument("--cap-gib", type=float, default=3.0)
     ap.add_argument("--verify", action="store_true", help="train the largest found at each pp for 2 steps")
+    ap.add_argument("--hf-dir", metavar="MODEL:PP", help="train an HF directory shaped like MODEL at PP (see above)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="bench_scale-"))
@@ -136,7 +186,16 @@ def main() -> None:
                      f"{best['predicted_peak_bytes'] / GIB:.2f} GiB" if best else "none of the grid")
                   + (f", measured {max(best['measured_peak_rss_bytes']) / GIB:.2f} GiB"
                      if best and "measured_peak_rss_bytes" in best else ""), flush=True)
-    print(json.dumps({"runs": rows, "largest": fits, "cap_gib": args.cap_gib}))
+    hf = None
+    if args.hf_dir:
+        preset, pp = args.hf_dir.split(":")
+        hf = hf_run(preset, int(pp), args.precision, out, args.timeout)
+        print(f"--hf {preset}-shaped directory ({hf['weight_bytes'] / GIB:.2f} GiB in {len(hf['shards'])} shards) "
+              f"at pp {pp}: peak RSS per rank {[round(b / MIB) for b in hf['peak_rss_bytes']]} MiB = "
+              f"{[round(x, 2) for x in hf['rss_over_weights']]} x the weights; built and loaded, before the first "
+              f"step: {[round(b / MIB) for b in hf['peak_load_rss_bytes']]} MiB = "
+              f"{[round(x, 2) for x in hf['load_over_weights']]} x", flush=True)
+    print(json.dumps({"runs": rows, "largest": fits, "cap_gib": args.cap_gib, "hf_dir": hf}))
 
 
 if __name__ == "__main__":

@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from mp_toolkit.progress import progress
+
 EOS_TOKEN = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
 STDLIB_MAX_BYTES = 12 * 1024 * 1024
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
 SYNTHETIC_SEQUENCES = 4096
+ENCODE_CHUNK = 64  # documents per encode_batch call while encoding a corpus (one progress step)
 
 
 class DataError(ValueError):
@@ -166,7 +169,9 @@ def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathL
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    # the bar counts documents read; the merges that follow are the tokenizer's own (quick) pass
+    tokenizer.train_from_iterator(progress(texts, "training tokenizer", len(texts), progress_bars_on(), "doc"),
+                                  trainer=trainer, length=len(texts))
 
     _atomic_save(cached, tokenizer.save)
     return tokenizer
@@ -179,6 +184,11 @@ def _synthetic_dataset(vocab_size: int, seq_len: int, seed: int, tokens: int) ->
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g, dtype=torch.int64)
     return datasets.Dataset.from_dict({"input_ids": ids.numpy()})
+
+
+def progress_bars_on() -> bool:
+    """Progress bars follow `datasets`' switch, which ``mpt train --no-progress`` turns off."""
+    return not datasets.are_progress_bars_disabled()
 
 
 def _atomic_save(path: Path, write) -> None:
@@ -202,7 +212,9 @@ def _token_stream(texts: list[str], tokenizer: Tokenizer, cache_file: Path, eos:
         return np.load(cache_file, allow_pickle=False)
     eos = tokenizer.token_to_id(EOS_TOKEN) if eos is None else eos
     end = [eos] if eos is not None else []
-    docs = [enc.ids + end for enc in tokenizer.encode_batch(texts)]
+    chunks = range(0, len(texts), ENCODE_CHUNK)  # encode_batch per chunk: the same ids, with a bar
+    docs = [enc.ids + end for i in progress(chunks, "encoding corpus", len(chunks), progress_bars_on(), "chunk")
+            for enc in tokenizer.encode_batch(texts[i : i + ENCODE_CHUNK])]
     stream = np.fromiter((t for doc in docs for t in doc), dtype=np.int32)
 
     def write(tmp: str) -> None:
@@ -312,20 +324,32 @@ class MicroBatches:
     r, r + dp_size, ... (every rank gets the same count, the remainder is dropped so ranks stay in
     step), and cuts them into micro-batches of ``micro_batch_size`` (a partial one is dropped).
     ``position`` counts micro-batches consumed over all epochs; ``state_dict()`` resumes it.
+
+    ``holdout``: the dataset's last ``holdout`` rows are a validation split that training never
+    reads (the dataset is shuffled once at build time, so they are a random sample); `held_out`
+    iterates them. The split depends on the dataset and ``holdout`` only, so every (pp, tp, dp)
+    layout, and a resumed run, holds out the same sequences.
     """
 
-    def __init__(self, dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
+    def __init__(self, dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
+                 holdout: int = 0):
         if micro_batch_size <= 0:
             raise DataError(f"micro_batch_size={micro_batch_size} must be a positive integer")
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if not 0 <= holdout < len(dataset):
+            raise DataError(f"dataset of {len(dataset)} sequences cannot hold out {holdout} for validation: "
+                            "lower --eval-batches (or the global batch) or use more data")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.batches_per_epoch = (len(dataset) // dp_size) // micro_batch_size
+        self.holdout = holdout
+        self.train_rows = len(dataset) - holdout  # rows [0, train_rows) train, the rest validate
+        self.batches_per_epoch = (self.train_rows // dp_size) // micro_batch_size
         if self.batches_per_epoch == 0:
+            held = f" after holding out {holdout} for validation" if holdout else ""
             raise DataError(
-                f"dataset of {len(dataset)} sequences is too small for dp_size={dp_size} x "
+                f"dataset of {len(dataset)} sequences{held} is too small for dp_size={dp_size} x "
                 f"micro_batch_size={micro_batch_size}: lower either or use more data"
             )
         self.epoch = 0
@@ -333,7 +357,7 @@ class MicroBatches:
         self._shard = self._shard_for(0)
 
     def _shard_for(self, epoch: int) -> torch.Tensor:
-        n = len(self.dataset)
+        n = self.train_rows
         if epoch == 0:
             order = torch.arange(n)
         else:
@@ -351,10 +375,21 @@ class MicroBatches:
             self._shard = self._shard_for(self.epoch)
             offset = 0
         idx = self._shard[offset * self.micro_batch_size : (offset + 1) * self.micro_batch_size]
-        chunk = torch.as_tensor(self.dataset[idx.tolist()]["input_ids"], dtype=torch.int64)
         self.position += 1
+        return self.batch(idx.tolist(), self.epoch)
+
+    def batch(self, rows: list[int], epoch: int):
+        """The micro-batch of dataset ``rows`` (read in ``epoch``)."""
+        chunk = torch.as_tensor(self.dataset[rows]["input_ids"], dtype=torch.int64)
         # (mbs, T + 1) -> inputs (mbs, T) and next-token labels (mbs, T); contiguous for p2p sends
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def held_out(self):
+        """This replica's micro-batches of the validation rows, from the first, once through: replica r
+        takes held-out rows r, r + dp_size, ... (as training shards), each micro-batch read as in epoch 0."""
+        rows = list(range(self.train_rows, len(self.dataset)))[self.dp_rank :: self.dp_size]
+        for k in range(len(rows) // self.micro_batch_size):
+            yield self.batch(rows[k * self.micro_batch_size : (k + 1) * self.micro_batch_size], 0)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

@@ -272,14 +272,16 @@ class MLMMicroBatches(MicroBatches):
 
     Sharding, per-epoch order and ``state_dict`` are ``MicroBatches``'s (rank r takes examples
     r, r + dp_size, ... of the epoch's order); each example is masked from (seed, epoch, index).
+    ``hf_order``: the inputs in HF BERT's order, ``(input_ids, attention_mask, token_type_ids)``
+    (`mp_toolkit.hf.bert`'s first layer); `model_zoo.bert` takes the token types second.
     """
 
     def __init__(self, corpus: MLMCorpus, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, mlm_probability: float = 0.15):
+                 seed: int = 0, mlm_probability: float = 0.15, hf_order: bool = False, holdout: int = 0):
         if not 0.0 < mlm_probability < 1.0:
             raise DataError(f"mlm_probability={mlm_probability} must be in (0, 1)")
-        super().__init__(corpus.dataset, micro_batch_size, dp_rank, dp_size, seed)
-        self.corpus, self.mlm_probability = corpus, mlm_probability
+        super().__init__(corpus.dataset, micro_batch_size, dp_rank, dp_size, seed, holdout)
+        self.corpus, self.mlm_probability, self.hf_order = corpus, mlm_probability, hf_order
         self._never = np.asarray(corpus.never_mask, dtype=np.int64)
         self._random_ids = np.setdiff1d(np.arange(corpus.vocab_size), self._never)  # regular tokens
 
@@ -287,20 +289,15 @@ class MLMMicroBatches(MicroBatches):
         """The dataset rows this rank reads in ``epoch``, in order."""
         return self._shard_for(epoch).tolist()
 
-    def __next__(self):
-        offset = self.position - self.epoch * self.batches_per_epoch
-        if offset == self.batches_per_epoch:  # same epoch roll-over as MicroBatches
-            self.epoch += 1
-            self._shard = self._shard_for(self.epoch)
-            offset = 0
-        idx = self._shard[offset * self.micro_batch_size : (offset + 1) * self.micro_batch_size].tolist()
+    def batch(self, idx: list[int], epoch: int):
+        """The masked micro-batch of dataset rows ``idx`` in ``epoch`` (`MicroBatches` picks the rows)."""
         rows = self.dataset[idx]
-        masked = [mask_tokens(ids, np.random.default_rng([self.seed, self.epoch, i]), self.corpus.special.mask,
+        masked = [mask_tokens(ids, np.random.default_rng([self.seed, epoch, i]), self.corpus.special.mask,
                               self._never, self._random_ids, self.mlm_probability)
                   for ids, i in zip(rows["input_ids"], idx)]
-        self.position += 1
         as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-        inputs = (as_long([m[0] for m in masked]), as_long(rows["token_type_ids"]),
-                  as_long(rows["attention_mask"]))  # (mbs, T) each
+        ids, types, mask = (as_long([m[0] for m in masked]), as_long(rows["token_type_ids"]),
+                            as_long(rows["attention_mask"]))  # (mbs, T) each
+        inputs = (ids, mask, types) if self.hf_order else (ids, types, mask)
         labels = (as_long([m[1] for m in masked]), as_long(rows["next_sentence_label"]))  # (mbs, T), (mbs,)
         return inputs, labels

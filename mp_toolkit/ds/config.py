@@ -5,21 +5,29 @@
     if settings.ignored:
         print(settings.ignored_message())
 
-A value means what it means to DeepSpeed 0.19: an absent key takes DeepSpeed's default (no
-``gradient_clipping`` is no clipping, ``Lamb`` clamps its trust ratio to [0.01, 10], ``Adam`` is AdamW
-unless ``adam_w_mode`` is false), and train_batch_size = micro-batch x accumulation steps x dp.
+A value means what it means to DeepSpeed: an absent key takes the installed DeepSpeed's default, or
+0.19.x's documented one without DeepSpeed (`mp_toolkit.ds.defaults`; ``DeepSpeedSettings.defaults``
+names which, and ``mpt train`` prints it first): no ``gradient_clipping`` is clipping at 1.0 (0 turns it
+off), ``Lamb`` clamps its trust ratio to [0.01, 10], ``Adam`` is AdamW unless ``adam_w_mode`` is false;
+and train_batch_size = micro-batch x accumulation steps x dp. ``"type": "Lamb"`` trains with DeepSpeed's
+FusedLamb rule (``lamb_rule="deepspeed"``, `mp_toolkit.optim.lamb`): every tensor's trust ratio is
+clamped, biases and norm weights included.
 
 Understood: the batch keys, ``gradient_clipping``, ``fp16``, ``bf16`` (or the legacy ``bfloat16``),
 ``optimizer`` (Adam, AdamW, Lamb; Lars is mp_toolkit's own), ``scheduler`` (WarmupLR, WarmupDecayLR,
-WarmupCosineLR), ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument), and
-``pipeline.activation_checkpoint_interval`` / ``activation_checkpointing`` (`mp_toolkit.ds.recompute`).
+WarmupCosineLR), ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument),
+``pipeline.activation_checkpoint_interval`` / ``activation_checkpointing`` (`mp_toolkit.ds.recompute`) and
+the monitors ``tensorboard``, ``csv_monitor`` and ``wandb`` (`_monitors`).
 mp_toolkit's extensions, which DeepSpeed's reader tolerates: ``pipeline.schedule``, ``pipeline.chunks``
 and explicit boundaries ("0,3,7") as ``partition_method``. Understood but unused keys (logging,
 profiling, ZeRO stage 0, ...) are listed in ``ignored``. Unknown keys fail where DeepSpeed fails
 (inside ``fp16``, ``bf16``, ``optimizer.params``, ``scheduler.params``: DeepSpeed validates those or
 passes them to a constructor) and elsewhere, where DeepSpeed tolerates them, are listed in ``ignored``
-as "(unknown)". ZeRO stages above 0, torch autocast, options mp_toolkit cannot honour and every wrong
-type or range are a ConfigError: one line naming the dotted key and the file. A JSON null counts as
+as "(unknown)". ``zero_optimization.stage`` 1 is mp_toolkit's ZeRO-1 (TrainConfig.zero); stages 2 and 3,
+torch autocast, options mp_toolkit cannot honour and every wrong
+type or range are a ConfigError: one line naming the dotted key and the file; so are the keys DeepSpeed
+itself refuses (``sparse_attention``, ``amp``, ``elasticity``, ...: features removed from DeepSpeed),
+all of them named in the one line. A JSON null counts as
 absent. Files are strict JSON without duplicate keys (DeepSpeed's base64 form is not read).
 """
 
@@ -32,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from mp_toolkit.run.config import SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.ds.defaults import DeepSpeedDefaults, deepspeed_defaults
 from mp_toolkit.ds.json_doc import Block, load_json, show
 from mp_toolkit.ds.recompute import read_recompute
 from mp_toolkit.optim.loss_scaler import LossScaleSettings
@@ -108,7 +117,7 @@ class DeepSpeedSettings:
     gradient_accumulation_steps: int
     """Micro-batches per optimizer step on each rank (TrainConfig.microbatches)."""
     gradient_clipping: float
-    """Max global gradient norm; 0 (DeepSpeed's default) means no clipping."""
+    """Max global gradient norm; 0 means no clipping; absent is DeepSpeed's default (1.0 since 0.19.3)."""
     precision: str
     """fp16, bf16 or fp32 (neither block enabled)."""
     fp16: FP16Settings
@@ -127,8 +136,15 @@ class DeepSpeedSettings:
     """``pipeline.chunks`` (mp_toolkit's extension): model chunks per rank; None when absent."""
     ignored: tuple[str, ...] = ()
     """Dotted keys read but not used, sorted; unknown ones carry " (unknown)"."""
+    monitors: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The enabled monitor sections as TrainConfig fields (`_monitors`): tensorboard, csv, wandb."""
+    defaults: str = ""
+    """Whose defaults filled the absent keys: "DeepSpeed 0.19.8" (the installed one), or 0.19.x's documented
+    ones ("DeepSpeed 0.19.x (its documented defaults: deepspeed is not installed)")."""
     recompute: str | None = None
     """``pipeline.activation_checkpoint_interval`` > 0: "full" (`mp_toolkit.ds.recompute`); None when off."""
+    zero: int = 0
+    """``zero_optimization.stage`` (0 or 1; TrainConfig.zero)."""
 
     def _overrides(self) -> dict[str, Any]:
         """Every TrainConfig-style field the file determines, whether TrainConfig has it yet or not."""
@@ -142,8 +158,9 @@ class DeepSpeedSettings:
             out.update(optimizer=opt.name, lr=opt.lr, weight_decay=opt.weight_decay, eps=opt.eps)
             if opt.betas is not None:
                 out["betas"] = opt.betas
-            if opt.name == "lamb":
-                out.update(min_trust=opt.min_trust, max_trust=opt.max_trust, bias_correction=opt.bias_correction)
+            if opt.name == "lamb":  # DeepSpeed's "Lamb" is FusedLamb: its trust rule on every tensor
+                out.update(min_trust=opt.min_trust, max_trust=opt.max_trust, bias_correction=opt.bias_correction,
+                           lamb_rule="deepspeed")
             if opt.name == "lars":
                 out.update(momentum=opt.momentum, trust_coefficient=opt.trust_coefficient)
             if self.scheduler is None:  # DeepSpeed keeps the optimizer's lr constant
@@ -159,9 +176,12 @@ class DeepSpeedSettings:
                 out.update(lr_decay="linear", min_lr=min(s.warmup_min_lr, s.warmup_max_lr))
             else:
                 out.update(lr_decay="none")
+        if self.zero:
+            out["zero"] = self.zero
         for name in ("pp", "partition", "schedule", "chunks"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        out.update(self.monitors)
         if self.recompute is not None:
             out["recompute"] = self.recompute
         return out
@@ -214,10 +234,10 @@ def _batch(root: Block, dp: int) -> tuple[int, int, int]:
     return tb, tb // divisor, 1 if ga is None else ga
 
 
-def _fp16(block: Block | None, ignored: list[str]) -> FP16Settings:
+def _fp16(block: Block | None, ignored: list[str], ds: DeepSpeedDefaults) -> FP16Settings:
+    d = FP16Settings(**ds.fp16.as_dict())
     if block is None:
-        return FP16Settings()
-    d = FP16Settings()
+        return d
     fp = FP16Settings(
         enabled=block.boolean("enabled", d.enabled), loss_scale=block.number("loss_scale", d.loss_scale),
         initial_scale_power=block.integer("initial_scale_power", d.initial_scale_power, lowest=0),
@@ -225,19 +245,22 @@ def _fp16(block: Block | None, ignored: list[str]) -> FP16Settings:
         hysteresis=block.integer("hysteresis", d.hysteresis),
         min_loss_scale=block.number("min_loss_scale", d.min_loss_scale, positive=True),
         consecutive_hysteresis=block.boolean("consecutive_hysteresis", d.consecutive_hysteresis))
+    if not fp.min_loss_scale.is_integer():  # DeepSpeedFP16Config declares it an int
+        raise block.fail("min_loss_scale", f"{fp.min_loss_scale:g} must be a whole number (DeepSpeed reads it as an "
+                                           "integer, and refuses a fraction): use 1 or more")
     block.finish(ignored, known=("auto_cast", "fp16_master_weights_and_grads"),
                  strict=", ".join(f.name for f in dataclasses.fields(FP16Settings)))
     return fp
 
 
-def _precision(root: Block, ignored: list[str]) -> tuple[str, FP16Settings]:
+def _precision(root: Block, ignored: list[str], ds: DeepSpeedDefaults) -> tuple[str, FP16Settings]:
     if "bf16" in root.data and "bfloat16" in root.data:
         raise root.fail("bfloat16", "and bf16 are both given: keep only bf16 (bfloat16 is its legacy name)")
-    fp16 = _fp16(root.block("fp16"), ignored)
+    fp16 = _fp16(root.block("fp16"), ignored, ds)
     bf16 = root.block("bfloat16" if "bfloat16" in root.data else "bf16")
     bf16_on = False
     if bf16 is not None:
-        bf16_on = bf16.boolean("enabled", False)
+        bf16_on = bf16.boolean("enabled", ds.bf16_enabled)
         bf16.finish(ignored, known=("immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
                                     "bf16_optimizer_states"), strict="enabled")
     if fp16.enabled and bf16_on:
@@ -245,15 +268,15 @@ def _precision(root: Block, ignored: list[str]) -> tuple[str, FP16Settings]:
     return ("fp16" if fp16.enabled else "bf16" if bf16_on else "fp32"), fp16
 
 
-def _betas(params: Block) -> tuple[float, float]:
-    v = params.get("betas", [0.9, 0.999])
+def _betas(params: Block, default: tuple[float, float] = (0.9, 0.999)) -> tuple[float, float]:
+    v = params.get("betas", list(default))
     if not (isinstance(v, list) and len(v) == 2 and all(
             isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)):
         raise params.fail("betas", f"{show(v)} must be two numbers in [0, 1), such as [0.9, 0.999]")
     return float(v[0]), float(v[1])
 
 
-def _optimizer(root: Block, ignored: list[str]) -> OptimizerSettings | None:
+def _optimizer(root: Block, ignored: list[str], ds: DeepSpeedDefaults) -> OptimizerSettings | None:
     block = root.block("optimizer")
     if block is None:
         return None
@@ -278,12 +301,16 @@ def _optimizer(root: Block, ignored: list[str]) -> OptimizerSettings | None:
         params.finish(ignored, known=("torch_adam", "set_grad_none", "fp32_optimizer_states", "foreach"),
                       strict="lr, betas, eps, weight_decay, adam_w_mode, bias_correction")
         return OptimizerSettings(type=kind, name=name, betas=betas, **common)
-    if name == "lamb":
+    if name == "lamb":  # FusedLamb(params, **optimizer.params): its keyword defaults for absent keys
         params.only("eps_inside_sqrt", False, "mp_toolkit's LAMB adds eps outside the square root")
-        lo, hi = params.number("min_coeff", 0.01), params.number("max_coeff", 10.0)
+        fused = ds.lamb_default
+        common = dict(lr=params.number("lr", fused("lr"), positive=True),
+                      weight_decay=params.number("weight_decay", fused("weight_decay")),
+                      eps=params.number("eps", fused("eps")))
+        lo, hi = params.number("min_coeff", fused("min_coeff")), params.number("max_coeff", fused("max_coeff"))
         if lo > hi:
             raise params.fail("min_coeff", f"{lo} exceeds {params.key('max_coeff')} {hi}: the trust clamp is empty")
-        bias, betas = params.boolean("bias_correction", True), _betas(params)
+        bias, betas = params.boolean("bias_correction", fused("bias_correction")), _betas(params, fused("betas"))
         params.finish(ignored, strict="lr, betas, eps, weight_decay, bias_correction, max_coeff, min_coeff")
         return OptimizerSettings(type=kind, name=name, betas=betas, min_trust=lo, max_trust=hi,
                                  bias_correction=bias, **common)
@@ -367,15 +394,26 @@ def _pipeline(root: Block, ignored: list[str]) -> tuple[int | None, str | None, 
     return stages, partition, schedule, chunks
 
 
-def _refused(root: Block, ignored: list[str]) -> None:
-    """ZeRO and torch autocast: accepted only when off, then listed as ignored."""
+def _zero(root: Block, ignored: list[str]) -> int:
+    """``zero_optimization.stage``: 0 (the block is ignored) or 1 (mp_toolkit's ZeRO-1, its other keys
+    ignored); stages 2 and 3 refused."""
     zero = root.get("zero_optimization")
-    if zero is not None:  # DeepSpeed's legacy form is a bool: true means stage 1
-        stage = int(zero) if isinstance(zero, bool) else root.block("zero_optimization").integer("stage", 0, lowest=0)
-        if stage > 0:
-            raise ConfigError(f"{root.where}: zero_optimization.stage {stage}: mp_toolkit does not implement ZeRO; "
-                              "set stage 0 or remove the block")
+    if zero is None:
+        return 0
+    block = None if isinstance(zero, bool) else root.block("zero_optimization")
+    stage = int(zero) if block is None else block.integer("stage", 0, lowest=0)  # legacy bool: true is stage 1
+    if stage > 1:
+        raise ConfigError(f"{root.where}: zero_optimization.stage {stage}: mp_toolkit implements ZeRO stage 1 "
+                          "(optimizer state partitioned), not gradient or parameter partitioning; set stage 1 or 0")
+    if stage == 0 or block is None:
         ignored.append("zero_optimization")
+    else:
+        block.finish(ignored, known=frozenset(block.data) - {"stage"})
+    return stage
+
+
+def _refused(root: Block, ignored: list[str]) -> None:
+    """torch autocast: accepted only when off, then listed as ignored."""
     autocast = root.block("torch_autocast")
     if autocast is not None:
         if autocast.boolean("enabled", False):
@@ -384,27 +422,71 @@ def _refused(root: Block, ignored: list[str]) -> None:
         ignored.append("torch_autocast")
 
 
-def read_ds_config(source: str | Path | dict, *, dp: int = 1) -> DeepSpeedSettings:
+def _monitors(root: Block, ignored: list[str]) -> dict[str, Any]:
+    """DeepSpeed's monitor sections, when enabled, as TrainConfig fields: ``tensorboard`` ->
+    ``tensorboard`` = output_path/job_name (DeepSpeed's SummaryWriter directory); ``csv_monitor`` ->
+    ``csv`` = output_path/job_name/metrics.csv (one long-form file where DeepSpeed writes one per
+    metric); ``wandb`` -> ``wandb`` = its project, logged offline (`mp_toolkit.run.loggers`, which
+    refuses it in one line when the package is missing)."""
+    out: dict[str, Any] = {}
+    for key, field, leaf in (("tensorboard", "tensorboard", None), ("csv_monitor", "csv", "metrics.csv")):
+        block = root.block(key)
+        if block is not None and block.boolean("enabled", False):
+            where = Path(block.string("output_path", "") or ".") / block.string("job_name", "DeepSpeedJobName")
+            out[field] = where / leaf if leaf else where
+        if block is not None:
+            block.finish(ignored, known=("output_path", "job_name"))
+    wandb = root.block("wandb")
+    if wandb is not None:
+        if wandb.boolean("enabled", False):
+            out["wandb"] = wandb.string("project", "deepspeed")
+        wandb.finish(ignored, known=("group", "team", "project"))
+    return out
+
+
+def _removed(root: Block, ds: DeepSpeedDefaults) -> None:
+    """The keys DeepSpeed refuses (features it removed), all named in one line."""
+    found = [k for k in ds.removed_top if k in root.data]
+    zero = root.data.get("zero_optimization")
+    if isinstance(zero, dict):
+        found += [f"zero_optimization.{k}" for k in ds.removed_zero if k in zero]
+    if found:
+        raise ConfigError(f"{root.where}: {', '.join(found)}: {'is a key' if len(found) == 1 else 'are keys'} "
+                          f"DeepSpeed {ds.version} refuses (the feature was removed from DeepSpeed): remove "
+                          f"{'it' if len(found) == 1 else 'them'}")
+
+
+def read_ds_config(source: str | Path | dict, *, dp: int = 1,
+                   defaults: DeepSpeedDefaults | None = None) -> DeepSpeedSettings:
     """Read a DeepSpeed config file (or an already loaded dict) for ``dp`` data-parallel ranks.
 
-    Raises ConfigError, one line naming the key and the file, for anything mp_toolkit cannot run.
+    Absent keys take ``defaults`` (None: `deepspeed_defaults()`, the installed DeepSpeed's). Raises
+    ConfigError, one line naming the key and the file, for anything mp_toolkit cannot run.
     """
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ConfigError(f"dp {dp!r} must be a positive integer (the data-parallel degree)")
+    ds = deepspeed_defaults() if defaults is None else defaults
     where, data = load_json(source)
     root = Block(where, "", data)
+    _removed(root, ds)
     ignored: list[str] = []
     tb, mb, ga = _batch(root, dp)
-    clip = root.number("gradient_clipping", 0.0)
-    precision, fp16 = _precision(root, ignored)
-    optimizer = _optimizer(root, ignored)
+    clip = root.number("gradient_clipping", ds.gradient_clipping)
+    precision, fp16 = _precision(root, ignored, ds)
+    optimizer = _optimizer(root, ignored, ds)
+    if optimizer is not None and optimizer.name == "lamb" and fp16.loss_scale > 0:  # DeepSpeed's engine asserts it
+        raise ConfigError(f"{where}: optimizer.type {optimizer.type} with fp16.loss_scale {fp16.loss_scale:g}: "
+                          "DeepSpeed's Lamb requires dynamic loss scaling: set fp16.loss_scale to 0")
     scheduler = _scheduler(root, optimizer, ignored)
     recompute, honoured = read_recompute(root, ignored)
     pp, partition, schedule, chunks = _pipeline(root, ignored)
+    zero = _zero(root, ignored)
     _refused(root, ignored)
+    monitors = _monitors(root, ignored)
     root.finish(ignored, known=_IGNORED_TOP)
     ignored = [k for k in ignored if k not in honoured]
     return DeepSpeedSettings(
         source=where, dp=dp, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
         gradient_clipping=clip, precision=precision, fp16=fp16, optimizer=optimizer, scheduler=scheduler, pp=pp,
-        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)), recompute=recompute)
+        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)), monitors=monitors, defaults=ds.source,
+        recompute=recompute, zero=zero)

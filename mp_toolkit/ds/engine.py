@@ -55,6 +55,9 @@ def check_engine(cfg: TrainConfig) -> None:
     if cfg.tp != 1:
         raise ConfigError(f"--tp {cfg.tp} with --engine deepspeed: its PipelineModule is run without tensor "
                           f"parallelism here; use --tp 1 {other}")
+    if cfg.zero:
+        raise ConfigError(f"--zero {cfg.zero} with --engine deepspeed: ZeRO is mp_toolkit's own here (DeepSpeed's "
+                          f"pipeline engine takes stage 0 or 1 of its own); use --zero 0 {other}")
     if cfg.schedule != "1f1b":
         raise ConfigError(f"--schedule {cfg.schedule} with --engine deepspeed: DeepSpeed's pipeline engine runs "
                           f"its own 1F1B only; use --schedule 1f1b {other}")

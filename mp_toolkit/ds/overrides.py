@@ -17,10 +17,11 @@ from mp_toolkit.run.config import ConfigError, TrainConfig
 
 _FLAG_NAMES = {"timeout_s": "--timeout", "progress": "--no-progress", "bias_correction": "--no-bias-correction"}
 _SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_decay", "min_lr")
-_OPTIMIZER_FIELDS = ("betas", "eps", "min_trust", "max_trust", "bias_correction", "momentum", "trust_coefficient")
+_OPTIMIZER_FIELDS = ("betas", "eps", "min_trust", "max_trust", "bias_correction", "momentum", "trust_coefficient",
+                     "lamb_rule")
 # The DeepSpeed key each TrainConfig field comes from, to name it when its value fails a check.
 _DS_KEYS = {"pp": "pipeline.stages", "partition": "pipeline.partition_method", "schedule": "pipeline.schedule",
-            "chunks": "pipeline.chunks", "micro_batch": "train_micro_batch_size_per_gpu",
+            "chunks": "pipeline.chunks", "zero": "zero_optimization.stage", "micro_batch": "train_micro_batch_size_per_gpu",
             "microbatches": "gradient_accumulation_steps", "clip_grad": "gradient_clipping",
             "lr": "optimizer.params.lr (or scheduler.params)", "weight_decay": "optimizer.params.weight_decay",
             "eps": "optimizer.params.eps", "betas": "optimizer.params.betas", "min_trust": "optimizer.params.min_coeff",
@@ -75,7 +76,8 @@ def ds_overrides(path: Path, given: dict, world_size: int | None) -> tuple[dict,
         notes.append(f"{path}: the scheduler block is replaced by warm-up/decay of "
                      f"{', '.join(flag_name(k) for k in _SCHEDULE_FIELDS if k in given)} from the command line")
     overridden = [flag_name(k) for k in sorted(given) if k in base and given[k] != base[k]]
-    line = f"{path}: {len(base)} settings from the DeepSpeed config (dp {dp})"
+    line = f"{path}: {len(base)} settings from the DeepSpeed config (dp {dp}; "
+    line += f"absent keys take the defaults of {settings.defaults})"
     notes.insert(0, line + (f"; overridden on the command line: {', '.join(overridden)}" if overridden else ""))
     if settings.ignored_message():
         notes.append(settings.ignored_message())

@@ -39,6 +39,7 @@ from mp_toolkit.engine.reductions import global_mean_loss, trust_ratio_rows
 from mp_toolkit.engine.interface import StepStats
 from mp_toolkit.engine.step import OptimizerStep
 from mp_toolkit.engine.ties import TiedGradients
+from mp_toolkit.engine.zero import ShardedMasters
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
@@ -47,6 +48,7 @@ from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.data_parallel import BUCKET_BYTES, DataParallelGrads
 from mp_toolkit.parallel.layouts import TP_ATTRIBUTES
 from mp_toolkit.parallel.p2p import P2P
+from mp_toolkit.parallel.zero import ShardedGrads, sharded_buckets
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
 from mp_toolkit.schedule.completion import send_waits
 
@@ -94,13 +96,17 @@ class PipelineEngine:
             ``deallocate_output_tensor``; which outputs qualify: `mp_toolkit.engine.free_sent`).
             Gradients are bitwise those of False, where each sent output's storage lives until
             its backward and, through its send buffer, until the end of the step.
+        zero: ZeRO stage, 0 or 1. 1: the fp32 masters and the optimizer state are partitioned over
+            ``ctx.dp_group`` (`mp_toolkit.engine.zero`): gradients reduce-scattered in the same
+            buckets, each replica steps its pieces, parameters all-gathered. The optimizer is then
+            built over this rank's 1-D pieces, named after their parameters. No effect at dp 1.
     """
 
     def __init__(self, layer_list: LayerList, ctx: ParallelContext, boundaries: Sequence[int],
                  num_microbatches: int, schedule: str, optimizer: Callable, loss_fn: Callable,
                  clip_grad: float | None = None, precision: str = "fp32",
                  loss_scaler: DynamicLossScaler | None = None, chunks: int = 1,
-                 dp_bucket_bytes: int = BUCKET_BYTES, free_sent_outputs: bool = True):
+                 dp_bucket_bytes: int = BUCKET_BYTES, free_sent_outputs: bool = True, zero: int = 0):
         if ctx.tp > 1 and not any(is_tensor_parallel(p) for p in layer_list.parameters()):
             raise ValueError(f"tp={ctx.tp} but no parameter of the layer list is tensor-parallel: "
                              "apply_tensor_parallel(layer_list, ctx, plan) before building the engine")
@@ -120,11 +126,21 @@ class PipelineEngine:
         self.stage_to_rank = [ctx.stage_rank(i) for i in self.schedule.stage_to_rank]
         self.loss_fn = loss_fn
         named = self.named_parameters()
-        self.masters = MasterWeights([p for _, p in named])
-        carry_tp_attributes(self.masters)
-        self.optimizer = optimizer([(n, m) for (n, _), m in zip(named, self.masters.master)])
-        self.dp_grads = (DataParallelGrads(self._dp_param_sets(), ctx.dp_group, dp_bucket_bytes)
-                         if ctx.dp_group is not None else None)
+        if zero not in (0, 1):
+            raise ValueError(f"zero={zero}: ZeRO stage 0 (off) or 1 (optimizer state partitioned) only")
+        self.zero = zero if ctx.dp_group is not None else 0
+        if self.zero:
+            tied = [self.ties.members[g] for g in self.ties.groups]  # a bucket each: pieces line up over stages
+            buckets = sharded_buckets(self._dp_param_sets(), ctx.dp, dp_bucket_bytes, alone=tied)
+            self.dp_grads = ShardedGrads(buckets, ctx.dp_group)
+            self.masters = ShardedMasters([p for _, p in named], buckets, self.dp_grads, ctx.dp_group)
+            self.optimizer = optimizer(self.masters.named(named))
+        else:
+            self.masters = MasterWeights([p for _, p in named])
+            carry_tp_attributes(self.masters)
+            self.optimizer = optimizer([(n, m) for (n, _), m in zip(named, self.masters.master)])
+            self.dp_grads = (DataParallelGrads(self._dp_param_sets(), ctx.dp_group, dp_bucket_bytes)
+                             if ctx.dp_group is not None else None)
         self.step = OptimizerStep(ctx, self.masters, self.optimizer, self.ties, clip_grad, loss_scaler,
                                   self.dp_grads)
         self.executor: Executor | None = None
@@ -197,7 +213,8 @@ class PipelineEngine:
         return self.step.scaler
 
     def master_of(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The fp32 master the optimizer steps for model parameter ``p`` (``p`` itself in fp32)."""
+        """The fp32 master the optimizer steps for model parameter ``p`` (``p`` itself in fp32);
+        under ZeRO-1 this rank's 1-D piece of it (`ShardedMasters.of`)."""
         return self.masters.of(p)
 
     def layer_names(self) -> list[str]:
@@ -210,9 +227,24 @@ class PipelineEngine:
 
     def eval_batch(self, data_iter: Iterator) -> float:
         """Mean loss of one global batch (all data-parallel replicas), forward only, no step."""
+        return global_mean_loss(self._forward_only(data_iter), self.ctx, self.stage_to_rank[-1])
+
+    def eval_metrics(self, data_iter: Iterator, metrics_fn: Callable, size: int) -> list[float]:
+        """`eval_batch` with ``metrics_fn(last stage output, labels)`` -> a (size,) fp32 tensor per
+        micro-batch in place of the loss, each value averaged over the global batch as the loss is
+        (validation's MLM / NSP losses and MLM accuracy, `mp_toolkit.run.validation`)."""
+        return global_mean_loss(self._forward_only(data_iter, metrics_fn), self.ctx, self.stage_to_rank[-1], size)
+
+    def _forward_only(self, data_iter: Iterator, metrics_fn: Callable | None = None) -> list[torch.Tensor]:
+        """One global batch forward through this rank's forward actions; the last stage's values / m."""
         for stage in self.stages.values():
             stage.eval()
         mbs = self._next_global_batch(data_iter)
         actions = forward_only(self.schedule)[self.ctx.pp_rank]
-        losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, grad=False)
-        return global_mean_loss(losses, self.ctx, self.stage_to_rank[-1])
+        executor = self._executor(mbs[0][0])
+        loss_fn = executor.loss_fn
+        executor.loss_fn = metrics_fn or loss_fn
+        try:
+            return executor.run(actions, mbs, loss_divisor=self.m, grad=False)
+        finally:
+            executor.loss_fn = loss_fn

@@ -15,6 +15,11 @@ The data-parallel average comes first so that every replica holds the same gradi
 there on each replica computes the same norm and takes the same step, with no further traffic
 between replicas. The norm is agreed over the model-parallel group (pp x tp) of the replica.
 
+ZeRO-1 (`mp_toolkit.engine.zero`): the average is a reduce-scatter, so each replica holds the
+mean gradient of its pieces only; the masters are those pieces, the norm is summed over every
+rank (`partitioned_grad_norm`), each replica steps its pieces and "copy back" all-gathers them.
+The order above is unchanged.
+
 DESIGN.md invariant 6: one global decision per step. A skipped step leaves every parameter and
 optimizer state unchanged on every rank.
 """
@@ -27,11 +32,13 @@ import torch
 import torch.distributed as dist
 
 from mp_toolkit.engine.ties import TiedGradients
-from mp_toolkit.optim.clip import clip_by_global_norm, global_grad_norm, tensor_norms
+from mp_toolkit.engine.zero import ShardedMasters
+from mp_toolkit.optim.clip import clip_by_global_norm, global_grad_norm, partitioned_grad_norm, tensor_norms
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler, has_inf_or_nan
 from mp_toolkit.optim.master import MasterWeights
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.data_parallel import DataParallelGrads
+from mp_toolkit.parallel.zero import ShardedGrads
 
 
 @dataclass
@@ -58,12 +65,13 @@ def any_rank_true(flag, device: torch.device):
 class OptimizerStep:
     """Owns the masters, the optimizer and the loss scaler of this rank's stages.
 
-    ``dp_grads`` averages the model gradients over the data-parallel group (None when dp == 1).
+    ``dp_grads`` averages the model gradients over the data-parallel group (None when dp == 1);
+    under ZeRO-1 ``masters`` are `ShardedMasters` and ``dp_grads`` their `ShardedGrads`.
     """
 
-    def __init__(self, ctx: ParallelContext, masters: MasterWeights, optimizer: torch.optim.Optimizer,
+    def __init__(self, ctx: ParallelContext, masters: MasterWeights | ShardedMasters, optimizer: torch.optim.Optimizer,
                  ties: TiedGradients, clip_grad: float | None, scaler: DynamicLossScaler | None,
-                 dp_grads: DataParallelGrads | None = None):
+                 dp_grads: DataParallelGrads | ShardedGrads | None = None):
         self.ctx, self.masters, self.optimizer, self.ties = ctx, masters, optimizer, ties
         self.clip_grad, self.scaler, self.dp_grads = clip_grad, scaler, dp_grads
         self.counted = [masters.of(p) for p in masters.model if ties.counted_in_norm(p)]
@@ -75,6 +83,14 @@ class OptimizerStep:
         picked = [norms[index[id(m)]] if id(m) in index else torch.zeros((), dtype=norms.dtype, device=norms.device)
                   for m in self.counted if m.grad is not None]
         return torch.stack(picked) if picked else norms[:0]
+
+    def _global_norm(self, with_grad: list[torch.Tensor], norms: torch.Tensor) -> torch.Tensor:
+        counted = self._counted_norms(with_grad, norms)
+        if isinstance(self.masters, ShardedMasters):
+            return partitioned_grad_norm([m for m in self.counted if m.grad is not None], counted,
+                                         count_replicated=self.ctx.tp_rank == 0, device=self.ctx.device)
+        return global_grad_norm(self.counted, group=self.ctx.model_group, device=self.ctx.device,
+                                tp_group=self.ctx.tp_group, norms=counted)
 
     @property
     def loss_scale(self) -> float:
@@ -95,8 +111,7 @@ class OptimizerStep:
         overflow = bad_grads or bad_loss
         norm = float("nan")
         if not overflow:
-            total = global_grad_norm(self.counted, group=self.ctx.model_group, device=self.ctx.device,
-                                     tp_group=self.ctx.tp_group, norms=self._counted_norms(with_grad, norms))
+            total = self._global_norm(with_grad, norms)
             norm = float(total)
             if self.clip_grad is not None:
                 clip_by_global_norm(self.masters.master, total, self.clip_grad)

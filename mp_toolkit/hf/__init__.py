@@ -26,7 +26,7 @@ Single process, pipeline (pp=2) and tensor parallel (tp=2) use::
 from mp_toolkit.hf.adapters import SUPPORTED, UnsupportedModelError, from_hf, model_type_of
 from mp_toolkit.hf.common import layer_state_dict
 from mp_toolkit.hf.configs import architecture_for, load_config
-from mp_toolkit.hf.export import copy_tokenizer, export_hf, hf_name_map, read_checkpoint_state, to_hf_state_dict
+from mp_toolkit.hf.export import copy_tokenizer, export_hf, hf_name_map, to_hf_state_dict
 from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss, shift_labels
 from mp_toolkit.hf.tp_plans import (
     BERT_TP_PLAN, GPT2_TP_PLAN, LLAMA_TP_PLAN, TP_PLANS, apply_hf_tensor_parallel, check_hf_tensor_parallel,
@@ -38,6 +38,6 @@ __all__ = [
     "SUPPORTED", "UnsupportedModelError", "from_hf", "model_type_of", "layer_state_dict",
     "causal_lm_loss", "shift_labels", "masked_lm_loss", "pretraining_loss",
     "GPT2_TP_PLAN", "LLAMA_TP_PLAN", "BERT_TP_PLAN", "TP_PLANS", "apply_hf_tensor_parallel", "check_hf_tensor_parallel",
-    "export_hf", "hf_name_map", "to_hf_state_dict", "load_config", "architecture_for", "read_checkpoint_state",
+    "export_hf", "hf_name_map", "to_hf_state_dict", "load_config", "architecture_for",
     "copy_tokenizer", "PretrainedWeights", "skeleton", "WeightsError",
 ]

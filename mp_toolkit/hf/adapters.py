@@ -9,7 +9,7 @@ training the LayerList trains the model (``copy.deepcopy(model)`` first to keep 
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained("gpt2")
     layers = from_hf(model)                  # embed, h.0 .. h.11, ln_f, lm_head
-    logits = layers(input_ids, attention_mask)
+    logits = layers(input_ids=input_ids, attention_mask=attention_mask)   # as model(...) is called
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from mp_toolkit.hf.bert import bert_layers
+from mp_toolkit.hf.calling import HFLayerList
 from mp_toolkit.hf.common import tie_groups
 from mp_toolkit.hf.gpt2 import gpt2_layers
 from mp_toolkit.hf.llama import FAMILIES as LLAMA_FAMILIES, llama_layers
@@ -43,21 +44,23 @@ def unsupported(name: str) -> UnsupportedModelError:
         "where each layer takes the previous layer's output (a tuple is unpacked into its arguments)")
 
 
-def from_hf(model: nn.Module) -> LayerList:
+def from_hf(model: nn.Module) -> HFLayerList:
     """The LayerList of a supported HF model (GPT-2, BERT pre-training / MLM, Llama, Mistral, Qwen2).
 
     Layer names: GPT-2 ``embed, h.{i}, ln_f, lm_head``; BERT ``embeddings, encoder.layer.{i}, heads``;
     Llama family ``embed_tokens, layers.{i}, norm, lm_head``. Tied embeddings (HF's
-    ``tie_word_embeddings``) become a tie group. Calling it: ``layers(input_ids, attention_mask)``
-    for the causal LMs (logits (B, T, V)); ``layers(input_ids, token_type_ids, attention_mask)``
-    for BERT. The model's mode (train / eval) and ``attn_implementation`` are used as they are.
+    ``tie_word_embeddings``) become a tie group. It is called as the HF model is
+    (`mp_toolkit.hf.calling`): HF's positional order (BERT: ``input_ids, attention_mask,
+    token_type_ids``) or keywords, ``labels=`` giving HF's ``(loss, logits, ...)`` tuple; without
+    labels, logits (B, T, V) (BertForPreTraining: prediction and next-sentence logits). The model's
+    mode (train / eval) and ``attn_implementation`` are used as they are.
     """
     name = type(model).__name__
     build = ADAPTERS.get(name)
     if build is None or not type(model).__module__.startswith("transformers."):
         raise unsupported(name)
     layers = build(model)
-    return LayerList(layers, tie_groups(layers))
+    return HFLayerList.of(model, layers, tie_groups(layers))
 
 
 def model_type_of(layer_list: LayerList) -> str:

@@ -1,7 +1,8 @@
 """HF ``BertForPreTraining`` / ``BertForMaskedLM`` as a layer list:
 embeddings -> encoder.layer.0 .. encoder.layer.{L-1} -> heads (the names of `model_zoo.bert`).
 
-    embeddings(input_ids, token_type_ids=None, attention_mask=None) -> (hidden (B, T, C), attention_mask (B, T))
+    embeddings(input_ids, attention_mask=None, token_type_ids=None, position_ids=None)
+                                                                    -> (hidden (B, T, C), attention_mask (B, T))
     encoder.layer.i(hidden, attention_mask)                         -> (hidden, attention_mask)
     heads(hidden, attention_mask) -> (prediction_logits (B, T, V), seq_relationship_logits (B, 2))  # PreTraining
                                   -> prediction_logits (B, T, V)                                    # MaskedLM
@@ -22,15 +23,20 @@ from mp_toolkit.hf.common import padding_mask
 
 
 class BertEmbed(nn.Module):
-    """HF BertEmbeddings (word + token type + position, LayerNorm, dropout); starts the mask."""
+    """HF BertEmbeddings (word + token type + position, LayerNorm, dropout); starts the mask.
+
+    The arguments follow BertForPreTraining.forward's order: the mask before the token types
+    (`model_zoo.bert` and our MLM data put the token types second; `MLMMicroBatches` yields HF's
+    order for HF models)."""
 
     def __init__(self, embeddings: nn.Module):
         super().__init__()
         self.embeddings = embeddings
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None):
-        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)  # (B, T, C)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
+        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids,
+                                 position_ids=position_ids)  # (B, T, C)
         return hidden, padding_mask(input_ids, attention_mask)
 
 

@@ -4,10 +4,13 @@
     mpt export --checkpoint runs/bert/step-00000040 --out hf/bert    # BertForPreTraining.from_pretrained("hf/bert")
     mpt export --checkpoint runs/hf-run --out hf/x --config gpt2/config.json --tokenizer gpt2/
 
-The model is written by `export_state` (a `model_zoo` run from the model its manifest records, an
-HF-loaded run from its ``hf_config`` or ``--config``), the tokenizer by `write_tokenizer`. Both go
-into a scratch directory beside ``--out`` that is renamed into place once complete, so a failed
-export leaves ``--out`` as it was.
+The model is streamed by `export_layers` (a `model_zoo` run as the model its manifest records, an
+HF-loaded run by its ``hf_config`` or ``--config``): one checkpoint layer at a time is read, renamed
+to HF's keys and appended to the safetensors output, so a rank-sized machine exports a model it
+could not hold; above ``--max-shard-size`` (default 5GB) the weights are split into
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, as ``save_pretrained``
+writes them. The tokenizer is written by `write_tokenizer`. Both go into a scratch directory beside
+``--out`` that is renamed into place once complete, so a failed export leaves ``--out`` as it was.
 """
 
 from __future__ import annotations
@@ -16,16 +19,18 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mp_toolkit.checkpoint import open_checkpoint
-from mp_toolkit.hf.export import export_hf, read_checkpoint_state
+from mp_toolkit.checkpoint import Checkpoint, open_checkpoint
+from mp_toolkit.hf.configs import architecture_for, load_config
+from mp_toolkit.hf.export import DEFAULT_MAX_SHARD, HFTarget, layer_tensors_as_hf, write_hf_dir
 from mp_toolkit.hf.run_tokenizer import write_tokenizer
-from mp_toolkit.hf.zoo_export import export_zoo_state, zoo_spec
+from mp_toolkit.hf.safetensors_out import parse_size
+from mp_toolkit.hf.zoo_export import zoo_spec, zoo_target, zoo_tensors_as_hf
 
 
 @dataclass(frozen=True)
@@ -55,19 +60,24 @@ def check_out_dir(out: Path, checkpoint: Path, force: bool) -> None:
                              "name another directory")
 
 
-def export_run(checkpoint, out_dir, config=None, tokenizer=None, force: bool = False) -> Exported:
+def export_run(checkpoint, out_dir, config=None, tokenizer=None, force: bool = False,
+               max_shard_size: str | int = DEFAULT_MAX_SHARD) -> Exported:
     """Write the HF directory of ``checkpoint`` (a root, following ``latest``, or a step directory)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # a bar for writing one small file says nothing
     checkpoint, out = Path(checkpoint), Path(out_dir)
     check_out_dir(out, checkpoint, force)
-    state, manifest = read_checkpoint_state(checkpoint)  # hash-checks every layer file
+    try:
+        max_shard_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        raise ValueError(f"--max-shard-size: {e}") from None
+    ck = open_checkpoint(checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
     try:
-        export_state(state, manifest, scratch, config, where=checkpoint)
-        note = write_tokenizer(tokenizer, manifest, scratch)
+        parameters = export_layers(ck, scratch, config, where=checkpoint, max_shard_bytes=max_shard_bytes)
+        note = write_tokenizer(tokenizer, ck.manifest, scratch)
         os.chmod(scratch, 0o755)  # mkdtemp makes it 0700; the export is shared like any model directory
         if out.exists():
             shutil.rmtree(out)  # empty, or --force (check_out_dir)
@@ -76,31 +86,61 @@ def export_run(checkpoint, out_dir, config=None, tokenizer=None, force: bool = F
         if scratch.exists():
             shutil.rmtree(scratch)
     architecture = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
-    step = open_checkpoint(checkpoint).step  # the manifest only: the tensors were read above
-    return Exported(out, architecture, sum(t.numel() for t in state.values()), step, note)
+    return Exported(out, architecture, parameters, ck.step, note)
 
 
-def export_checkpoint(checkpoint, out_dir, config=None, tokenizer_dir=None, architecture: str | None = None) -> Path:
-    """`export_hf` of a checkpoint written by `mp_toolkit.checkpoint` (layer-named full tensors).
+def export_checkpoint(checkpoint, out_dir, config=None, tokenizer_dir=None, architecture: str | None = None,
+                      max_shard_size: str | int = DEFAULT_MAX_SHARD) -> Path:
+    """`export_layers` of a checkpoint written by `mp_toolkit.checkpoint` into ``out_dir``; returns it."""
+    export_layers(open_checkpoint(checkpoint), out_dir, config, tokenizer_dir, architecture, where=checkpoint,
+                  max_shard_bytes=parse_size(max_shard_size))
+    return Path(out_dir)
+
+
+def export_layers(ck: Checkpoint, out_dir, config=None, tokenizer_dir=None, architecture: str | None = None,
+                  where="checkpoint", max_shard_bytes: int = parse_size(DEFAULT_MAX_SHARD)) -> int:
+    """Stream the layers of ``ck`` into an HF directory (`write_hf_dir`): one layer is read (and its
+    files hash-checked), renamed and written before the next, so memory holds one layer, never the
+    model. Returns the parameters written.
 
     ``config`` defaults to the manifest's ``hf_config`` entry (a config dict), if the run stored one.
     A checkpoint of ``mpt train --model`` (its manifest records a `model_zoo` GPT or BERT and no
-    hf_config) is written by `mp_toolkit.hf.zoo_export` from the model it records.
+    hf_config) is written as `mp_toolkit.hf.zoo_export` maps the model it records.
     """
-    state, manifest = read_checkpoint_state(checkpoint)
-    return export_state(state, manifest, out_dir, config, tokenizer_dir, architecture, where=checkpoint)
-
-
-def export_state(state: Mapping[str, torch.Tensor], manifest: Mapping, out_dir, config=None, tokenizer_dir=None,
-                 architecture: str | None = None, where="checkpoint") -> Path:
-    """`export_checkpoint` of tensors and a manifest already read (``where`` names them in errors)."""
-    if manifest.get("hf_config") is None and zoo_spec(manifest) is not None:
+    manifest = ck.manifest
+    named = _layer_tensors(ck)
+    first = next(named, None)
+    if first is None:
+        raise ValueError(f"{where}: the checkpoint holds no layers")
+    dtype = first[1].dtype if first[1].is_floating_point() else torch.float32
+    named = _prepend(first, named)
+    del first  # held by the stream until written, not for the whole export
+    spec = zoo_spec(manifest) if manifest.get("hf_config") is None else None
+    if spec is not None:
         if config is not None or architecture is not None:
             raise ValueError(f"{where}: the run trained {manifest['model']['family']} from mpt's model zoo and its "
                              "manifest records that model: export it without a config (--config is for HF-loaded runs)")
-        return export_zoo_state(state, manifest, out_dir, tokenizer_dir)
-    config = config if config is not None else manifest.get("hf_config")
-    if config is None:
-        raise ValueError(f"{where}: the manifest has no hf_config nor a model_zoo model; pass the HF config the "
-                         "run started from (config=, or mpt export --config config.json)")
-    return export_hf(state, config, out_dir, tokenizer_dir, architecture)
+        target = zoo_target(spec, dtype)
+        pairs = zoo_tensors_as_hf(named, spec)
+    else:
+        config = config if config is not None else manifest.get("hf_config")
+        if config is None:
+            raise ValueError(f"{where}: the manifest has no hf_config nor a model_zoo model; pass the HF config the "
+                             "run started from (config=, or mpt export --config config.json)")
+        cfg = load_config(config)
+        keys = (key for key, _ in _layer_tensors(ck))  # read only when the config leaves BERT's head open
+        target = HFTarget.of(architecture_for(cfg, architecture, keys), cfg, dtype)
+        pairs = layer_tensors_as_hf(named, target)
+    return write_hf_dir(target, pairs, out_dir, max_shard_bytes, tokenizer_dir)
+
+
+def _prepend(first, rest: Iterator) -> Iterator:
+    yield first
+    del first
+    yield from rest
+
+
+def _layer_tensors(ck: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every model tensor of ``ck`` as ``(name, full tensor)``, one layer's file read at a time."""
+    for layer in ck.layer_names:
+        yield from ck.read_layer(layer).items()

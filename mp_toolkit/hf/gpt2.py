@@ -1,6 +1,7 @@
 """HF ``GPT2LMHeadModel`` as a layer list: embed -> h.0 .. h.{L-1} -> ln_f -> lm_head.
 
-    embed(input_ids, attention_mask=None)   -> (hidden (B, T, C), attention_mask (B, T))
+    embed(input_ids, attention_mask=None, token_type_ids=None, position_ids=None)
+                                            -> (hidden (B, T, C), attention_mask (B, T))
     h.i(hidden, attention_mask)             -> (hidden, attention_mask)
     ln_f(hidden, attention_mask)            -> hidden
     lm_head(hidden)                         -> logits (B, T, V)
@@ -22,16 +23,21 @@ from mp_toolkit.hf.common import FinalNorm, padding_mask
 
 
 class GPT2Embed(nn.Module):
-    """Token + learned position embedding and dropout, as GPT2Model.forward computes them."""
+    """Token + learned position (+ token type) embedding and dropout, as GPT2Model.forward computes
+    them. The arguments follow GPT2LMHeadModel.forward's order without its ``cache``."""
 
     def __init__(self, transformer: nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
         inputs_embeds = self.wte(input_ids)  # (B, T) -> (B, T, C)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, T)
-        hidden = inputs_embeds + self.wpe(position_ids)  # (B, T, C) + (1, T, C)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, T)
+        hidden = inputs_embeds + self.wpe(position_ids)  # (B, T, C) + (1 or B, T, C)
+        if token_type_ids is not None:  # GPT-2 embeds token types with the token embedding
+            hidden = hidden + self.wte(token_type_ids)
         return self.drop(hidden), padding_mask(input_ids, attention_mask)
 
 

@@ -25,18 +25,16 @@ rather than written as a model that computes something else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 
 import torch
 import transformers
 
 from model_zoo import bert, bert_hf, gpt
-from mp_toolkit.hf.export import write_hf_model
+from mp_toolkit.hf.export import HFTarget
 from mp_toolkit.run.families import FAMILIES, ModelSpec
-from mp_toolkit.run.state import ModelNames
 
 # GPTConfig fields GPT2Config spells and computes the same way; `bias` is checked on its own.
 _GPT2_FIELDS = frozenset({"vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
@@ -108,45 +106,19 @@ def gpt_hf_name(name: str) -> tuple[str, bool]:
     return f"transformer.h.{parts[1]}.{_GPT_BLOCK[module]}.{parts[-1]}", module in _CONV1D and parts[-1] == "weight"
 
 
-def gpt_to_hf_state_dict(model: gpt.GPT) -> dict[str, torch.Tensor]:
-    """``model``'s weights under GPT2LMHeadModel's keys, Conv1D weights as (in, out)."""
-    out = {}
-    for name, t in model.state_dict().items():
-        key, transpose = gpt_hf_name(name)
-        out[key] = t.detach().t().contiguous() if transpose else t.detach()
-    return out
+def zoo_target(spec: ModelSpec, dtype: torch.dtype) -> HFTarget:
+    """The HF class and config ``spec``'s model is written as (`ZOO_HF`), on meta."""
+    return HFTarget.of(getattr(transformers, ZOO_HF[spec.family].hf_class), hf_config(spec), dtype)
 
 
-def load_zoo_model(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-    """``spec``'s model holding a checkpoint's tensors (a tied weight is saved under its first name)."""
-    model = spec.build()
-    names = ModelNames.of(model)
-    want = model.state_dict()
-    missing = [k for k in want if names.canonical(k) not in state]
-    extra = sorted(set(state) - {names.canonical(k) for k in want})
-    if missing or extra:
-        raise ExportError(f"the checkpoint does not hold this {spec.family} model's tensors (missing "
-                          f"{missing[:3]}, unexpected {extra[:3]}): was it saved from another model?")
-    full = {k: state[names.canonical(k)] for k in want}
-    bad = [k for k in want if tuple(full[k].shape) != tuple(want[k].shape)]
-    if bad:
-        raise ExportError(f"{bad[0]} has shape {tuple(full[bad[0]].shape)} in the checkpoint but "
-                          f"{tuple(want[bad[0]].shape)} in the recorded model config: the checkpoint is inconsistent")
-    model.load_state_dict(full, strict=True)
-    return model
-
-
-def export_zoo_state(state: Mapping[str, torch.Tensor], manifest: Mapping, out_dir, tokenizer_dir=None) -> Path:
-    """Write the HF directory of a `model_zoo` checkpoint's ``state`` (see the module docstring)."""
-    spec = zoo_spec(manifest)
-    if spec is None:
-        raise ExportError("the manifest records no GPT or BERT model ('model' entry): not a checkpoint of "
-                          "mpt train --model")
-    cfg = hf_config(spec)
-    model = load_zoo_model(spec, state)
-    export = ZOO_HF[spec.family]
-    return write_hf_model(getattr(transformers, export.hf_class), cfg, export.to_hf_state_dict(model), out_dir,
-                          tokenizer_dir)
+def zoo_tensors_as_hf(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """A `model_zoo` checkpoint's ``(state key, tensor)`` pairs as ``(HF key, tensor)`` pairs (GPT's
+    Linear weights transposed to Conv1D's (in, out)); `write_hf_dir` checks names and shapes."""
+    hf_key = ZOO_HF[spec.family].hf_key
+    for name, t in named:
+        key, transpose = hf_key(name)
+        yield key, (t.t().contiguous() if transpose else t)
+        del t  # not held while the next one is read
 
 
 @dataclass(frozen=True)
@@ -159,12 +131,12 @@ class ZooHF:
     known_fields: frozenset
     """Our config's fields the exporter knows HF computes alike."""
     hf_config: Callable[[object], transformers.PretrainedConfig]
-    to_hf_state_dict: Callable[[torch.nn.Module], dict]
-    """Our model's state under the HF class's names (GPT: Conv1D weights transposed)."""
+    hf_key: Callable[[str], tuple[str, bool]]
+    """(the HF class's key, whether the weight is transposed) of one of our model's state keys."""
 
 
 ZOO_HF: Mapping[str, ZooHF] = MappingProxyType({
-    "gpt": ZooHF("GPT2LMHeadModel", _GPT2_FIELDS | {"bias"}, gpt2_config, gpt_to_hf_state_dict),
-    "bert": ZooHF("BertForPreTraining", _BERT_FIELDS, bert_hf_config, bert_hf.to_hf_state_dict),
+    "gpt": ZooHF("GPT2LMHeadModel", _GPT2_FIELDS | {"bias"}, gpt2_config, gpt_hf_name),
+    "bert": ZooHF("BertForPreTraining", _BERT_FIELDS, bert_hf_config, lambda name: (bert_hf.hf_name(name), False)),
 })
 

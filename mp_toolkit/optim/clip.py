@@ -31,8 +31,9 @@ import torch.distributed as dist
 from mp_toolkit.optim.groups import allreduce_sharded_squares, is_tensor_parallel
 
 
-def _gather_norms(norms: torch.Tensor, group) -> torch.Tensor:
-    """Concatenate every rank's per-tensor norms in group-rank order (counts may differ)."""
+def gather_ragged(norms: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's 1-D ``norms`` (per-tensor norms, trust ratios) in group-rank order
+    (counts may differ)."""
     size = dist.get_world_size(group)
     count = torch.tensor([norms.numel()], dtype=torch.int64, device=norms.device)
     counts = [torch.empty_like(count) for _ in range(size)]
@@ -85,8 +86,27 @@ def global_grad_norm(counted: Iterable[torch.Tensor], group=None, device=None, t
         raise ValueError(f"global_grad_norm: {len(norms)} norms for {len(params)} gradients")
     norms = whole_tensor_norms(norms.to(device), [is_tensor_parallel(p) for p in params], tp_group)
     if group is not None:
-        norms = _gather_norms(norms, group)
+        norms = gather_ragged(norms, group)
     return torch.linalg.vector_norm(norms, 2.0)
+
+
+def partitioned_grad_norm(params: list[torch.Tensor], norms: torch.Tensor, count_replicated: bool,
+                          device=None) -> torch.Tensor:
+    """ZeRO-1: the global 2-norm when every element of the model's gradient lies on exactly one
+    rank's pieces (``params``, their `tensor_norms` ``norms``; the counted ones for ties).
+
+    Pieces of one data-parallel rank are disjoint from every other's, stages from each other; a
+    tensor-parallel-replicated tensor's pieces are alike on every tp rank and are counted where
+    ``count_replicated`` (tp rank 0), a shard's everywhere. The squares are summed in fp64 and in
+    one all-reduce over every rank; the sum runs in another order than `global_grad_norm`'s, a
+    rounding apart.
+    """
+    device = device or norms.device
+    keep = torch.tensor([count_replicated or is_tensor_parallel(p) for p in params], dtype=torch.bool)
+    total = norms.double().square().cpu()[keep].sum().reshape(1).to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.sqrt().float()[0]
 
 
 def clip_by_global_norm(params: Iterable[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_toolkit.optim.groups import lamb_param_groups
-from mp_toolkit.optim.lamb import LAMB
+from mp_toolkit.optim.lamb import LAMB, LAMB_RULES
 from mp_toolkit.optim.lars import LARS
 
 OPTIMIZERS = ("adamw", "adam", "adagrad", "rmsprop", "sgd", "lamb", "lars")
@@ -33,12 +33,14 @@ class OptimizerOptions:
     bias_correction: bool = True
     momentum: float | None = None
     trust_coefficient: float | None = None
+    lamb_rule: str = "mp_toolkit"
 
     @classmethod
     def of(cls, cfg) -> "OptimizerOptions":
         """The options a TrainConfig holds."""
         return cls(betas=cfg.betas, eps=cfg.eps, min_trust=cfg.min_trust, max_trust=cfg.max_trust,
-                   bias_correction=cfg.bias_correction, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient)
+                   bias_correction=cfg.bias_correction, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient,
+                   lamb_rule=cfg.lamb_rule)
 
 
 # Which optimizers read each option (the others would silently ignore it: refused instead).
@@ -58,6 +60,10 @@ def check_optimizer_options(name: str, opts: OptimizerOptions) -> None:
         if getattr(opts, key) is not None and name not in users:
             raise ValueError(f"--{key.replace('_', '-')} is not an option of --optimizer {name}: "
                              f"it applies to {', '.join(users)}")
+    if opts.lamb_rule not in LAMB_RULES:
+        raise ValueError(f"--lamb-rule {opts.lamb_rule} is not a rule: use one of {', '.join(LAMB_RULES)}")
+    if opts.lamb_rule != "mp_toolkit" and name != "lamb":
+        raise ValueError(f"--lamb-rule {opts.lamb_rule} applies to --optimizer lamb only")
     if not opts.bias_correction and name != "lamb":
         raise ValueError(f"--no-bias-correction applies to --optimizer lamb only ({name} always corrects or has no moments)")
     if opts.betas is not None and not (len(opts.betas) == 2 and all(0 <= b < 1 for b in opts.betas)):
@@ -96,7 +102,7 @@ def build_optimizer(name: str, named_params: Sequence[tuple[str, torch.nn.Parame
     """One optimizer over ``named_params`` (names as in the unsplit LayerList).
 
     LAMB and LARS exclude biases and norm weights from decay and layer adaptation
-    (`lamb_param_groups`); torch's optimizers get one group, as a user would write them, and
+    (`lamb_param_groups`; LAMB's ``options.lamb_rule="deepspeed"`` adapts them too, FusedLamb's rule); torch's optimizers get one group, as a user would write them, and
     their multi-tensor kernels (Adam and AdamW the fused one, `_adam_kernel`).
     ``tp_group`` (the tensor-parallel group, `ParallelContext.tp_group`) lets LAMB and LARS sum the
     squared norms of tensor-parallel shards into whole-tensor trust ratios; torch's optimizers are
@@ -105,9 +111,11 @@ def build_optimizer(name: str, named_params: Sequence[tuple[str, torch.nn.Parame
     check_optimizer_options(name, options)
     o = options
     params = [p for _, p in named_params]
-    if name == "lamb":
-        return LAMB(lamb_param_groups(named_params, weight_decay), lr=lr, tp_group=tp_group,
-                    bias_correction=o.bias_correction,
+    if name == "lamb":  # rule deepspeed: FusedLamb adapts every tensor and corrects the step size
+        fused = o.lamb_rule == "deepspeed"
+        groups = [{**g, "correct_step_size": fused} for g in lamb_param_groups(named_params, weight_decay,
+                                                                               adapt_all=fused)]
+        return LAMB(groups, lr=lr, tp_group=tp_group, bias_correction=o.bias_correction,
                     **_given(betas=o.betas, eps=o.eps, min_trust=o.min_trust, max_trust=o.max_trust))
     if name == "lars":
         return LARS(lamb_param_groups(named_params, weight_decay), lr=lr, tp_group=tp_group,

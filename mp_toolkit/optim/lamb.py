@@ -12,9 +12,22 @@ Per tensor ``w`` with gradient ``g`` at step ``t``::
 A group with ``adapt=False`` uses trust 1. ``max_grad_norm`` turns on NVLAMB's global
 pre-normalisation: every gradient is divided by ``max(1, ||g_all|| / max_grad_norm)`` first.
 
+A group with ``correct_step_size=True`` follows DeepSpeed's FusedLamb (``csrc/lamb``) instead: the
+moments stay uncorrected in the direction and the correction scales the step::
+
+    u = m / (sqrt(v) + eps) + wd w        trust = ||w|| / ||u||  (1 when either is 0, else clamped)
+    w = w - lr c trust u                  c = sqrt(1 - b2^t) / (1 - b1^t)  (1 without bias_correction)
+
+It differs from the rule above only with bias correction on (eps and the decay term meet the
+uncorrected moments, so the trust ratio differs). ``rule="deepspeed"`` in `build_optimizer` sets it
+and adapts every tensor, 1-D ones included, as FusedLamb does (`LAMB_RULES`).
+
 Tensor parallelism: for a shard (``p.tensor_model_parallel = True``) ``||w||^2`` and ``||u||^2`` are
 summed over ``tp_group`` in one all-reduce per step for all shards together, so its trust ratio is
-the whole tensor's; no traffic ever crosses pipeline stages.
+the whole tensor's; no traffic ever crosses pipeline stages. ZeRO-1 (a tensor is a rank's piece of
+a parameter, ``p.zero_piece``): the partial squares of the tensors split between data-parallel
+ranks are summed over the dp group first, in one more all-reduce per step
+(`mp_toolkit.optim.groups.whole_tensor_squares`).
 
 The multi-tensor path (default on CPU and CUDA) makes two passes over memory. Pass 1 walks the
 tensors in cache-sized *waves* of chunks: ``s = wd w`` in a wave scratch, then one fused kernel
@@ -36,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_toolkit.optim.groups import (allreduce_sharded_squares, check_betas, check_hparam,
-                                     evaluate_closure, is_tensor_parallel, optional_hparam)
+                                     evaluate_closure, is_tensor_parallel, optional_hparam, whole_tensor_squares)
 
 _WAVE = {"cpu": 1 << 18, "cuda": 1 << 22}
 """Elements per wave. CPU: 1 MiB per operand, so a wave's w, g, m, v and scratch (5 MiB) stay in
@@ -45,6 +58,9 @@ _ALIGN = 16
 """Scratch chunks start at multiples of 16 elements (64 bytes): BLAS's dot, which takes the norms
 on CPU, rounds differently at different alignments."""
 _HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")
+LAMB_RULES = ("mp_toolkit", "deepspeed")
+"""``--lamb-rule``: mp_toolkit (biases and norm weights neither decayed nor adapted, corrected moments)
+or deepspeed (DeepSpeed FusedLamb's: every tensor adapted and clamped, the correction in the step size)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +119,8 @@ class LAMB(torch.optim.Optimizer):
 
     Args:
         params: tensors or param groups; a group may set ``adapt`` (default True), ``lr``,
-            ``betas``, ``eps``, ``weight_decay``, ``bias_correction``, ``min_trust``, ``max_trust``.
+            ``betas``, ``eps``, ``weight_decay``, ``bias_correction``, ``min_trust``, ``max_trust``,
+            ``correct_step_size`` (default False; True: FusedLamb's placement of the bias correction).
         min_trust, max_trust: clamp of the trust ratio (DeepSpeed's ``min_coeff`` / ``max_coeff``);
             None means unbounded. The ratio 1 used for a zero norm is not clamped (as DeepSpeed).
         max_grad_norm: NVLAMB global gradient pre-normalisation; None (default) is off.
@@ -118,7 +135,7 @@ class LAMB(torch.optim.Optimizer):
                  foreach: bool | None = None, tp_group=None):
         optional_hparam("LAMB", "max_grad_norm", max_grad_norm, positive=True)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-                        min_trust=min_trust, max_trust=max_trust, adapt=True)
+                        min_trust=min_trust, max_trust=max_trust, adapt=True, correct_step_size=False)
         super().__init__(params, defaults)
         self.max_grad_norm, self.foreach, self.tp_group = max_grad_norm, foreach, tp_group
         self._last: dict[torch.Tensor, float] = {}
@@ -135,6 +152,12 @@ class LAMB(torch.optim.Optimizer):
         optional_hparam("LAMB", "max_trust", g["max_trust"])
         if g["min_trust"] is not None and g["max_trust"] is not None and g["min_trust"] > g["max_trust"]:
             raise ValueError(f"LAMB: min_trust ({g['min_trust']}) must not exceed max_trust ({g['max_trust']})")
+
+    @property
+    def trust_rule(self) -> str:
+        """The rule the trust ratios follow, for the metrics' rows: "deepspeed" (FusedLamb's) when a
+        group corrects the step size, else "mp_toolkit" (`LAMB_RULES`)."""
+        return "deepspeed" if any(g.get("correct_step_size", False) for g in self.param_groups) else "mp_toolkit"
 
     def last_trust_ratios(self) -> dict[torch.Tensor, float]:
         """The trust ratio each tensor's update used in the last step (1.0 where ``adapt=False``),
@@ -154,7 +177,7 @@ class LAMB(torch.optim.Optimizer):
             for ps, sq in self._directions(group, *tensors, scale):
                 order += [(p, group) for p in ps]
                 rows.append(sq.to(rows[0].device) if rows else sq)
-        squares = allreduce_sharded_squares(torch.cat(rows), [is_tensor_parallel(p) for p, _ in order], self.tp_group)
+        squares = whole_tensor_squares(torch.cat(rows), [p for p, _ in order], self.tp_group)
         self._apply(order, squares)
         return loss
 
@@ -181,6 +204,9 @@ class LAMB(torch.optim.Optimizer):
         """NVLAMB: max(1, ||all grads|| / max_grad_norm) (shards summed over tp_group), or None."""
         if self.max_grad_norm is None:
             return None
+        if any(hasattr(p, "zero_piece") for p in params):
+            raise RuntimeError("LAMB's max_grad_norm (NVLAMB pre-normalisation) is per rank and would differ "
+                               "between ZeRO-1 shards: clip by the global norm instead")
         norms = torch._foreach_norm([p.grad for p in params])
         sq = torch.stack([n.double().to(norms[0].device) for n in norms]).square().unsqueeze(1)
         sq = allreduce_sharded_squares(sq, [is_tensor_parallel(p) for p in params], self.tp_group)
@@ -217,8 +243,8 @@ class LAMB(torch.optim.Optimizer):
             torch._foreach_copy_(wave.s, wave.p)               # s = w, in the aligned scratch
             w_sq += _squares(wave.s)
             torch._foreach_mul_(wave.s, wd)                    # s = wd w
-            # b^inf = 0: without bias correction the kernels' corrections become 1.
-            wave_steps = wave.steps if group["bias_correction"] else inf_step * len(g)
+            # b^inf = 0: without bias correction (or with it in the step size) the kernels' corrections become 1.
+            wave_steps = wave.steps if _corrects_moments(group) else inf_step * len(g)
             _adam_direction(group, wave.s, g, wave.m, wave.v, wave_steps, scale)  # s = u
             u_sq += _squares(wave.s)
             torch._foreach_copy_(g, wave.s)                    # keep u for pass 2
@@ -261,8 +287,21 @@ class LAMB(torch.optim.Optimizer):
         ratio = torch.where((w > 0) & (u > 0), torch.minimum(torch.maximum(w / u, lo), hi), 1.0)
         ratio = torch.where(adapt, ratio, 1.0).tolist()
         for (p, g), r in zip(order, ratio):
-            p.add_(p.grad, alpha=-g["lr"] * r)
+            p.add_(p.grad, alpha=-g["lr"] * r * self._step_size_correction(p, g))
         self._last = {p: r for (p, _), r in zip(order, ratio)}
+
+    def _step_size_correction(self, p: torch.Tensor, group: dict) -> float:
+        """FusedLamb's ``sqrt(1 - b2^t) / (1 - b1^t)`` (``correct_step_size``), else 1."""
+        if not (group.get("correct_step_size", False) and group["bias_correction"]):
+            return 1.0
+        b1, b2 = group["betas"]
+        t = float(self.state[p]["step"])
+        return math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+
+
+def _corrects_moments(group: dict) -> bool:
+    """Whether the direction uses the bias-corrected moments (not under ``correct_step_size``)."""
+    return group["bias_correction"] and not group.get("correct_step_size", False)
 
 
 def _squares(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -298,7 +337,7 @@ def _single_direction(group, p, g, m, v, step, scale) -> torch.Tensor:
     """The per-tensor path: update m, v, write u into g; return [||w||^2, ||u||^2] (fp64)."""
     b1, b2 = group["betas"]
     t = float(step)
-    bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if group["bias_correction"] else (1.0, 1.0)
+    bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if _corrects_moments(group) else (1.0, 1.0)
     if scale is not None:
         g.div_(scale.to(g.device))
     m.mul_(b1).add_(g, alpha=1 - b1)

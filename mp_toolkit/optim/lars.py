@@ -18,14 +18,16 @@ factor that multiplies ``lr``.
 
 Tensor parallelism: for a shard (``p.tensor_model_parallel = True``) ``||w||^2`` and ``||g||^2`` are
 summed over ``tp_group`` in one all-reduce per step for all shards together; no traffic ever
-crosses pipeline stages. The gradients are left untouched.
+crosses pipeline stages. Under ZeRO-1 the partial squares of tensors split between data-parallel
+ranks' pieces are summed over the dp group first, in one more all-reduce per step
+(`mp_toolkit.optim.groups.whole_tensor_squares`). The gradients are left untouched.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mp_toolkit.optim.groups import allreduce_sharded_squares, check_hparam, evaluate_closure, is_tensor_parallel
+from mp_toolkit.optim.groups import check_hparam, evaluate_closure, whole_tensor_squares
 
 _FOREACH_DEVICES = ("cpu", "cuda")
 
@@ -58,6 +60,9 @@ class LARS(torch.optim.Optimizer):
         if g["nesterov"] and g["momentum"] == 0:
             raise ValueError("LARS: nesterov=True needs momentum > 0, got momentum=0")
 
+    trust_rule = "lars"
+    """The rule the trust ratios follow, for the metrics' rows (biases and norm weights not adapted)."""
+
     def last_trust_ratios(self) -> dict[torch.Tensor, float]:
         """The factor that multiplied ``lr`` for each tensor in the last step (``scale`` above;
         1.0 where ``adapt=False``), keyed by parameter; tensors without a gradient are absent."""
@@ -73,7 +78,7 @@ class LARS(torch.optim.Optimizer):
         if any(g.is_sparse for g in gs):
             raise RuntimeError("LARS does not support sparse gradients")
         squares = self._squares(ps, gs)
-        squares = allreduce_sharded_squares(squares, [is_tensor_parallel(p) for p in ps], self.tp_group)
+        squares = whole_tensor_squares(squares, ps, self.tp_group)
         scales = _scales(order, squares)
         self._last = {p: s for p, s in zip(ps, scales)}
         use_foreach = self.foreach if self.foreach is not None else all(

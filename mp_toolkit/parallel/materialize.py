@@ -49,13 +49,16 @@ ShardValue = Callable[[str, nn.Parameter, int, int], torch.Tensor]
 gives (the whole value for a replicated parameter), without building the full value."""
 
 
-def materialize(layer_list: LayerList, keep: Iterable[int], initial_value: Callable[[str], torch.Tensor],
+def materialize(layer_list: LayerList, keep: Iterable[int], initial_value: Callable[[str], torch.Tensor] | None,
                 ctx: ParallelContext, device: torch.device | str = "cpu", shard_value: ShardValue | None = None
                 ) -> int:
     """Give every meta parameter of the layers at indices ``keep`` real storage on ``device``,
     holding this rank's share of ``initial_value(name)`` (names as in the unsplit model:
     ``"{layer}.{path}"``), or ``shard_value(name, meta, ctx.tp_rank, ctx.tp)`` when given (then
     ``initial_value`` is not called). Returns the bytes allocated. Other layers are left on meta.
+    ``initial_value=None`` and no ``shard_value``: storage only, its contents undefined -- for a
+    run that resumes, whose every parameter is then read from the checkpoint (nothing is drawn or
+    read twice).
 
     A meta buffer cannot be drawn (no model here registers one) and is refused by name, as is an
     initial value whose shape does not match the parameter's full (unsharded) shape.
@@ -75,8 +78,10 @@ def materialize(layer_list: LayerList, keep: Iterable[int], initial_value: Calla
                 if id(p) not in done:
                     name = f"{prefix}.{pname}"
                     padded = getattr(p, "unpadded_size", None) is not None  # a padded vocabulary shard
-                    value = (shard_value(name, p, ctx.tp_rank, ctx.tp) if shard_value is not None and not padded
-                             else _share(p, initial_value(name), name, ctx))
+                    if shard_value is not None and not padded:
+                        value = shard_value(name, p, ctx.tp_rank, ctx.tp)
+                    else:
+                        value = None if initial_value is None else _share(p, initial_value(name), name, ctx)
                     done[id(p)] = _real(p, value, name, device)
                     allocated += done[id(p)].numel() * done[id(p)].element_size()
                 setattr(module, pname, done[id(p)])
@@ -93,14 +98,16 @@ def _share(meta: nn.Parameter, full: torch.Tensor, name: str, ctx: ParallelConte
     return value
 
 
-def _real(meta: nn.Parameter, value: torch.Tensor, name: str, device) -> nn.Parameter:
-    """``meta``'s real counterpart on ``device``, holding ``value`` (its share) in ``meta``'s dtype."""
-    if tuple(value.shape) != tuple(meta.shape):
+def _real(meta: nn.Parameter, value: torch.Tensor | None, name: str, device) -> nn.Parameter:
+    """``meta``'s real counterpart on ``device``, holding ``value`` (its share) in ``meta``'s dtype
+    (None: uninitialised storage)."""
+    if value is not None and tuple(value.shape) != tuple(meta.shape):
         raise ValueError(f"{name}: a share of shape {tuple(value.shape)} was given, but the parameter is "
                          f"{tuple(meta.shape)}")
     real = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=meta.requires_grad)
-    with torch.no_grad():
-        real.copy_(value)  # the full value (and a strided shard's view of it) is dropped on return
+    if value is not None:
+        with torch.no_grad():
+            real.copy_(value)  # the full value (and a strided shard's view of it) is dropped on return
     for attr in TP_ATTRIBUTES:  # the sharding layout optimizers, clipping and checkpoints read
         if hasattr(meta, attr):
             setattr(real, attr, getattr(meta, attr))

@@ -81,12 +81,13 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
             before = rss_bytes()
             timings = measure_layers(layers, inputs, loss_fn, labels, microbatches=rounds,  # default allocator
                                      split=req.schedule == "zbh1",
-                                     order="gpipe" if req.schedule == "gpipe" else "1f1b")
+                                     order="gpipe" if req.schedule == "gpipe" else "1f1b", bar="timing layers")
             release_free_memory()
             residue = max(0, rss_bytes() - before)  # what computing leaves resident: kernel scratch, caches
             step_s, _ = measure_optimizer_step(build, named)
         # then bytes, with large blocks mapped one by one so that RSS follows the live tensors
-        sized = measure_layers(layers, inputs, loss_fn, labels, warmup=1, repeats=1, memory=True)
+        sized = measure_layers(layers, inputs, loss_fn, labels, warmup=1, repeats=1, memory=True,
+                               bar="measuring layer memory")
         timings = [replace(t, workspace_bytes=m.workspace_bytes) for t, m in zip(timings, sized)]
         _, transient = measure_optimizer_step(build, named, repeats=1)
     finally:

@@ -33,6 +33,7 @@ import torch
 from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import LayerList, run_layers
 from mp_toolkit.partition.memstats import map_large_blocks, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes
+from mp_toolkit.progress import progress
 
 TIMED_MICROBATCHES = 4
 """Micro-batches per timing round that callers use (gradients accumulate as in a step); more add little."""
@@ -207,7 +208,8 @@ def _kept_and_peak(run: _Layer, params: set[int], memory: bool) -> tuple[int, in
 
 def measure_layers(layer_list: LayerList, inputs, loss_fn: Callable | None = None, labels=None,
                    warmup: int = 1, repeats: int = 3, memory: bool = False,
-                   microbatches: int = 4, split: bool = False, order: str = "1f1b") -> list[LayerTiming]:
+                   microbatches: int = 4, split: bool = False, order: str = "1f1b",
+                   bar: str | None = None) -> list[LayerTiming]:
     """Time every layer of ``layer_list`` (already in its compute dtype) on ``inputs``, one
     micro-batch; ``microbatches`` per round (see the module docstring).
 
@@ -217,6 +219,7 @@ def measure_layers(layer_list: LayerList, inputs, loss_fn: Callable | None = Non
     slows CPU kernels by 20-30%, so take the times from a run without it.
     ``split=True`` runs every backward as ZB-H1's I then W and times both (`LayerTiming.input_s`).
     ``order`` is a round's order of micro-batches (`ORDERS`: ``"1f1b"`` or ``"gpipe"``).
+    ``bar``: a progress bar's label, drawn on a terminal over the layers (`mp_toolkit.progress`).
     """
     if order not in ORDERS:
         raise ValueError(f"order={order!r}: choose one of {', '.join(ORDERS)}")
@@ -227,7 +230,8 @@ def measure_layers(layer_list: LayerList, inputs, loss_fn: Callable | None = Non
     x = inputs
     out: list[LayerTiming] = []
     last = len(layer_list) - 1
-    for i, (name, layer) in enumerate(zip(layer_list.names, layer_list.layers)):
+    named = zip(layer_list.names, layer_list.layers)
+    for i, (name, layer) in enumerate(progress(named, bar, len(layer_list), bar is not None, "layer")):
         params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
         run = _Layer(layer, x, loss_fn if i == last else None, labels)
         fwd = bwd = b_in = b_w = 0.0

@@ -26,7 +26,7 @@ from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.schedule import get_schedule, simulate
 
 from .build import measure_model
-from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape
+from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape, step_bytes_per_param
 from .memory import MemoryCapError, StageMemory, min_max_memory
 from .recompute import apply_to_plan, choose_recompute
 from .solvers import PartitionError, min_max, uniform
@@ -74,6 +74,9 @@ class PlanRequest:
     """Point-to-point and collective bandwidth, GB/s."""
     mem_gbps: float = 8.0
     """Memory bandwidth for the FLOP-free optimizer step estimate, GB/s."""
+    hf: bool = False
+    """The model is a HuggingFace config trained from transformers' own modules (``mpt train --hf``):
+    count what they keep (`ModelShape.hf_modules`); formula times only."""
     recompute: str = "none"
     """Activation recomputation: none, full, selective (`mp_toolkit.recompute`), or auto: per stage,
     chosen jointly with the cut (``method`` memory), the fastest that fits ``memory_gb``."""
@@ -82,6 +85,9 @@ class PlanRequest:
     count per stage); None: every block layer."""
     recompute_modes: tuple[str, ...] = ("full", "selective")
     """The modes ``recompute`` auto may choose (selective only where the family has it)."""
+    zero: int = 0
+    """ZeRO stage 0 or 1: masters and optimizer state partitioned over the dp replicas
+    (`bytes_per_param`'s ``zero_dp``); each replica's optimizer step touches 1/dp of them."""
 
 
 @dataclass(frozen=True)
@@ -153,10 +159,6 @@ def _allreduce_s(nbytes: float, ranks: int, req: PlanRequest) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / (req.p2p_gbps * GB) + 2 * (ranks - 1) * req.p2p_latency_us * 1e-6
 
 
-STEP_TRANSIENT_BYTES = 8
-"""Optimizer-step temporaries per parameter without a measurement (two fp32 foreach buffers)."""
-
-
 @dataclass
 class LayerTimes:
     """What `layer_times` finds for every layer."""
@@ -198,7 +200,7 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> 
         times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
         bpp_touched = bytes_per_param(req.dtype, req.optimizer) + 8  # read + write of weights/states
         opt_s = [c.params * bpp_touched / (req.mem_gbps * GB) for c in costs]
-        step_bytes = [c.params * STEP_TRANSIENT_BYTES for c in costs]
+        step_bytes = [c.params * step_bytes_per_param(req.dtype, req.optimizer) for c in costs]
         residue = 0
         source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None else "")
     if req.tp > 1:  # two all-reduces of the block's activations forward, two backward (Megatron)
@@ -264,14 +266,18 @@ def _split_backward_ms(stage: StagePlan, bounds: list[int],
 
 def make_plan(req: PlanRequest) -> Plan:
     """Plan ``req``; raises PartitionError / CostModelError / ValueError with one-line messages."""
-    shape = model_shape(req.model)
+    shape = model_shape(req.model, hf_modules=req.hf)
     check_request(req, shape)
+    if req.hf and (req.method == "time" or req.measure):
+        raise PartitionError("--hf plans from the cost model: measuring layers (--method time, --measure) builds "
+                             "model_zoo's modules; drop --hf or the measurement")
     costs = layer_costs(shape, req.micro_batch, req.seq_len, req.dtype, req.tp)
     lt = layer_times(req, shape, costs)
     times, opt_s, step_bytes, residue, costs, source = lt.times, lt.opt_s, lt.step_bytes, lt.residue, lt.costs, lt.source
     schedule, inflight = _inflight(req)
     num_stages = schedule.num_stages
-    bpp = bytes_per_param(req.dtype, req.optimizer)
+    zero_dp = req.dp if req.zero else 1
+    bpp = bytes_per_param(req.dtype, req.optimizer, zero_dp=zero_dp)
     msg_in = max(c.output_bytes for c in costs[:-1]) if len(costs) > 1 else 0
     memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], fixed=2 * msg_in + residue,
@@ -307,7 +313,8 @@ def make_plan(req: PlanRequest) -> Plan:
     for st in stages:  # every rank steps its own stages; the slowest rank closes the step
         r = schedule.stage_to_rank[st.index]
         grad_bytes = st.params * 4
-        per_rank_opt[r] += st.optimizer_ms + 1e3 * _allreduce_s(grad_bytes, req.dp, req)
+        # ZeRO-1: a reduce-scatter and an all-gather move an all-reduce's bytes; the step covers 1/dp
+        per_rank_opt[r] += st.optimizer_ms / zero_dp + 1e3 * _allreduce_s(grad_bytes, req.dp, req)
     ends = {schedule.stage_to_rank[0], schedule.stage_to_rank[len(stages) - 1]}
     if shape.tied and len(ends) == 2:  # the tied embedding / LM head gradient, summed over its two ranks
         tie_ms = 1e3 * _allreduce_s(shape.vocab_size * shape.hidden // req.tp * ACT_BYTES[req.dtype], 2, req)
@@ -368,6 +375,8 @@ def check_request(req: PlanRequest, shape: ModelShape) -> None:
         raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of gpipe, 1f1b, interleaved, zbh1")
     if not (req.method in PLAN_METHODS[:4] or req.method == "memory" or req.method.startswith("type:")):
         raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
+    if req.zero not in (0, 1):
+        raise PartitionError(f"--zero {req.zero}: ZeRO stage 0 (off) or 1 (optimizer state partitioned over dp)")
     if req.dtype not in ACT_BYTES:
         raise PartitionError(f"unknown --dtype {req.dtype!r}: choose one of {', '.join(ACT_BYTES)}")
     if req.memory_gb is not None and not (math.isfinite(req.memory_gb) and req.memory_gb > 0):

@@ -16,6 +16,7 @@ from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute
 from mp_toolkit.run.families import ModelSpec, resolve_hf, resolve_model
+from mp_toolkit.run.loggers import check_loggers
 from mp_toolkit.schedule import get_schedule
 
 
@@ -31,7 +32,7 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
 
 
 def _validate_numbers(cfg: TrainConfig) -> None:
-    for name in ("pp", "tp", "dp", "microbatches", "micro_batch", "seq_len", "steps"):
+    for name in ("pp", "tp", "dp", "chunks", "microbatches", "micro_batch", "seq_len", "steps"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be at least 1")
     for name in ("lr", "min_lr", "weight_decay", "loss_scale", "min_loss_scale"):
@@ -40,12 +41,18 @@ def _validate_numbers(cfg: TrainConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be a {'positive' if name == 'lr' else 'non-negative'} finite number")
     if not (cfg.dp_bucket_mb > 0 and math.isfinite(cfg.dp_bucket_mb)):
         raise ConfigError(f"--dp-bucket-mb {cfg.dp_bucket_mb} must be a positive finite number")
+    if cfg.zero not in (0, 1):
+        raise ConfigError(f"--zero {cfg.zero}: mp_toolkit implements ZeRO stage 0 (off) and 1 (optimizer state "
+                          "partitioned over data-parallel replicas); use --zero 1")
     if cfg.clip_grad is not None and not (cfg.clip_grad > 0 and math.isfinite(cfg.clip_grad)):
         raise ConfigError(f"--clip-grad {cfg.clip_grad} must be a positive finite number (or none)")
     for name in ("warmup_steps", "loss_scale_window", "hysteresis", "initial_scale_power", "save_every", "restarts",
                  "max_skips"):
         if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
+    if cfg.eval_every < 0 or cfg.eval_batches < 1:
+        raise ConfigError(f"--eval-every {cfg.eval_every} / --eval-batches {cfg.eval_batches}: give N >= 0 steps "
+                          "(0: no validation) and K >= 1 global batches")
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}: the decay must end at or below the peak")
     try:
@@ -78,6 +85,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_numbers(cfg)
     _validate_paths(cfg)
     check_engine(cfg)  # --engine deepspeed's limits (imports no DeepSpeed)
+    check_loggers(cfg)  # tensorboard / wandb installed when asked for
     spec = model_spec(cfg)
     try:
         check_tensor_parallel(cfg.tp, **spec.tp_sizes())

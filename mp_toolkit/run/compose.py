@@ -22,7 +22,7 @@ from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute, desc
 from mp_toolkit.schedule import get_schedule
 
 
-def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> PipelineEngine:
+def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module, values: bool = True) -> PipelineEngine:
     """Compose the parallelisms over a plain single-device GPT, BERT or HF model, for this rank.
     The order matters:
 
@@ -42,11 +42,14 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
     4. Pipeline: the engine keeps this rank's stages of the sharded list; the others stay on meta
        (a model built for real: they are freed with ``model`` once the caller drops it).
     5. Data parallelism last: the engine averages each stage's gradients over ``ctx.dp_group``
-       once its backward is done; nothing is wrapped, the modules stay plain.
+       once its backward is done (``--zero 1``: reduce-scatters them, each replica steps its
+       piece of the masters and optimizer state, and all-gathers the parameters); nothing is
+       wrapped, the modules stay plain.
     Recomputation is data on the layers (their ``recompute`` attribute, set after the split, on
     whatever modules the list then holds; `mp_toolkit.recompute`).
 
     ``model`` must be built identically on every rank (same seed): each keeps its own slice.
+    ``values=False`` (a run that resumes): step 3 gives storage only, the checkpoint fills it.
     """
     layers = LayerList.from_model(model)
     boundaries, recompute = cut_and_recompute(cfg, layers, config_of(model), ctx)  # 1
@@ -57,7 +60,7 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
     if cfg.recompute != "none" and ctx.rank == 0:
         print(f"--recompute {cfg.recompute}: {describe(layers, boundaries, recompute)}", flush=True)
     stages = get_schedule(cfg.schedule, ctx.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(ctx.pp_rank)
-    own_layers(model, layers, rank_layers(boundaries, stages), ctx)  # 3
+    own_layers(model, layers, rank_layers(boundaries, stages), ctx, values)  # 3
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
     options = OptimizerOptions.of(cfg)
     return PipelineEngine(  # 4 and 5
@@ -66,10 +69,12 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module)
                                                 options=options),
         loss_fn=loss_function(model, ctx), clip_grad=cfg.clip_grad, precision=cfg.precision,
         loss_scaler=loss_scaler(cfg), chunks=cfg.chunks, dp_bucket_bytes=max(1, int(cfg.dp_bucket_mb * 2**20)),
+        zero=cfg.zero,
     )
 
 
-def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> DeepSpeedPipeline:
+def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
+                     values: bool = True) -> DeepSpeedPipeline:
     """``--engine deepspeed``: DeepSpeed's PipelineEngine handed the cut `build_engine` plans for ours (a
     "time" cut is measured on rank 0 and broadcast over ``ctx``), the same loss and optimizer
     (`mp_toolkit.ds.engine`; DeepSpeed is imported only then). No tensor parallelism (`check_engine`)."""
@@ -79,22 +84,31 @@ def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Mod
     held = {layers.names[i] for i in keep}
     tied = [layers.names.index(name) for group in layers.tie_groups if any(m in held for m, _ in group)
             for name, _ in group]
-    own_layers(model, layers, sorted({*keep, *tied}), ctx)
+    own_layers(model, layers, sorted({*keep, *tied}), ctx, values)
     return DeepSpeedPipeline(cfg, ctx, layers, boundaries, loss_function(model, ctx))
 
 
-def make_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module) -> TrainEngine:
-    """The engine ``cfg.engine`` names, over ``model`` (built alike on every rank)."""
-    return build_engine(cfg, ctx, model) if cfg.engine == "mp_toolkit" else deepspeed_engine(cfg, ctx, model)
+def make_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module, values: bool = True) -> TrainEngine:
+    """The engine ``cfg.engine`` names, over ``model`` (built alike on every rank); ``values=False``
+    when a checkpoint will fill every parameter (`own_layers`)."""
+    make = build_engine if cfg.engine == "mp_toolkit" else deepspeed_engine
+    return make(cfg, ctx, model, values)
 
 
-def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: ParallelContext) -> None:
+def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: ParallelContext,
+               values: bool = True) -> None:
     """When ``model`` was built on meta (`mp_toolkit.parallel.materialize`): give the layers at ``keep``
     real storage on ``ctx.device``, each parameter its share of ``model.initial_value``, or of
     ``model.shard_value`` where the model reads its shares directly (an HF directory's safetensors,
-    `mp_toolkit.run.hf_source.HFModel`). The other layers stay on meta and are never allocated."""
+    `mp_toolkit.run.hf_source.HFModel`). The other layers stay on meta and are never allocated.
+    ``values=False``: storage only, for a run that resumes -- its checkpoint fills every parameter,
+    so nothing is drawn or read from the HF files first."""
     if any(p.is_meta for p in layers.parameters()):
-        materialize(layers, keep, model.initial_value, ctx, ctx.device, shard_value=getattr(model, "shard_value", None))
+        if not values:
+            materialize(layers, keep, None, ctx, ctx.device)
+        else:
+            materialize(layers, keep, model.initial_value, ctx, ctx.device,
+                        shard_value=getattr(model, "shard_value", None))
 
 
 def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:

@@ -42,6 +42,9 @@ class TrainConfig:
     """Data-parallel replicas: each trains on its own micro-batches, gradients are averaged."""
     dp_bucket_mb: float = 25.0
     """Data-parallel gradient buckets: MiB of fp32 gradients per all-reduce (DDP's bucket_cap_mb)."""
+    zero: int = 0
+    """ZeRO stage: 0 (off) or 1 (fp32 masters and optimizer state partitioned over each stage's
+    data-parallel replicas; DeepSpeed's zero_optimization.stage 1; `mp_toolkit.engine.zero`)."""
     engine: str = "mp_toolkit"
     """Which pipeline engine trains: mp_toolkit (ours: every schedule, tp, checkpoints) or deepspeed
     (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.ds.engine`)."""
@@ -83,6 +86,10 @@ class TrainConfig:
     """Momentum of SGD and LARS (None: 0.9) and RMSprop (None: 0)."""
     trust_coefficient: float | None = None
     """LARS: the trust coefficient eta of the layer-wise rate; None: 0.001."""
+    lamb_rule: str = "mp_toolkit"
+    """LAMB's per-tensor rule: mp_toolkit (biases and norm weights neither decayed nor adapted, corrected
+    moments) or deepspeed (DeepSpeed's FusedLamb, what a DeepSpeed config's "type": "Lamb" means: every
+    tensor's trust ratio clamped, 1-D ones included, the bias correction in the step size)."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
     lr_decay: str = "none"
@@ -145,6 +152,23 @@ class TrainConfig:
     (fp32 / bf16; fp16 once the loss scale is at min_loss_scale or static). No checkpoint is written
     at such a step, so the last good one stays the latest."""
 
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many steps and after the last (0: no validation,
+    and nothing is held out)."""
+    eval_batches: int = 2
+    """Global batches of the held-out split per evaluation; the split holds exactly these
+    (eval_batches x dp x microbatches x micro_batch sequences, the same ones on every layout)."""
+    tensorboard: Path | None = None
+    """Directory for TensorBoard event files of the per-step scalars (rank 0; `mp_toolkit.run.loggers`)."""
+    csv: Path | None = None
+    """CSV file of the per-step scalars, one row per step (rank 0)."""
+    wandb: str | None = None
+    """Weights & Biases project logged to offline (from a DeepSpeed config's ``wandb`` section); None: off."""
+
+    @property
+    def held_out_sequences(self) -> int:
+        """Sequences of the validation split (0 without --eval-every)."""
+        return self.eval_batches * self.dp * self.microbatches * self.micro_batch if self.eval_every else 0
     recompute: str = "none"
     """Activation recomputation (`mp_toolkit.recompute`): none; full (a block keeps only its input and
     runs its forward again in its backward); selective (only the attention core is run again;

@@ -192,8 +192,8 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
     """(this replica's micro-batches, the spec to build the model from). Every rank of a
     data-parallel replica (its tp and pp ranks) reads the same shard. BERT's padding id is the
     corpus's [PAD], so the spec returned carries it."""
-    if not cfg.progress:
-        datasets.disable_progress_bars()  # the corpus's map() would draw one per rank
+    if not cfg.progress or rank != 0:
+        datasets.disable_progress_bars()  # the corpus's map() would draw one per rank (and `mp_toolkit.progress`'s)
     try:
         data, config = spec.family_record.micro_batches(spec.config, cfg, ctx, rank)
     except DataError as e:
@@ -203,14 +203,16 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
 
 def _gpt_micro_batches(config: gpt.GPTConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
     ds = rank0_first(lambda: build_lm_dataset(cfg.data, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir), rank)
-    return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), config
+    return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
+                        holdout=cfg.held_out_sequences), config
 
 
 def _bert_micro_batches(config: bert.BertConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
     source = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
     corpus = rank0_first(lambda: build_mlm_corpus(source, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
                          rank)
-    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
+    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
+                           holdout=cfg.held_out_sequences)
     return data, dataclasses.replace(config, pad_token_id=corpus.special.pad)
 
 

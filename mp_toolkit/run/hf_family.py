@@ -131,9 +131,12 @@ def hf_micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, r
         ds = rank0_first(lambda: build_lm_dataset(cfg.data, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir,
                                                   tokenizer_file=tok, eos=_eos(source.config) if tok else None),
                          rank)
-        return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed), source
+        return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
+                            holdout=cfg.held_out_sequences), source
     corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank)
-    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed)
+    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
+                           hf_order=True,  # HF BERT's first layer: (input_ids, attention_mask, token_type_ids)
+                           holdout=cfg.held_out_sequences)
     return data, dataclasses.replace(source, config={**source.config, "pad_token_id": corpus.special.pad})
 
 

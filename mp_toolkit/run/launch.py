@@ -17,7 +17,7 @@ When a rank dies (RELIABILITY.md)::
                     --resume auto); `init_distributed` keeps each restart's rendezvous keys apart
 
     torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \\
-             --save-dir runs/x --save-every 50 --resume auto
+             --seq-len 64 --data synthetic --save-dir runs/x --save-every 50 --resume auto
 """
 
 from __future__ import annotations

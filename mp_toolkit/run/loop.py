@@ -7,9 +7,9 @@ Entry point (each rank)::
     deepspeed --num_gpus 8 recipes/bert_pretrain/train.py --deepspeed_config recipes/bert_pretrain/ds_config.json
     mpt train --model bert-tiny --seq-len 64 --pp 2 --save-dir runs/bert --save-every 50   # starts the ranks itself
     mpt train --model bert-tiny --seq-len 64 --pp 1 --tp 2 --save-dir runs/bert --resume latest  # another layout
-    mpt train --model gpt-tiny --pp 2 --save-dir runs/x --save-every 20 --restarts 3   # survives dead ranks
+    mpt train --model gpt-tiny --seq-len 64 --data synthetic --pp 2 --save-dir runs/x --save-every 20 --restarts 3
     torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \
-             --save-dir runs/x --save-every 20 --resume auto
+             --seq-len 64 --data synthetic --save-dir runs/x --save-every 20 --resume auto
 
 A step whose loss or gradients are not finite on any rank is skipped by every rank, in every
 precision, and logged; --max-skips such steps in a row stop the run (exit 3) and no checkpoint is
@@ -43,6 +43,7 @@ from mp_toolkit.run.launch import (
 from mp_toolkit.run.metrics import MetricsLog, gather_ints
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
 from mp_toolkit.run.state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
+from mp_toolkit.run.validation import evaluates_at, mlm_metrics, validation_row
 
 __all__ = ["Diverged", "lr_at", "run_training"]
 
@@ -77,9 +78,8 @@ def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _resume(cfg: TrainConfig, engine, ctx, names, data, spec, log_rank0: bool) -> Progress:
-    """Progress after restoring ``--resume``'s checkpoint (a fresh Progress without one)."""
-    path = find_checkpoint(cfg) if cfg.resume else None
+def _resume(cfg: TrainConfig, path, engine, ctx, names, data, spec, log_rank0: bool) -> Progress:
+    """Progress after restoring ``path``, ``--resume``'s checkpoint (a fresh Progress when None)."""
     if path is None:
         if cfg.resume and log_rank0:
             print(f"--resume {cfg.resume}: {cfg.save_dir} holds no committed checkpoint yet, starting from step 0")
@@ -119,7 +119,9 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         padded = padded_vocab_size(spec.vocab_size, cfg.tp)  # the vocab shards' rows (vocab_parallel)
         pad = f" (vocab {spec.vocab_size} padded to {padded})" if padded != spec.vocab_size else ""
         print(f"model {cfg.hf or cfg.model} ({spec.label}), precision {cfg.precision}, optimizer {cfg.optimizer}, "
-              f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}{pad}, dp {cfg.dp}", flush=True)
+              f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}{pad}, dp {cfg.dp}"
+              f"{f', ZeRO-1 (masters and optimizer state 1/{cfg.dp} per replica)' if cfg.zero and cfg.dp > 1 else ''}",
+              flush=True)
     ctx = build_context(cfg.pp, cfg.tp, cfg.dp, device=device)
     data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
     # Peak memory is reported as RSS above this baseline. It follows live tensors closely only when
@@ -133,17 +135,22 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     with torch.device("meta") if spec.builds_on_meta else contextlib.nullcontext():
         model = spec.build()
     names = ModelNames.of(model)
-    engine = make_engine(cfg, ctx, model)
+    resume_from = find_checkpoint(cfg) if cfg.resume else None
+    engine = make_engine(cfg, ctx, model, values=resume_from is None)  # resuming: the checkpoint fills them
     del model
-    progress = _resume(cfg, engine, ctx, names, data, spec, rank0)
+    progress = _resume(cfg, resume_from, engine, ctx, names, data, spec, rank0)
     if progress.step >= cfg.steps:
         if rank0:
             print(f"the checkpoint is at step {progress.step}, --steps is {cfg.steps}: nothing to train")
         return []
     release_free_memory()
     peak_since_start = peak_rss_bytes()  # imports, build and load: the counter restarts below
+    peak_loaded = peak_since_start
     reset_peak()
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
+    # BERT pre-training: MLM and NSP losses and MLM accuracy beside the validation loss (our engine)
+    metrics = (mlm_metrics(engine.loss_fn, ctx.tp_group) if spec.family_record.mlm and hasattr(engine, "eval_metrics")
+               else None)
     scaler, streak, saves = engine.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
     first = progress.step + 1
     for step in range(first, cfg.steps + 1):
@@ -153,9 +160,13 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         if step == cfg.steps:
             row["peak_memory_bytes"] = gather_ints(peak_rss_bytes() - base_rss, ctx.device)
             row["peak_rss_bytes"] = gather_ints(max(peak_since_start, peak_rss_bytes()), ctx.device)
+            row["peak_load_rss_bytes"] = gather_ints(peak_loaded, ctx.device)  # before the first step
         if step == first:  # steady state: later steps' peak (the first adds one-time shape agreement)
             peak_since_start = max(peak_since_start, peak_rss_bytes())
             reset_peak()
+        if evaluates_at(cfg, step):
+            status.set(f"while evaluating after step {step}")
+            row.update(validation_row(engine, data, cfg.eval_batches, metrics))
         log.step(row)
         counted = streak.update(step, stats, scaler)
         if stats.skipped:

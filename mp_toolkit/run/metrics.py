@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.run.loggers import ScalarLogs
 
 
 class MetricsLog:
@@ -23,6 +24,7 @@ class MetricsLog:
 
     def __init__(self, cfg: TrainConfig, enabled: bool, start_step: int = 0):
         self.cfg, self.enabled, self.rows, self.earlier = cfg, enabled, [], []
+        self.last_val: dict | None = None  # the latest row with a validation loss
         self.file = None
         if enabled and cfg.metrics:
             if start_step > 0 and Path(cfg.metrics).is_file():
@@ -31,6 +33,7 @@ class MetricsLog:
                 self.earlier = [row for _, row in kept]
                 Path(cfg.metrics).write_text("".join(line + "\n" for line, _ in kept))
             self.file = open(cfg.metrics, "a" if start_step > 0 else "w")
+        self.scalars = ScalarLogs(cfg, start_step) if enabled else None  # TensorBoard, CSV, wandb
         self.bar = None
         if enabled and cfg.progress:
             from tqdm import tqdm
@@ -52,9 +55,15 @@ class MetricsLog:
         if self.file:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
+        self.scalars.write(row)
+        if "val_loss" in row:
+            self.last_val = row
         if self.bar:
-            self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            val = {"val_loss": f"{self.last_val['val_loss']:.4f}"} if self.last_val else {}
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", **val, tok_s=f"{row['tokens_per_s']:.0f}")
             self.bar.update(1)
+        elif "val_loss" in row:  # no bar (--no-progress): a line per evaluation
+            print(f"step {row['step']}: loss {row['loss']:.4f}, {validation_text(row)}", flush=True)
 
     def close(self) -> None:
         if not self.enabled:
@@ -63,6 +72,7 @@ class MetricsLog:
             self.bar.close()
         if self.file:
             self.file.close()
+        self.scalars.close()
         if not self.rows:
             return
         if self.cfg.plot:
@@ -76,13 +86,28 @@ class MetricsLog:
         if "peak_rss_bytes" in last:  # per rank, from process start: imports, build, load and steps
             print("  peak resident memory per rank: " + ", ".join(
                 f"{b / 2**20:.0f} MiB" for b in last["peak_rss_bytes"]) + " (steady-state steps above the "
-                "post-import baseline: " + ", ".join(f"{b / 2**20:.0f}" for b in last["peak_memory_bytes"]) + " MiB)")
+                "post-import baseline: " + ", ".join(f"{b / 2**20:.0f}" for b in last["peak_memory_bytes"]) + " MiB; "
+                "built and loaded, before the first step: "
+                + ", ".join(f"{b / 2**20:.0f}" for b in last.get("peak_load_rss_bytes", [])) + " MiB)")
+        if self.last_val is not None:
+            print(f"  {validation_text(self.last_val)} after step {self.last_val['step']}")
         for t in last.get("trust_ratio", []):
-            print(f"  stage {t['stage']} trust ratio min {t['min']:.4g} median {t['median']:.4g} max {t['max']:.4g}")
+            print(f"  stage {t['stage']} trust ratio ({t['rule']} rule, {t['tensors']} tensors) min {t['min']:.4g} "
+                  f"median {t['median']:.4g} max {t['max']:.4g}")
         if self.cfg.metrics:
             print(f"metrics: {self.cfg.metrics}")
         if self.cfg.plot:
             print(f"loss plot: {self.cfg.plot}")
+        for what, where in (("tensorboard", self.cfg.tensorboard), ("csv", self.cfg.csv)):
+            if where is not None:
+                print(f"{what}: {where}")
+
+
+def validation_text(row: dict) -> str:
+    """"validation loss 2.1234 (perplexity 8.37)", and BERT's MLM / NSP losses and MLM accuracy."""
+    parts = [f"{label} {row[key]:.4f}" for key, label in (("val_mlm_loss", "MLM loss"), ("val_nsp_loss", "NSP loss"),
+                                                         ("val_mlm_accuracy", "MLM accuracy")) if key in row]
+    return f"validation loss {row['val_loss']:.4f} (perplexity {row['val_ppl']:.2f})" + "".join(f", {p}" for p in parts)
 
 
 def _row(line: str) -> dict | None:
@@ -111,10 +136,18 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="training loss")
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
+    lr_ax = ax.twinx()  # the learning rate on its own scale, right
+    lr_ax.plot([r["step"] for r in rows], [r["lr"] for r in rows], color="tab:gray", linestyle=":", label="learning rate")
+    lr_ax.set_ylabel("learning rate")
+    handles = ax.get_legend_handles_labels()[0] + lr_ax.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

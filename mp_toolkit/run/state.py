@@ -139,11 +139,36 @@ def layout_of(engine: TrainEngine, ctx: ParallelContext, cfg: TrainConfig) -> di
             "boundaries": list(engine.boundaries), "world_size": ctx.world_size}
 
 
-def _gather_state(master: torch.Tensor, value: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+def _gather_state(param: torch.Tensor, value: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """A state tensor laid out like its sharded parameter (exp_avg, ...) is gathered; others (a 0-d step) not."""
-    if is_tensor_parallel(master) and value.shape == master.shape:
-        return gather_full(master, ctx.tp_group, tensor=value)
+    if is_tensor_parallel(param) and value.shape == param.shape:
+        return gather_full(param, ctx.tp_group, tensor=value)
     return value
+
+
+def _unpartitioned(engine: TrainEngine, params: dict, own: list[str], states: dict, scalars: dict
+                   ) -> tuple[dict, dict, dict]:
+    """ZeRO-1: the fp32 masters and optimizer state of the parameters ``own`` as whole tensors of this
+    rank's (tp-shard) shapes, gathered from the data-parallel replicas' pieces (`ShardedMasters.gather`).
+
+    Every replica calls it for the same names in the same order. Piece-shaped state tensors are
+    gathered; 0-d ones (a step count) and scalars are alike on every piece of every tensor (each
+    piece steps on every applied step), so any piece this rank holds stands in for a tensor it holds
+    none of."""
+    zero = engine.masters
+    template_t = next(iter(states.values()), {})
+    template_s = next(iter(scalars.values()), {})
+    masters, out_states, out_scalars = {}, {}, {}
+    for n in own:
+        p = params[n]
+        masters[n] = zero.gather(p, engine.master_of(p))
+        mine = states.get(n, {})
+        if template_t:
+            out_states[n] = {k: zero.gather(p, mine.get(k)) if v.dim() > 0 else mine.get(k, v)
+                             for k, v in sorted(template_t.items())}
+        if template_s:
+            out_scalars[n] = scalars.get(n, template_s)
+    return masters, out_states, out_scalars
 
 
 def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: ModelNames) -> Exception | None:
@@ -159,21 +184,29 @@ def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: Mo
             except (CheckpointError, OSError) as e:
                 error = _one_line(e, tmp)
 
-    if ctx.dp_rank == 0:  # every replica holds the same weights: replica 0 saves them
-        masters = {n: engine.master_of(p) for n, p in engine.named_parameters()}
-        states, scalars = optimizer_state_by_name(engine.optimizer, list(masters.items()))
+    zero = getattr(engine, "zero", 0)
+    if ctx.dp_rank == 0 or zero:  # every replica holds the same weights: replica 0 saves them
+        params = dict(engine.named_parameters())
+        masters = {n: engine.master_of(p) for n, p in params.items()}
+        states, scalars = optimizer_state_by_name(engine.optimizer, [(n, m) for n, m in masters.items() if m.numel()])
         by_layer: dict[str, list[str]] = {}
         for n in masters:
             if names.canonical(n) == n:  # a tie's later members are saved by its first
                 by_layer.setdefault(names.layer_of(n), []).append(n)
         for layer in engine.layer_names():
             own = by_layer.get(layer, [])
-            full = {n: gather_full(masters[n], ctx.tp_group) for n in own}  # collective over tp
-            optim = {n: {k: _gather_state(masters[n], v, ctx) for k, v in sorted(states[n].items())}
-                     for n in own if n in states}
+            if zero:  # ZeRO-1: whole tensors from the replicas' pieces, one layer at a time (collective over dp)
+                layer_masters, layer_states, layer_scalars = _unpartitioned(engine, params, own, states, scalars)
+                if ctx.dp_rank != 0:
+                    continue
+            else:
+                layer_masters, layer_states, layer_scalars = masters, states, scalars
+            full = {n: gather_full(params[n], ctx.tp_group, tensor=layer_masters[n]) for n in own}  # collective over tp
+            optim = {n: {k: _gather_state(params[n], v, ctx) for k, v in sorted(layer_states[n].items())}
+                     for n in own if n in layer_states}
             if ctx.tp_rank == 0:
                 attempt(write_layer_shard, tmp, layer, full)
-                attempt(write_optimizer_shard, tmp, layer, optim, {n: scalars[n] for n in own if n in scalars})
+                attempt(write_optimizer_shard, tmp, layer, optim, {n: layer_scalars[n] for n in own if n in layer_scalars})
     attempt(write_rng_shard, tmp, ctx.rank, capture_rng())
     return error
 
@@ -271,35 +304,37 @@ def _check_model(meta: dict, spec, path) -> None:
 
 
 def _load_weights(ck, engine: TrainEngine, ctx: ParallelContext, names: ModelNames) -> None:
-    """Model and optimizer state of this rank's parameters from the layers that hold them."""
-    layers: dict[str, tuple] = {}
-
-    def read(layer):
-        if layer not in layers:
-            layers[layer] = (ck.read_layer(layer), *ck.read_optimizer(layer))
-        return layers[layer]
-
+    """Model and optimizer state of this rank's parameters from the layers that hold them, one
+    layer's files at a time (a layer's full tensors are dropped once its parameters hold their shares)."""
     local = engine.named_parameters()
+    by_layer: dict[str, list] = {}
+    for n, p in local:
+        by_layer.setdefault(names.layer_of(names.canonical(n)), []).append((n, p))
+    zero = engine.masters if getattr(engine, "zero", 0) else None
     states, scalars = {}, {}
     with torch.no_grad():
-        for n, p in local:
-            c = names.canonical(n)
-            tensors, opt_t, opt_s = read(names.layer_of(c))
-            if c not in tensors:
-                raise CheckpointError(f"{ck.path}: layer {names.layer_of(c)} has no {c} (saved from another model?)")
-            master = engine.master_of(p)
-            if tensors[c].shape != full_shape(p, ctx.tp):
-                raise CheckpointError(f"{ck.path}: {c} has shape {tuple(tensors[c].shape)}, this model's is "
-                                      f"{full_shape(p, ctx.tp)} (saved from another model?)")
-            master.copy_(shard_full(tensors[c], p, ctx.tp_rank, ctx.tp))
-            if c in opt_t:
-                saved_shape = tensors[c].shape
-                states[n] = {k: shard_full(v, p, ctx.tp_rank, ctx.tp) if v.shape == saved_shape else v
-                             for k, v in opt_t[c].items()}
-            if c in opt_s:
-                scalars[n] = opt_s[c]
+        for layer, params in by_layer.items():
+            tensors, opt_t, opt_s = ck.read_layer(layer), *ck.read_optimizer(layer)
+            for n, p in params:
+                c = names.canonical(n)
+                if c not in tensors:
+                    raise CheckpointError(f"{ck.path}: layer {layer} has no {c} (saved from another model?)")
+                if tensors[c].shape != full_shape(p, ctx.tp):
+                    raise CheckpointError(f"{ck.path}: {c} has shape {tuple(tensors[c].shape)}, this model's is "
+                                          f"{full_shape(p, ctx.tp)} (saved from another model?)")
+                # ZeRO-1: this rank's piece of the master; the all-gather of copy_back fills the rest
+                piece = (lambda t, p=p: zero.piece_of_full(p, t)) if zero else (lambda t: t)
+                engine.master_of(p).copy_(piece(shard_full(tensors[c], p, ctx.tp_rank, ctx.tp)))
+                if c in opt_t:
+                    saved_shape = tensors[c].shape
+                    states[n] = {k: piece(shard_full(v, p, ctx.tp_rank, ctx.tp)).clone() if v.shape == saved_shape else v
+                                 for k, v in opt_t[c].items()}
+                if c in opt_s:
+                    scalars[n] = opt_s[c]
+            del tensors, opt_t  # before the next layer is read
     engine.copy_back()
-    named = [(n, engine.master_of(p)) for n, p in local]
+    named = [(n, engine.master_of(p)) for n, p in local if engine.master_of(p).numel()]
+    states = {n: s for n, s in states.items() if n in dict(named)}
     # strict unless nothing was saved: a run whose every step was skipped has no state yet
     load_optimizer_state_by_name(engine.optimizer, named, states, scalars, strict=bool(states or scalars))
 
