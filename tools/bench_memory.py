@@ -181,20 +181,25 @@ def compare_recompute(w: Workload, steps: int, timeout: float, measure_layers: b
     """Our 1F1B with recomputation none, full, selective and auto (under a cap 5% below the least
     the planner says any cut fits without recomputation): a table and one JSON line."""
     from mp_toolkit.partition import PartitionError
+    from mp_toolkit.partition.planner import gemm_tflops
+
+    # one rate for every plan (each would measure its own GEMM otherwise, and a busy machine would
+    # make the modes' predictions incomparable)
+    rate = {} if measure_layers else {"tflops": gemm_tflops(w.precision)}
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
         config = Path(d, "config.json")
         config.write_text(json.dumps(w.gpt_config().to_dict()))
-        plans = {mode: predict(w, config, "1f1b", 1, measure_layers, recompute=mode)
+        plans = {mode: predict(w, config, "1f1b", 1, measure_layers, recompute=mode, **rate)
                  for mode in ("none", "full", "selective")}
         try:  # the least cap any cut fits without recomputation (the planner names it when asked for less)
-            predict(w, config, "1f1b", 1, measure_layers, method="memory", memory_gb=1e-6)
+            predict(w, config, "1f1b", 1, measure_layers, method="memory", memory_gb=1e-6, **rate)
         except PartitionError as e:
             least_none = e.needed_gb
         cap_gb = 0.95 * least_none  # none cannot fit it, whatever the cut
         plans["auto"] = predict(w, config, "1f1b", 1, measure_layers, recompute="auto", method="memory",
-                                memory_gb=cap_gb)
+                                memory_gb=cap_gb, **rate)
     for mode, plan in plans.items():
         spec = {"peer": "mpt", "schedule": "1f1b", "boundaries": list(plan.boundaries),
                 "recompute": [[c.mode, c.layers] for c in plan.recompute]}

@@ -37,14 +37,16 @@ __all__ = ["RecomputeCosts", "apply_to_plan", "attention_core_bytes", "attention
 
 
 def attention_core_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int, tp: int = 1) -> int:
-    """Bytes of one block's attention core among its kept activations (`cost._block`'s terms): the
-    fp32 log-sum-exp per head and token of a fused kernel (GPT-2, Llama), and BERT's probabilities
-    (b * a * s * s) as the cost model counts them for its eager attention."""
-    b, s, a = micro_batch, seq_len, shape.heads // tp
-    core = b * s * 4 * a
-    if shape.family == "bert":
-        core += b * a * s * s * dtype_bytes
-    return core
+    """Kept bytes selective recomputation drops from one block (of `cost._attention_kept`'s, on CPU).
+
+    Its q, k, v (and a mask) stay, as the recomputation's inputs, and so does the output the
+    projection reads. Without attention dropout the fused kernel's only other tensor is its fp32
+    log-sum-exp per head and token; with dropout the math kernel's three fp32 (heads, s, s) tensors
+    go, and its fp32 copies of q, k, v where the activations are 2-byte (in fp32 they are q, k, v)."""
+    b, s, a, hl = micro_batch, seq_len, shape.heads // tp, shape.hidden // tp
+    if shape.attn_dropout > 0:
+        return 3 * b * a * s * s * 4 + b * s * hl * 3 * (4 - dtype_bytes)
+    return b * s * a * 4
 
 
 def attention_core_flops(shape: ModelShape, micro_batch: int, seq_len: int, tp: int = 1) -> float:
