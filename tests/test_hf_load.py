@@ -89,25 +89,17 @@ def load_rank(rank, world, directories, pp, tp):
     from mp_toolkit.run.hf_family import hf_tensor_parallel, resolve_hf
 
     reads, plain_read = [], SafetensorsFiles.read
-    opened, plain_close = set(), SafetensorsFiles.close
 
     def logged_read(self, name, dim=0, ranges=None):
         t = plain_read(self, name, dim, ranges)
         reads.append((name, ranges is not None, t.numel()))
         return t
 
-    def logged_close(self):
-        opened.update(Path(f).name for f in self._handles)
-        plain_close(self)
-
-    SafetensorsFiles.close = logged_close
-
     SafetensorsFiles.read = logged_read
     ctx = build_context(pp, tp)
     out = []
     for directory in directories:
         reads.clear()
-        opened.clear()
         model = resolve_hf(str(directory)).build()
         layers = hf_tensor_parallel(LayerList.from_model(model), ctx)
         assert all(p.is_meta for p in layers.parameters())  # split on meta: shapes only
@@ -130,8 +122,8 @@ def load_rank(rank, world, directories, pp, tp):
                     real_elsewhere.append(f"{lname}.{path}")
             if i in keep:
                 buffers.update({f"{lname}.{path}": b.clone() for path, b in layer.named_buffers()})
-        assert not model.weights.files._handles  # closed once the rank's layers hold their values
-        out.append((held, buffers, real_elsewhere, n_meta, sum(unique.values()), list(reads), sorted(opened),
+        opened = sorted(Path(f).name for f in model.weights.files._handles)
+        out.append((held, buffers, real_elsewhere, n_meta, sum(unique.values()), list(reads), opened,
                     model.weights.files.file_of))
     return ctx.pp_rank, ctx.tp_rank, out
 
