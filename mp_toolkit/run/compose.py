@@ -102,16 +102,13 @@ def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: 
     ``model.shard_value`` where the model reads its shares directly (an HF directory's safetensors,
     `mp_toolkit.run.hf_source.HFModel`). The other layers stay on meta and are never allocated.
     ``values=False``: storage only, for a run that resumes -- its checkpoint fills every parameter,
-    so nothing is drawn or read from the HF files first. An HF directory's files are closed after."""
+    so nothing is drawn or read from the HF files first."""
     if any(p.is_meta for p in layers.parameters()):
         if not values:
             materialize(layers, keep, None, ctx, ctx.device)
         else:
             materialize(layers, keep, model.initial_value, ctx, ctx.device,
                         shard_value=getattr(model, "shard_value", None))
-    release = getattr(model, "release_files", None)  # an HF directory: its mapped files are done with
-    if release is not None:
-        release()
 
 
 def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:

@@ -101,11 +101,6 @@ class HFModel(nn.Module):
         """This rank's tensor-parallel share of parameter ``name``, read from DIR as slices."""
         return self.read(self.weights.shard_value, name, layout, tp_rank, tp)
 
-    def release_files(self) -> None:
-        """Close DIR's files once this rank's layers hold their values: the pages of a mapped file
-        read so far would otherwise stay resident (and counted) for the run's life."""
-        self.weights.files.close()
-
     def read(self, fn, *args):
         """``fn(*args)``, a `mp_toolkit.hf.WeightsError` as a ConfigError (exit 2, one line)."""
         from mp_toolkit.hf import WeightsError  # imports transformers (seconds): only --hf runs build one
