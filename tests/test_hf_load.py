@@ -88,18 +88,26 @@ def load_rank(rank, world, directories, pp, tp):
     from mp_toolkit.run.compose import own_layers
     from mp_toolkit.run.hf_family import hf_tensor_parallel, resolve_hf
 
-    reads, plain_read = [], SafetensorsFiles.read
+    from mp_toolkit.hf import weights
+
+    reads, plain_read, opened, plain_open = [], SafetensorsFiles.read, set(), weights.safe_open
 
     def logged_read(self, name, dim=0, ranges=None):
         t = plain_read(self, name, dim, ranges)
         reads.append((name, ranges is not None, t.numel()))
         return t
 
+    def logged_open(file, framework):
+        opened.add(Path(file).name)
+        return plain_open(file, framework)
+
     SafetensorsFiles.read = logged_read
+    weights.safe_open = logged_open
     ctx = build_context(pp, tp)
     out = []
     for directory in directories:
         reads.clear()
+        opened.clear()
         model = resolve_hf(str(directory)).build()
         layers = hf_tensor_parallel(LayerList.from_model(model), ctx)
         assert all(p.is_meta for p in layers.parameters())  # split on meta: shapes only
@@ -122,8 +130,7 @@ def load_rank(rank, world, directories, pp, tp):
                     real_elsewhere.append(f"{lname}.{path}")
             if i in keep:
                 buffers.update({f"{lname}.{path}": b.clone() for path, b in layer.named_buffers()})
-        opened = sorted(Path(f).name for f in model.weights.files._handles)
-        out.append((held, buffers, real_elsewhere, n_meta, sum(unique.values()), list(reads), opened,
+        out.append((held, buffers, real_elsewhere, n_meta, sum(unique.values()), list(reads), sorted(opened),
                     model.weights.files.file_of))
     return ctx.pp_rank, ctx.tp_rank, out
 
