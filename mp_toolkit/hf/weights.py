@@ -10,7 +10,8 @@ and copies only the rows / columns asked for. So a rank asking for its own layer
 those, its tensor-parallel slices) opens only the shards that hold them and reads only their bytes.
 The file is opened for each read and closed after: the pages of a mapped file count in the
 process's resident memory for as long as it stays mapped, so a file kept open would hold the
-rank's share twice (measured: gpt2-large at pp=4 from 1 GB shards, +0.6-0.8 GB per rank).
+rank's share twice (measured: gpt2-large at pp=4 from 1 GB shards, 0.45-0.98 GB more per rank
+before the first step).
 
 Every problem is a `WeightsError`, one line naming the file and the tensor: an index that names a
 file the directory lacks, a header that does not parse, a file shorter than its header says, a
