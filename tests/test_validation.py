@@ -26,6 +26,10 @@ from mp_toolkit.data.synthetic import synthetic_documents
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.floor import assert_within, rel_err
 
+# the module's fixture runs five `mpt train` processes (about 100 s on an idle 2-core machine): the
+# suite's 300 s per test would count them all against the first test that uses it
+pytestmark = pytest.mark.timeout(1200)
+
 # --- the split (no processes) -------------------------------------------------------------------
 
 
