@@ -26,6 +26,10 @@ from mp_toolkit.data.synthetic import synthetic_documents
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.floor import assert_within, rel_err
 
+# the module's fixture runs five `mpt train` processes (about 100 s on an idle 2-core machine): the
+# suite's 300 s per test would count them all against the first test that uses it
+pytestmark = pytest.mark.timeout(1200)
+
 # --- the split (no processes) -------------------------------------------------------------------
 
 
@@ -285,3 +289,19 @@ def test_mlm_accuracy_from_vocabulary_shards_is_the_argmax_accuracy():
 
     for sharded, whole, want in run_world(accuracy_rank, 2, timeout_s=120):
         assert sharded == whole == want and 0.37 < want < 1  # row 0: 10 of the 27 labelled positions
+
+
+def test_deepspeed_engine_reports_the_same_validation_loss(runs, tmp_path):
+    """`--engine deepspeed` evaluates through DeepSpeed's own eval_batch on the same held-out split:
+    its validation losses are ours (fp32; the losses agree as in tests/test_ds_engine.py)."""
+    pytest.importorskip("deepspeed")
+    metrics = tmp_path / "ds.jsonl"
+    r = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *RUN, "--metrics", str(metrics), "--model",
+                        str(runs["model"]), "--pp", "2", "--microbatches", "4", "--micro-batch", "2",
+                        "--engine", "deepspeed"], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    ours = val_losses(runs["one"][0])
+    assert val_losses(rows).keys() == ours.keys()
+    assert list(val_losses(rows).values()) == pytest.approx(list(ours.values()), rel=1e-6)
