@@ -50,7 +50,49 @@ def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int = BUCKE
     return buckets
 
 
-class DataParallelGrads:
+class BucketedGradSync:
+    """What every data-parallel gradient synchronisation shares: buckets per parameter set (a
+    pipeline stage's), each set's buckets posted once per batch as soon as its gradients are final
+    (`start_grad_sync`, overlapping the remaining backward), the rest posted and all awaited by
+    `finish_grad_sync`. A subclass says how one bucket is posted (`_post`, returning what `_finish`
+    takes) and finished: `DataParallelGrads` all-reduces, `mp_toolkit.parallel.zero.ShardedGrads`
+    reduce-scatters."""
+
+    def __init__(self, buckets: Mapping[Hashable, Sequence], group):
+        self.group, self.size = group, dist.get_world_size(group)
+        self.buckets = buckets
+        self._inflight: list[tuple] = []  # what `_post` returned, per posted bucket
+        self._started: set = set()
+
+    @property
+    def num_buckets(self) -> int:
+        return sum(len(b) for b in self.buckets.values())
+
+    def start_grad_sync(self, key: Hashable) -> None:
+        """Post the reductions of ``key``'s buckets (once per batch; its gradients must be final)."""
+        if key in self._started:
+            return
+        self._started.add(key)
+        for bucket in self.buckets[key]:
+            self._inflight.append(self._post(bucket))
+
+    def finish_grad_sync(self) -> None:
+        """Post every bucket not posted yet, wait for all, and finish each."""
+        for key in self.buckets:
+            self.start_grad_sync(key)
+        for posted in self._inflight:
+            self._finish(*posted)
+        self._inflight.clear()
+        self._started.clear()
+
+    def _post(self, bucket) -> tuple:
+        raise NotImplementedError
+
+    def _finish(self, *posted) -> None:
+        raise NotImplementedError
+
+
+class DataParallelGrads(BucketedGradSync):
     """Averages the gradients of named parameter sets over ``group`` (the data-parallel group).
 
     Args:
@@ -65,41 +107,24 @@ class DataParallelGrads:
         ids = [id(p) for ps in param_sets.values() for p in ps]
         if len(ids) != len(set(ids)):
             raise ValueError("data-parallel parameter sets overlap: each parameter must be in exactly one")
-        self.group, self.size = group, dist.get_world_size(group)
-        self.buckets = {key: make_buckets(list(ps), bucket_bytes) for key, ps in param_sets.items()}
-        self._inflight: list[tuple] = []  # (work, flat fp32 buffer, the grads it came from)
-        self._started: set = set()
+        super().__init__({key: make_buckets(list(ps), bucket_bytes) for key, ps in param_sets.items()}, group)
 
-    @property
-    def num_buckets(self) -> int:
-        return sum(len(b) for b in self.buckets.values())
+    def _post(self, bucket) -> tuple:
+        """All-reduce the bucket's gradients packed into one fp32 buffer."""
+        grads = []
+        for p in bucket:
+            if p.grad is None:  # an unused parameter still takes part, so replicas' buckets line up
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1).float() for g in grads])  # (sum of numels,) fp32
+        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True), flat, grads
 
-    def start_grad_sync(self, key: Hashable) -> None:
-        """Post the all-reduces of ``key``'s buckets (once per batch; its gradients must be final)."""
-        if key in self._started:
-            return
-        self._started.add(key)
-        for bucket in self.buckets[key]:
-            grads = []
-            for p in bucket:
-                if p.grad is None:  # an unused parameter still takes part, so replicas' buckets line up
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            flat = torch.cat([g.reshape(-1).float() for g in grads])  # (sum of numels,) fp32
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            self._inflight.append((work, flat, grads))
-
-    def finish_grad_sync(self) -> None:
-        """Post every bucket not posted yet, wait for all, and write each mean back into its grad."""
-        for key in self.buckets:
-            self.start_grad_sync(key)
-        for work, flat, grads in self._inflight:
-            work.wait()
-            flat.div_(self.size)
-            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(piece.view_as(g))  # rounds to the gradient's dtype under fp16 / bf16
-        self._inflight.clear()
-        self._started.clear()
+    def _finish(self, work, flat, grads) -> None:
+        """Write the mean back into each gradient."""
+        work.wait()
+        flat.div_(self.size)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))  # rounds to the gradient's dtype under fp16 / bf16
 
 
-__all__ = ["DataParallelGrads", "make_buckets", "BUCKET_BYTES"]
+__all__ = ["BucketedGradSync", "DataParallelGrads", "make_buckets", "BUCKET_BYTES"]

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.parallel.data_parallel import BUCKET_BYTES, make_buckets
+from mp_toolkit.parallel.data_parallel import BUCKET_BYTES, BucketedGradSync, make_buckets
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -110,7 +110,7 @@ def _gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-class ShardedGrads:
+class ShardedGrads(BucketedGradSync):
     """Reduce-scatters the gradients of named parameter sets over ``group`` (the dp group, size > 1).
 
     After `finish_grad_sync`, ``grad_shard[bucket]`` holds this rank's range of the bucket's mean
@@ -120,48 +120,31 @@ class ShardedGrads:
     """
 
     def __init__(self, buckets: Mapping[Hashable, Sequence[ShardedBucket]], group):
-        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.buckets = buckets
+        super().__init__(buckets, group)
+        self.rank = dist.get_rank(group)
         self.in_place = _gloo(group)  # all-reduce and keep the range, gather by broadcasts (module docstring)
         self.grad_shard: dict[ShardedBucket, torch.Tensor] = {}
-        self._inflight: list[tuple] = []  # (work, packed input, output, bucket)
-        self._started: set = set()
 
-    @property
-    def num_buckets(self) -> int:
-        return sum(len(b) for b in self.buckets.values())
+    def _post(self, bucket: ShardedBucket) -> tuple:
+        """Reduce-scatter the bucket's gradients (under gloo: all-reduce it in place)."""
+        flat = bucket.flat_grads()  # summed in fp32, as plain data parallelism does
+        for p in bucket.params:
+            p.grad = None
+        if self.in_place:
+            return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True), flat, None, bucket
+        out = torch.empty(bucket.shard, dtype=torch.float32, device=flat.device)
+        return _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True), flat, out, bucket
 
-    def start_grad_sync(self, key: Hashable) -> None:
-        """Post the reduce-scatters of ``key``'s buckets (once per batch; its gradients must be final)."""
-        if key in self._started:
-            return
-        self._started.add(key)
-        for bucket in self.buckets[key]:
-            flat = bucket.flat_grads()  # summed in fp32, as plain data parallelism does
-            for p in bucket.params:
-                p.grad = None
-            if self.in_place:
-                work, out = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True), None
-            else:
-                out = torch.empty(bucket.shard, dtype=torch.float32, device=flat.device)
-                work = _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            self._inflight.append((work, flat, out, bucket))
-
-    def finish_grad_sync(self) -> None:
-        """Post what is left, wait for all, and keep each bucket's mean gradient range."""
-        for key in self.buckets:
-            self.start_grad_sync(key)
-        for work, flat, out, bucket in self._inflight:
-            work.wait()
-            if out is None:  # the whole bucket was all-reduced: keep this rank's range
-                out = flat[self.rank * bucket.shard:(self.rank + 1) * bucket.shard].clone()
-            out.div_(self.size)
-            dtype = bucket.params[0].dtype
-            if dtype != torch.float32:
-                out.copy_(out.to(dtype))
-            self.grad_shard[bucket] = out
-        self._inflight.clear()
-        self._started.clear()
+    def _finish(self, work, flat, out, bucket: ShardedBucket) -> None:
+        """Keep the bucket's mean gradient range."""
+        work.wait()
+        if out is None:  # the whole bucket was all-reduced: keep this rank's range
+            out = flat[self.rank * bucket.shard:(self.rank + 1) * bucket.shard].clone()
+        out.div_(self.size)
+        dtype = bucket.params[0].dtype
+        if dtype != torch.float32:
+            out.copy_(out.to(dtype))
+        self.grad_shard[bucket] = out
 
     def release(self) -> None:
         """Drop the gradient ranges (after the step)."""
