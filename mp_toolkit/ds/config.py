@@ -17,7 +17,7 @@ Understood: the batch keys, ``gradient_clipping``, ``fp16``, ``bf16`` (or the le
 ``optimizer`` (Adam, AdamW, Lamb; Lars is mp_toolkit's own), ``scheduler`` (WarmupLR, WarmupDecayLR,
 WarmupCosineLR), ``pipeline.stages`` / ``pipeline.partition_method`` (PipelineModule's argument),
 ``pipeline.activation_checkpoint_interval`` / ``activation_checkpointing`` (`mp_toolkit.ds.recompute`) and
-the monitors ``tensorboard``, ``csv_monitor`` and ``wandb`` (`_monitors`).
+the monitors ``tensorboard``, ``csv_monitor`` and ``wandb`` (`mp_toolkit.ds.sections.read_monitors`).
 mp_toolkit's extensions, which DeepSpeed's reader tolerates: ``pipeline.schedule``, ``pipeline.chunks``
 and explicit boundaries ("0,3,7") as ``partition_method``. Understood but unused keys (logging,
 profiling, ZeRO stage 0, ...) are listed in ``ignored``. Unknown keys fail where DeepSpeed fails
@@ -43,6 +43,7 @@ from mp_toolkit.run.config import SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.ds.defaults import DeepSpeedDefaults, deepspeed_defaults
 from mp_toolkit.ds.json_doc import Block, load_json, show
 from mp_toolkit.ds.recompute import read_recompute
+from mp_toolkit.ds.sections import read_monitors, read_zero, refuse_autocast, refuse_removed
 from mp_toolkit.optim.loss_scaler import LossScaleSettings
 from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
@@ -137,7 +138,7 @@ class DeepSpeedSettings:
     ignored: tuple[str, ...] = ()
     """Dotted keys read but not used, sorted; unknown ones carry " (unknown)"."""
     monitors: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The enabled monitor sections as TrainConfig fields (`_monitors`): tensorboard, csv, wandb."""
+    """The enabled monitor sections as TrainConfig fields (`mp_toolkit.ds.sections.read_monitors`): tensorboard, csv, wandb."""
     defaults: str = ""
     """Whose defaults filled the absent keys: "DeepSpeed 0.19.8" (the installed one), or 0.19.x's documented
     ones ("DeepSpeed 0.19.x (its documented defaults: deepspeed is not installed)")."""
@@ -394,68 +395,6 @@ def _pipeline(root: Block, ignored: list[str]) -> tuple[int | None, str | None, 
     return stages, partition, schedule, chunks
 
 
-def _zero(root: Block, ignored: list[str]) -> int:
-    """``zero_optimization.stage``: 0 (the block is ignored) or 1 (mp_toolkit's ZeRO-1, its other keys
-    ignored); stages 2 and 3 refused."""
-    zero = root.get("zero_optimization")
-    if zero is None:
-        return 0
-    block = None if isinstance(zero, bool) else root.block("zero_optimization")
-    stage = int(zero) if block is None else block.integer("stage", 0, lowest=0)  # legacy bool: true is stage 1
-    if stage > 1:
-        raise ConfigError(f"{root.where}: zero_optimization.stage {stage}: mp_toolkit implements ZeRO stage 1 "
-                          "(optimizer state partitioned), not gradient or parameter partitioning; set stage 1 or 0")
-    if stage == 0 or block is None:
-        ignored.append("zero_optimization")
-    else:
-        block.finish(ignored, known=frozenset(block.data) - {"stage"})
-    return stage
-
-
-def _refused(root: Block, ignored: list[str]) -> None:
-    """torch autocast: accepted only when off, then listed as ignored."""
-    autocast = root.block("torch_autocast")
-    if autocast is not None:
-        if autocast.boolean("enabled", False):
-            raise ConfigError(f"{root.where}: torch_autocast.enabled is not supported by mp_toolkit: "
-                              "use fp16.enabled or bf16.enabled")
-        ignored.append("torch_autocast")
-
-
-def _monitors(root: Block, ignored: list[str]) -> dict[str, Any]:
-    """DeepSpeed's monitor sections, when enabled, as TrainConfig fields: ``tensorboard`` ->
-    ``tensorboard`` = output_path/job_name (DeepSpeed's SummaryWriter directory); ``csv_monitor`` ->
-    ``csv`` = output_path/job_name/metrics.csv (one long-form file where DeepSpeed writes one per
-    metric); ``wandb`` -> ``wandb`` = its project, logged offline (`mp_toolkit.run.loggers`, which
-    refuses it in one line when the package is missing)."""
-    out: dict[str, Any] = {}
-    for key, field, leaf in (("tensorboard", "tensorboard", None), ("csv_monitor", "csv", "metrics.csv")):
-        block = root.block(key)
-        if block is not None and block.boolean("enabled", False):
-            where = Path(block.string("output_path", "") or ".") / block.string("job_name", "DeepSpeedJobName")
-            out[field] = where / leaf if leaf else where
-        if block is not None:
-            block.finish(ignored, known=("output_path", "job_name"))
-    wandb = root.block("wandb")
-    if wandb is not None:
-        if wandb.boolean("enabled", False):
-            out["wandb"] = wandb.string("project", "deepspeed")
-        wandb.finish(ignored, known=("group", "team", "project"))
-    return out
-
-
-def _removed(root: Block, ds: DeepSpeedDefaults) -> None:
-    """The keys DeepSpeed refuses (features it removed), all named in one line."""
-    found = [k for k in ds.removed_top if k in root.data]
-    zero = root.data.get("zero_optimization")
-    if isinstance(zero, dict):
-        found += [f"zero_optimization.{k}" for k in ds.removed_zero if k in zero]
-    if found:
-        raise ConfigError(f"{root.where}: {', '.join(found)}: {'is a key' if len(found) == 1 else 'are keys'} "
-                          f"DeepSpeed {ds.version} refuses (the feature was removed from DeepSpeed): remove "
-                          f"{'it' if len(found) == 1 else 'them'}")
-
-
 def read_ds_config(source: str | Path | dict, *, dp: int = 1,
                    defaults: DeepSpeedDefaults | None = None) -> DeepSpeedSettings:
     """Read a DeepSpeed config file (or an already loaded dict) for ``dp`` data-parallel ranks.
@@ -468,7 +407,7 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1,
     ds = deepspeed_defaults() if defaults is None else defaults
     where, data = load_json(source)
     root = Block(where, "", data)
-    _removed(root, ds)
+    refuse_removed(root, ds)
     ignored: list[str] = []
     tb, mb, ga = _batch(root, dp)
     clip = root.number("gradient_clipping", ds.gradient_clipping)
@@ -480,9 +419,9 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1,
     scheduler = _scheduler(root, optimizer, ignored)
     recompute, honoured = read_recompute(root, ignored)
     pp, partition, schedule, chunks = _pipeline(root, ignored)
-    zero = _zero(root, ignored)
-    _refused(root, ignored)
-    monitors = _monitors(root, ignored)
+    zero = read_zero(root, ignored)
+    refuse_autocast(root, ignored)
+    monitors = read_monitors(root, ignored)
     root.finish(ignored, known=_IGNORED_TOP)
     ignored = [k for k in ignored if k not in honoured]
     return DeepSpeedSettings(
