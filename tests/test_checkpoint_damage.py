@@ -174,13 +174,17 @@ def test_a_crash_before_commit_keeps_latest_and_the_next_save_cleans_up(tmp_path
     assert open_checkpoint(tmp_path).read_layer("h.0")["h.0.w"].tolist() == [3.0]
 
 
+class SimulatedCrash(BaseException):
+    """The process dies here: no handler runs (a failing write is an OSError, which commit undoes)."""
+
+
 def fail_on(monkeypatch, func: str, target: str):
     """Make ``os.<func>`` raise when its destination is named ``target``: a crash at that point."""
     real = getattr(os, func)
 
     def crash(src, dst, *args, **kwargs):
         if Path(dst).name == target:
-            raise OSError(f"simulated crash before {func} onto {target}")
+            raise SimulatedCrash(f"simulated crash before {func} onto {target}")
         return real(src, dst, *args, **kwargs)
     monkeypatch.setattr(os, func, crash)
 
@@ -189,7 +193,7 @@ def test_a_crash_between_the_rename_and_latest_keeps_the_previous_checkpoint(tmp
     save_checkpoint(tmp_path, 1, {"h.0": {"h.0.w": torch.tensor([1.0])}})
     with monkeypatch.context() as m:
         fail_on(m, "replace", "latest")
-        with pytest.raises(OSError, match="simulated crash"):
+        with pytest.raises(SimulatedCrash, match="simulated crash"):
             save_checkpoint(tmp_path, 2, {"h.0": {"h.0.w": torch.tensor([2.0])}})
     assert (tmp_path / "step-00000002" / "manifest.json").is_file()  # renamed, never committed
     assert (tmp_path / "latest").read_text() == "step-00000001\n" and latest_step(tmp_path) == 1
@@ -205,7 +209,7 @@ def test_replacing_the_latest_step_never_leaves_latest_dangling(tmp_path, monkey
     save_checkpoint(tmp_path, 2, {"h.0": {"h.0.w": torch.tensor([2.0])}})
     with monkeypatch.context() as m:  # crash after the old step-2 moved aside, before the new one lands
         fail_on(m, "rename", "step-00000002")
-        with pytest.raises(OSError, match="simulated crash"):
+        with pytest.raises(SimulatedCrash, match="simulated crash"):
             save_checkpoint(tmp_path, 2, {"h.0": {"h.0.w": torch.tensor([-2.0])}})
     assert latest_step(tmp_path) == 1
     assert open_checkpoint(tmp_path).read_layer("h.0")["h.0.w"].tolist() == [1.0]
@@ -218,7 +222,7 @@ def test_an_interrupted_replace_of_the_only_checkpoint_refuses_loudly_and_names_
     save_checkpoint(tmp_path, 4, {"h.0": {"h.0.w": torch.tensor([4.0])}})
     with monkeypatch.context() as m:
         fail_on(m, "rename", "step-00000004")
-        with pytest.raises(OSError, match="simulated crash"):
+        with pytest.raises(SimulatedCrash, match="simulated crash"):
             save_checkpoint(tmp_path, 4, {"h.0": {"h.0.w": torch.tensor([5.0])}})
     with pytest.raises(CheckpointError) as e:
         latest_step(tmp_path)  # not None: a resume script must not silently start from scratch

@@ -25,13 +25,13 @@ from mp_toolkit.checkpoint.optim_state import (
 from mp_toolkit.checkpoint.reader import Checkpoint, latest_step, open_checkpoint
 from mp_toolkit.checkpoint.rng import RngState, capture_rng, restore_rng
 from mp_toolkit.checkpoint.writer import (
-    begin, commit, save_checkpoint, split_by_layer, write_layer_shard, write_optimizer_shard,
+    begin, clear_scratch, commit, discard, save_checkpoint, split_by_layer, write_layer_shard, write_optimizer_shard,
     write_rng_shard, write_shard,
 )
 
 __all__ = [
     "FORMAT_VERSION", "CheckpointError", "Checkpoint", "open_checkpoint", "latest_step",
-    "begin", "write_shard", "write_layer_shard", "write_optimizer_shard", "write_rng_shard", "commit",
+    "begin", "clear_scratch", "discard", "write_shard", "write_layer_shard", "write_optimizer_shard", "write_rng_shard", "commit",
     "save_checkpoint", "split_by_layer", "optimizer_state_by_name", "load_optimizer_state_by_name",
     "param_groups_by_name", "RngState", "capture_rng", "restore_rng",
 ]

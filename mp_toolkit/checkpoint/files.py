@@ -10,6 +10,7 @@ with a `CheckpointError`.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -142,41 +143,82 @@ def _no_duplicates(pairs):
 
 
 def from_json(data: bytes | str):
-    """Strict JSON parse: NaN / Infinity and duplicate keys are refused (ValueError)."""
-    return json.loads(data, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
+    """Strict JSON parse: NaN / Infinity, duplicate keys and nesting deeper than Python's stack are
+    refused (ValueError)."""
+    try:
+        return json.loads(data, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
-def file_digest(path: Path) -> tuple[str, int]:
-    """(SHA-256 hex digest, size in bytes), streamed in 1 MiB blocks."""
+def open_regular(path: Path, what: str, below: Path | None = None):
+    """A binary file object of the regular file ``path``, opened without following a link.
+
+    A checkpoint is untrusted input: a symbolic link (as the file, or as a folder between ``below``
+    and the file), a fifo, a device or a socket is refused with a CheckpointError. Opening never
+    blocks (a fifo with no writer would hang a plain ``open``).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        if below is not None and os.open in os.supports_dir_fd:
+            fd = _open_beneath(below, path.relative_to(below).parts, flags)
+        else:
+            fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what}: missing") from None
+    except OSError as e:
+        linked = e.errno in (errno.ELOOP, errno.ENOTDIR) or os.path.islink(path)
+        raise CheckpointError(f"{what}: {'a symbolic link (refused)' if linked else f'cannot be read ({e.strerror})'}") from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise CheckpointError(f"{what}: not a regular file (a fifo, device or folder is refused)")
+    return f
+
+
+def _open_beneath(base: Path, parts: tuple[str, ...], flags: int) -> int:
+    """Open ``base/parts...`` refusing a symbolic link at every component below ``base``."""
+    dir_flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(base, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, dir_flags, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        return os.open(parts[-1], flags, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path, below: Path | None = None) -> tuple[str, int]:
+    """(SHA-256 hex digest, size in bytes) of a regular file, streamed in 1 MiB blocks."""
     h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with open_regular(path, str(path), below) as f:
         while block := f.read(1 << 20):
             h.update(block)
             n += len(block)
     return h.hexdigest(), n
 
 
-def read_bounded(path: Path, limit: int, what: str) -> bytes:
-    """At most ``limit + 1`` bytes of a regular file (devices and fifos are refused), so a caller
-    can tell "exactly limit" from "longer" without reading an unbounded file."""
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise CheckpointError(f"{what}: missing") from None
-    except OSError as e:
-        raise CheckpointError(f"{what}: cannot be read ({e.strerror})") from None
-    with f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise CheckpointError(f"{what}: not a regular file")
-        return f.read(limit + 1)
+def read_bounded(path: Path, limit: int, what: str, below: Path | None = None) -> bytes:
+    """At most ``limit + 1`` bytes of a regular file (links, devices and fifos are refused), so a
+    caller can tell "exactly limit" from "longer" without reading an unbounded file."""
+    with open_regular(path, what, below) as f:
+        size = os.fstat(f.fileno()).st_size
+        return f.read(min(limit, size) + 1)
 
 
-def read_verified(path: Path, record: Mapping, what: str) -> bytes:
-    """The bytes of a manifest-listed file after its size and SHA-256 matched ``record``."""
+def read_verified(path: Path, record: Mapping, what: str, below: Path | None = None) -> bytes:
+    """The bytes of a manifest-listed file after its size and SHA-256 matched ``record``.
+
+    The size is compared with the file's before anything is read, so an absurd ``bytes`` in a
+    crafted manifest is refused without allocating it."""
     size = record["bytes"]
-    data = read_bounded(path, size, what)
-    if len(data) != size:
-        got = f"{len(data)} bytes" if len(data) <= size else f"more than {size} bytes"
+    with open_regular(path, what, below) as f:
+        actual = os.fstat(f.fileno()).st_size
+        data = f.read(size + 1) if actual == size else b""
+    if actual != size or len(data) != size:
+        got = f"{actual} bytes" if actual != size else f"{len(data)} bytes read"
         raise CheckpointError(f"{what}: {got}, {MANIFEST} says {size} (file truncated or modified)")
     if hashlib.sha256(data).hexdigest() != record["sha256"]:
         raise CheckpointError(f"{what}: SHA-256 mismatch (file modified or truncated)")

@@ -92,7 +92,7 @@ class Checkpoint:
         record = self.files.get(rel)
         if record is None:
             raise CheckpointError(f"{what}: not in {MANIFEST}")
-        return load_shard(read_verified(self.path / rel, record, what), what)
+        return load_shard(read_verified(self.path / rel, record, what, below=self.path), what)
 
     def read_layer(self, name: str) -> dict[str, torch.Tensor]:
         """``{parameter name: full tensor}`` of one layer (names of the unsplit model)."""
@@ -140,10 +140,10 @@ class Checkpoint:
         loaders would ignore it, but a checkpoint that changed is not trusted). Reads every byte."""
         for rel, record in self.files.items():
             what = f"{self.path}: shard {rel}"
-            path = self.path / rel
-            if not path.is_file():
-                raise CheckpointError(f"{what}: missing (listed in {MANIFEST})")
-            digest, size = file_digest(path)
+            try:
+                digest, size = file_digest(self.path / rel, below=self.path)
+            except CheckpointError as e:
+                raise CheckpointError(f"{what}: {str(e).rsplit(': ', 1)[-1]} (listed in {MANIFEST})") from None
             if size != record["bytes"]:
                 raise CheckpointError(f"{what}: {size} bytes, {MANIFEST} says {record['bytes']} "
                                       "(file truncated or modified)")
@@ -158,7 +158,7 @@ class Checkpoint:
 
 
 def _open_dir(d: Path) -> Checkpoint:
-    data = read_bounded(d / MANIFEST, MAX_MANIFEST, f"{d}: {MANIFEST}")
+    data = read_bounded(d / MANIFEST, MAX_MANIFEST, f"{d}: {MANIFEST}", below=d)
     if len(data) > MAX_MANIFEST:
         raise CheckpointError(f"{d}: {MANIFEST} is larger than {MAX_MANIFEST} bytes")
     doc = _parse_manifest(data, str(d))
@@ -180,6 +180,8 @@ def _committed(root: Path) -> Path | None:
     name = read_latest(root)
     if name is None:
         return None
+    if (root / name).is_symlink():
+        raise CheckpointError(f"{root / name}: a symbolic link (refused: a checkpoint's folders are its own)")
     if not (root / name).is_dir():
         raise _dangling(root, name)
     if not (root / name / MANIFEST).is_file():

@@ -23,17 +23,19 @@ by the next `begin`. Only one job may write to a root at a time.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import safetensors
 import safetensors.torch
 import torch
 
 from mp_toolkit.checkpoint.files import (
-    FORMAT, FORMAT_VERSION, LATEST, MANIFEST, SHARD_SUFFIX, TMP_PREFIX, CheckpointError,
-    atomic_write, check_name, check_relative, file_digest, fsync_dir, parse_step_dir,
-    prepare_tensors, step_dir_name, to_json, write_text_atomic,
+    FORMAT, FORMAT_VERSION, LATEST, MANIFEST, MAX_MANIFEST, SHARD_SUFFIX, TMP_PREFIX, CheckpointError,
+    atomic_write, check_name, check_relative, file_digest, from_json, fsync_dir, parse_step_dir,
+    prepare_tensors, read_bounded, step_dir_name, to_json, write_text_atomic,
 )
 
 
@@ -77,11 +79,23 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def clear_scratch(root: str | os.PathLike) -> None:
+    """Remove every ``.tmp-*`` entry of ``root``: what crashed or interrupted saves left behind.
+
+    Only for the root's one writer (a training run holding its lock, `save_checkpoint`): another
+    job's save in progress is scratch too."""
+    root = Path(root)
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.startswith(TMP_PREFIX):
+                _remove(entry)
+
+
 def begin(root: str | os.PathLike, step: int, *, create: bool = True) -> Path:
     """The temporary directory ``root/.tmp-step-XXXXXXXX`` this step's shards are written into.
 
-    With ``create`` (rank 0 only) every stale ``.tmp-*`` entry of ``root`` (from crashed or
-    interrupted saves) is removed and an empty directory is made; other ranks pass
+    With ``create`` (rank 0 only) a stale copy of this very directory is removed, nothing else of
+    the root (`clear_scratch` removes the rest), and an empty directory is made; other ranks pass
     ``create=False`` to get the same path, and write only after the caller's barrier.
     """
     root = Path(root)
@@ -89,12 +103,23 @@ def begin(root: str | os.PathLike, step: int, *, create: bool = True) -> Path:
     if not create:
         return tmp
     root.mkdir(parents=True, exist_ok=True)
-    for entry in root.iterdir():
-        if entry.name.startswith(TMP_PREFIX):
-            _remove(entry)
+    _remove(tmp)
     tmp.mkdir()
-    fsync_dir(root)
+    try:
+        fsync_dir(root)
+    except OSError:
+        discard(tmp)
+        raise
     return tmp
+
+
+def discard(tmp: str | os.PathLike) -> None:
+    """Best effort: remove a failed save's temp directory (a failing disk may refuse that too;
+    then it stays as scratch that readers ignore and the run's next start removes)."""
+    try:
+        _remove(Path(tmp))
+    except OSError:
+        pass
 
 
 def write_shard(tmp: str | os.PathLike, relative_name: str, tensors: Mapping[str, torch.Tensor],
@@ -115,8 +140,20 @@ def write_shard(tmp: str | os.PathLike, relative_name: str, tensors: Mapping[str
         fsync_dir(tmp)
     prepared = prepare_tensors(tensors, f"shard {rel}")
     meta = dict(metadata) if metadata is not None else None
-    atomic_write(path, lambda p: safetensors.torch.save_file(prepared, str(p), metadata=meta))
+    atomic_write(path, lambda p: _save_file(prepared, p, meta))
     return path
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None) -> None:
+    """`safetensors.torch.save_file`, its I/O failures raised as the OSError they are (safetensors
+    reports ``ENOSPC`` as ``SafetensorError('... I/O error: No space left on device (os error 28)')``)."""
+    try:
+        safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    except safetensors.SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise CheckpointError(f"{path}: {' '.join(str(e).split())}") from None
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
 
 
 def write_layer_shard(tmp, layer: str, tensors: Mapping[str, torch.Tensor]) -> Path:
@@ -181,13 +218,13 @@ def _listing(tmp: Path) -> dict[str, dict]:
 def read_latest(root: Path, strict: bool = True) -> str | None:
     """The directory name ``latest`` holds, None without one (or, unless strict, a garbled one)."""
     path = root / LATEST
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except (OSError, UnicodeDecodeError) as e:
+    try:
+        text = read_bounded(path, 64, str(path)).decode("utf-8").strip()
+    except (CheckpointError, UnicodeDecodeError) as e:
         if strict:
-            raise CheckpointError(f"{path}: cannot be read ({e})") from None
+            raise CheckpointError(f"{path}: cannot be read ({e})" if isinstance(e, UnicodeDecodeError) else str(e)) from None
         return None
     if parse_step_dir(text) is None:
         if strict:
@@ -198,7 +235,8 @@ def read_latest(root: Path, strict: bool = True) -> str | None:
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """``step-*`` directories holding a manifest, oldest step first."""
-    found = [(parse_step_dir(d.name), d) for d in root.iterdir() if parse_step_dir(d.name) is not None]
+    found = [(parse_step_dir(d.name), d) for d in root.iterdir()
+             if parse_step_dir(d.name) is not None and not d.is_symlink()]
     return [d for _, d in sorted(found) if (d / MANIFEST).is_file()]
 
 
@@ -228,8 +266,20 @@ def _set_aside(root: Path, final: Path) -> Path:
     return aside
 
 
-def _prune(root: Path, keep: int | None) -> None:
+def run_of(checkpoint: Path) -> str | None:
+    """The ``meta.run`` id a checkpoint's manifest records (None: none, or an unreadable manifest)."""
+    try:
+        doc = from_json(read_bounded(checkpoint / MANIFEST, MAX_MANIFEST, str(checkpoint), below=checkpoint))
+    except (CheckpointError, ValueError, UnicodeDecodeError):
+        return None
+    meta = doc.get("meta") if isinstance(doc, dict) else None
+    return meta.get("run") if isinstance(meta, dict) else None
+
+
+def _prune(root: Path, keep: int | None, run: str | None) -> None:
     """Delete all but the ``keep`` highest-step complete checkpoints, never the one latest names.
+    With ``run`` only checkpoints whose manifest names that run (``meta.run``) are counted and
+    deleted: another run's checkpoints in the same root are not this one's to remove.
 
     Each is renamed to scratch before it is removed, so a crash mid-delete never leaves a
     ``step-*`` directory that looks complete but misses files.
@@ -237,7 +287,8 @@ def _prune(root: Path, keep: int | None) -> None:
     if keep is None:
         return
     latest = read_latest(root, strict=False)
-    for d in complete_checkpoints(root)[:-keep]:
+    mine = [d for d in complete_checkpoints(root) if run is None or run_of(d) == run]
+    for d in mine[:-keep]:
         if d.name != latest:
             doomed = root / f"{TMP_PREFIX}delete-{d.name}"
             os.rename(d, doomed)
@@ -263,18 +314,56 @@ def commit(root: str | os.PathLike, step: int, tmp: str | os.PathLike, manifest:
         raise CheckpointError(f"{tmp} is not the temp dir begin({str(root)!r}, {step}) made")
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "meta": dict(manifest)}
     to_json(doc, "manifest")  # fail before hashing gigabytes
-    doc["files"] = _listing(tmp)
-    write_text_atomic(tmp / MANIFEST, to_json(doc, "manifest"))
-    final = root / name
-    aside = _set_aside(root, final) if final.exists() else None
-    os.rename(tmp, final)
-    fsync_dir(root)
-    # The commit point: until this replace, `latest` names the previous complete checkpoint.
-    write_text_atomic(root / LATEST, name + "\n")
-    if aside is not None:
-        shutil.rmtree(aside)
-    _prune(root, keep)
+    final, before, renamed = root / name, read_latest(root, strict=False), False
+    try:
+        doc["files"] = _listing(tmp)
+        write_text_atomic(tmp / MANIFEST, to_json(doc, "manifest"))
+        if os.path.lexists(final):
+            _set_aside(root, final)
+        os.rename(tmp, final)
+        renamed = True
+        fsync_dir(root)
+        # The commit point: until this replace, `latest` names the previous complete checkpoint.
+        write_text_atomic(root / LATEST, name + "\n")
+    except OSError:  # a failing disk (ENOSPC, EIO, read-only): back to the state before this save
+        _undo_commit(root, tmp, final, before, renamed)
+        raise
+    aside = root / replaced_name(name)
+    if os.path.lexists(aside):
+        _remove(aside)
+    try:
+        _prune(root, keep, manifest.get("run"))
+    except OSError:
+        pass  # committed already; what a failed delete left is scratch (``.tmp-delete-*``)
     return final
+
+
+def _undo_commit(root: Path, tmp: Path, final: Path, before: str | None, renamed: bool) -> None:
+    """After a write failed inside `commit`: remove what this save made, put back the checkpoint it
+    was replacing and ``latest`` as it was (``before``), in an order that keeps ``latest`` on a
+    complete checkpoint after each step. Best effort: when the disk refuses a step the rest is left
+    as it is, which is the state a crash at that point leaves (RELIABILITY.md)."""
+    aside = root / replaced_name(final.name)
+    try:
+        if read_latest(root, strict=False) == final.name != before:  # the replace went through
+            _restore_latest(root, before)  # first, while the new checkpoint is still complete
+        if renamed and not os.path.lexists(tmp):
+            os.rename(final, tmp)  # never committed (or no longer): scratch again
+        discard(tmp)
+        if aside.is_dir() and not os.path.lexists(final):
+            os.rename(aside, final)
+        if read_latest(root, strict=False) != before:
+            _restore_latest(root, before)
+        fsync_dir(root)
+    except OSError:
+        pass
+
+
+def _restore_latest(root: Path, before: str | None) -> None:
+    if before is None:
+        (root / LATEST).unlink(missing_ok=True)
+    else:
+        write_text_atomic(root / LATEST, before + "\n")
 
 
 def save_checkpoint(root, step: int, layers: Mapping[str, Mapping[str, torch.Tensor]],
@@ -282,18 +371,23 @@ def save_checkpoint(root, step: int, layers: Mapping[str, Mapping[str, torch.Ten
                     manifest: Mapping | None = None, keep: int | None = 3, *,
                     optim_scalars: Mapping[str, Mapping[str, Mapping[str, object]]] | None = None,
                     rng=None) -> Path:
-    """Single-process save: `begin`, every shard, `commit`.
+    """Single-process save by the root's only writer: `clear_scratch`, `begin`, every shard, `commit`.
 
     ``layers`` is ``{layer: {param name: full tensor}}``; ``optim_tensors`` / ``optim_scalars``
     are ``{layer: {param name: {state key: value}}}`` (see `split_by_layer`); ``rng`` an optional
     `RngState` stored as rank 0's.
     """
+    clear_scratch(root)  # the root's one writer: what crashed saves left is scratch
     tmp = begin(root, step)
-    for layer, tensors in layers.items():
-        write_layer_shard(tmp, layer, tensors)
-    optim_tensors, optim_scalars = optim_tensors or {}, optim_scalars or {}
-    for layer in sorted(set(optim_tensors) | set(optim_scalars)):
-        write_optimizer_shard(tmp, layer, optim_tensors.get(layer, {}), optim_scalars.get(layer))
-    if rng is not None:
-        write_rng_shard(tmp, 0, rng)
-    return commit(root, step, tmp, manifest or {}, keep)
+    try:
+        for layer, tensors in layers.items():
+            write_layer_shard(tmp, layer, tensors)
+        optim_tensors, optim_scalars = optim_tensors or {}, optim_scalars or {}
+        for layer in sorted(set(optim_tensors) | set(optim_scalars)):
+            write_optimizer_shard(tmp, layer, optim_tensors.get(layer, {}), optim_scalars.get(layer))
+        if rng is not None:
+            write_rng_shard(tmp, 0, rng)
+        return commit(root, step, tmp, manifest or {}, keep)
+    except (OSError, CheckpointError):
+        discard(tmp)  # a failed write leaves no partial directory; `latest` is unchanged
+        raise
