@@ -264,6 +264,13 @@ def test_a_missing_shard_a_wrong_shape_and_a_truncated_shard_are_one_line_exit_2
     assert_one_line_exit_2(capsys, [*ARGS, "--hf", missing],
                            mentions=f"places tensor {second} in {SHARDS[1]}, but {missing} has no such file")
 
+    pickled = Path(shutil.copytree(src, tmp_path / "pickled"))  # an index naming a .bin shard is refused
+    (pickled / SHARDS[1]).rename(pickled / "pytorch_model-00002-of-00002.bin")
+    doc = json.loads((pickled / "model.safetensors.index.json").read_text())
+    doc["weight_map"] = {k: ("pytorch_model-00002-of-00002.bin" if f == SHARDS[1] else f) for k, f in index.items()}
+    (pickled / "model.safetensors.index.json").write_text(json.dumps(doc))
+    assert_one_line_exit_2(capsys, [*ARGS, "--hf", pickled], mentions="only .safetensors files of")
+
     truncated = Path(shutil.copytree(src, tmp_path / "truncated"))
     data = (truncated / SHARDS[1]).read_bytes()
     (truncated / SHARDS[1]).write_bytes(data[:-100])

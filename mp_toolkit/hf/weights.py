@@ -73,6 +73,10 @@ class SafetensorsFiles:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise WeightsError(f"{index} is not a safetensors index ({type(e).__name__}: {e}): it must hold "
                                '{"weight_map": {tensor name: shard file}}') from None
+        for name, file in weight_map.items():  # safetensors only, and only files of this directory
+            if not file.endswith(".safetensors") or Path(file).name != file or file.startswith("."):
+                raise WeightsError(f"{index} places tensor {name} in {file!r}: only .safetensors files of "
+                                   f"{self.directory} itself are read (pickled .bin weights never are)")
         return dict(weight_map)
 
     @property
