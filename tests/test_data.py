@@ -281,3 +281,31 @@ def test_progressprogress_bars_only_on_a_terminal(monkeypatch):
     finally:
         datasets.enable_progress_bars()
     assert data.progress_bars_on()
+
+
+def test_caches_are_private_verified_and_rebuilt_when_damaged(corpus, tmp_path):
+    """Token and tokenizer caches: 0600, and a truncated, retyped or out-of-range cache is rebuilt
+    (never an uncaught error, which --restarts would only repeat)."""
+    want = build(corpus, tmp_path)[:]["input_ids"]
+    cache = tmp_path / "cache"
+    (tokens,), (tokenizer,) = cache.glob("tokens-*.npy"), cache.glob("tokenizer-*.json")
+    assert {p.stat().st_mode & 0o777 for p in (tokens, tokenizer)} == {0o600}
+    good = tokens.read_bytes()
+    damages = {
+        "truncated": good[: len(good) // 2],
+        "int64": None,  # filled below: the same ids as another dtype
+        "out of range": None,  # an id the tokenizer cannot have made
+    }
+    stream = np.load(tokens)
+    for name in damages:
+        if name == "truncated":
+            tokens.write_bytes(damages[name])
+        else:
+            bad = stream.astype(np.int64) if name == "int64" else np.where(np.arange(len(stream)) == 5, 10**6, stream).astype(np.int32)
+            with open(tokens, "wb") as f:
+                np.save(f, bad)
+        assert torch.equal(build(corpus, tmp_path)[:]["input_ids"], want), name
+        assert tokens.read_bytes() == good, name  # rebuilt in place
+    tokenizer.write_text(tokenizer.read_text()[:100])  # a truncated tokenizer: trained again
+    assert torch.equal(build(corpus, tmp_path)[:]["input_ids"], want)
+    assert tokenizer.stat().st_mode & 0o777 == 0o600

@@ -158,7 +158,12 @@ def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathL
         )
     cached = Path(cache_dir) / f"tokenizer-{cache_key(texts, vocab_size)}.json"
     if cached.is_file():
-        return Tokenizer.from_file(str(cached))
+        try:
+            tokenizer = Tokenizer.from_file(str(cached))
+            if tokenizer.get_vocab_size() == vocab_size and tokenizer.token_to_id(EOS_TOKEN) == 0:
+                return tokenizer
+        except Exception:  # noqa: BLE001 -- tokenizers raises a bare Exception on a damaged file
+            pass  # damaged (truncated, edited): trained again below and replaced
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -192,24 +197,55 @@ def progress_bars_on() -> bool:
 
 
 def _atomic_save(path: Path, write) -> None:
-    """Write through a temporary file and rename, so racing ranks never read a partial file."""
+    """Write through a temporary file, fsync it and rename it, so racing ranks never read a partial
+    file and a crash never leaves one. The file stays 0600 (as mkstemp makes it): a cache holds
+    what the corpus says, readable by its owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is shared like any other file
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        if os.name == "posix":
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _token_stream(texts: list[str], tokenizer: Tokenizer, cache_file: Path, eos: int | None = None) -> np.ndarray:
+def _cached_stream(cache_file: Path, vocab_size: int) -> np.ndarray | None:
+    """The cached token stream when it is intact: a 1-d int32 array whose ids are all below
+    ``vocab_size``; None when missing or damaged (truncated, another dtype, out-of-range ids),
+    so the caller encodes the corpus again and replaces it."""
+    if not cache_file.is_file():
+        return None
+    try:
+        stream = np.load(cache_file, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if not isinstance(stream, np.ndarray) or stream.dtype != np.int32 or stream.ndim != 1:
+        return None
+    if len(stream) and (int(stream.min()) < 0 or int(stream.max()) >= vocab_size):
+        return None
+    return stream
+
+
+def _token_stream(texts: list[str], tokenizer: Tokenizer, cache_dir: Path, key: str, eos: int | None = None) -> np.ndarray:
     """All documents' ids, each followed by ``eos`` (default: the tokenizer's <|endoftext|>; none when
-    it has none), as one int32 array (cached: encoding is slow)."""
-    if cache_file.is_file():
-        return np.load(cache_file, allow_pickle=False)
+    it has none), as one int32 array, cached as ``tokens-<key>-<tokenizer digest>.npy`` (encoding is
+    slow): the name changes with the tokenizer, and a damaged cache is encoded again (`_cached_stream`)."""
+    digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+    cache_file = cache_dir / f"tokens-{key}-{digest}.npy"
+    vocab = max(tokenizer.get_vocab_size(), (eos + 1) if eos is not None else 0)
+    cached = _cached_stream(cache_file, vocab)
+    if cached is not None:
+        return cached
     eos = tokenizer.token_to_id(EOS_TOKEN) if eos is None else eos
     end = [eos] if eos is not None else []
     chunks = range(0, len(texts), ENCODE_CHUNK)  # encode_batch per chunk: the same ids, with a bar
@@ -242,7 +278,7 @@ def tokenized_stream(texts: list[str], tokenizer_file: str | os.PathLike, vocab_
     below the model's ``vocab_size``."""
     tokenizer, digest = load_tokenizer_file(tokenizer_file)
     key = hashlib.sha256(f"{_texts_digest(texts)}:{digest}:{eos}".encode()).hexdigest()[:16]
-    stream = _token_stream(texts, tokenizer, Path(cache_dir) / f"tokens-{key}.npy", eos=eos)
+    stream = _token_stream(texts, tokenizer, Path(cache_dir), key, eos=eos)
     top = int(stream.max()) if len(stream) else -1
     if top >= vocab_size:
         raise DataError(f"tokenizer {tokenizer_file} gives token id {top}, but the model's vocab_size is {vocab_size}: "
@@ -311,7 +347,7 @@ first build pays for training and encoding. Equal arguments give bit-identical d
         else:
             tokenizer = train_tokenizer(texts, vocab_size, cache_dir)
             key = cache_key(texts, vocab_size)  # the tokenizer's key: same corpus, same vocabulary
-            stream = _token_stream(texts, tokenizer, Path(cache_dir) / f"tokens-{key}.npy")
+            stream = _token_stream(texts, tokenizer, Path(cache_dir), key)
         ds = _packed_dataset(stream, seq_len)
     return ds.shuffle(seed=seed).with_format("torch")
 
