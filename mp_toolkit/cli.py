@@ -155,6 +155,8 @@ def _add_train_parser(sub) -> None:
     opt("--no-progress", dest="progress", action="store_const", const=False, help="no progress bar")
     opt("--save-dir", type=Path, help="checkpoint root: layout-independent checkpoints (resume on any pp/tp/dp)")
     opt("--save-every", type=int, help="save every N steps (and after the last); default: after the last only")
+    opt("--overwrite", action="store_const", const=True, help="a fresh run (no --resume) may save into a "
+        "--save-dir holding checkpoints (its steps replace those of the same number)")
     opt("--keep", type=int, help=f"checkpoints kept in --save-dir (default {d.keep}; 0 keeps all)")
     opt("--resume", nargs="?", const="latest", metavar="DIR|latest|auto",
         help="resume from --save-dir's latest checkpoint (latest or auto: a fresh start when none), or from DIR")
@@ -367,6 +369,8 @@ def _add_export_parser(sub) -> None:
                    help="HF config.json, for a checkpoint of an HF-loaded run whose manifest has no hf_config")
     e.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer directory or tokenizers JSON to ship (default: the run's own, when it can be found)")
+    e.add_argument("--cache-dir", type=Path, default=None, help="the tokenizer cache the run used (mpt train "
+                   "--cache-dir; default its default): the run's trained tokenizer is read only from here")
     e.add_argument("--force", action="store_true", help="replace --out when it is not empty")
     e.add_argument("--max-shard-size", default="5GB",
                    help="split the weights into model-0000i-of-0000n.safetensors + index above this size "
@@ -378,7 +382,8 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         done = export_run(args.checkpoint, args.out, config=args.config, tokenizer=args.tokenizer, force=args.force,
-                          max_shard_size=args.max_shard_size)
+                          max_shard_size=args.max_shard_size,
+                          cache_dir=args.cache_dir if args.cache_dir is not None else TrainConfig().cache_dir)
     except ValueError as e:  # also HF's config errors; a CheckpointError (e.g. a hash mismatch) names --checkpoint
         line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"--checkpoint {line}" if isinstance(e, CheckpointError) else line) from None

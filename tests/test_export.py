@@ -118,7 +118,9 @@ def test_bert_export_gives_mlm_and_nsp_logits_and_the_runs_tokenizer(runs, capsy
     from mp_toolkit.data.mlm import bert_tokenizer
     from mp_toolkit.data.synthetic import synthetic_documents
 
-    line = export(capsys, runs["bert_pp2"], tmp_path / "hf")
+    line = export(capsys, runs["bert_pp2"], tmp_path / "elsewhere")  # the run's cache is not the default one
+    assert "no tokenizer: the run cached it in" in line and not (tmp_path / "elsewhere" / "tokenizer.json").exists()
+    line = export(capsys, runs["bert_pp2"], tmp_path / "hf", "--cache-dir", runs["cache"])
     assert "BertForPreTraining" in line and "BERT specials" in line, line
     hf = BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
     ours = zoo_model(runs["bert_pp2"])

@@ -61,8 +61,9 @@ def check_out_dir(out: Path, checkpoint: Path, force: bool) -> None:
 
 
 def export_run(checkpoint, out_dir, config=None, tokenizer=None, force: bool = False,
-               max_shard_size: str | int = DEFAULT_MAX_SHARD) -> Exported:
-    """Write the HF directory of ``checkpoint`` (a root, following ``latest``, or a step directory)."""
+               max_shard_size: str | int = DEFAULT_MAX_SHARD, cache_dir=None) -> Exported:
+    """Write the HF directory of ``checkpoint`` (a root, following ``latest``, or a step directory);
+    the run's trained tokenizer is looked up in ``cache_dir`` only (None: not at all)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # a bar for writing one small file says nothing
@@ -77,7 +78,7 @@ def export_run(checkpoint, out_dir, config=None, tokenizer=None, force: bool = F
     scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
     try:
         parameters = export_layers(ck, scratch, config, where=checkpoint, max_shard_bytes=max_shard_bytes)
-        note = write_tokenizer(tokenizer, ck.manifest, scratch)
+        note = write_tokenizer(tokenizer, ck.manifest, scratch, cache_dir)
         os.chmod(scratch, 0o755)  # mkdtemp makes it 0700; the export is shared like any model directory
         if out.exists():
             shutil.rmtree(out)  # empty, or --force (check_out_dir)

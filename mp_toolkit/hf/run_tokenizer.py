@@ -2,7 +2,10 @@
 
 `mpt train` trains a byte-level BPE per (corpus, vocabulary) and caches it as
 ``<cache_dir>/tokenizer-<key>.json`` (`mp_toolkit.data.lm.train_tokenizer`); the manifest records the
-run's ``data`` and ``cache_dir``, which give the key again. BERT runs add [PAD] [CLS] [SEP] [MASK]
+run's ``data`` and ``cache_dir``, which give the key again. A manifest is untrusted input, so it
+never chooses a directory to read by itself: the run's cache is used only when it is the export's
+own ``--cache-dir`` (default the training default, ``~/.cache/mp_toolkit``), and the files of an
+``--hf DIR`` run only when ``--tokenizer`` names them. BERT runs add [PAD] [CLS] [SEP] [MASK]
 after the BPE (`mp_toolkit.data.mlm.bert_tokenizer`). A GPT run on ``--data synthetic`` draws
 random ids and has no tokenizer. An ``--hf DIR`` run ships DIR's tokenizer files. The HF files
 are written by ``PreTrainedTokenizerFast.save_pretrained`` (tokenizer.json + tokenizer_config.json),
@@ -37,10 +40,17 @@ def _run_texts(family: str, run: Mapping) -> list[str] | None:
     return read_texts(stdlib_files() if data == "stdlib" else [data])[0]
 
 
-def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
-    """(the tokenizer the checkpoint's run trained, or None; a note on where it came from or why none)."""
+def run_tokenizer(manifest: Mapping, cache_dir) -> tuple[Tokenizer | None, str]:
+    """(the tokenizer the checkpoint's run trained, or None; a note on where it came from or why none).
+    Read only from ``cache_dir``, and only when the run cached it there."""
     run, model = manifest.get("config", {}), manifest["model"]
     family, vocab = model["family"], model["config"]["vocab_size"]
+    if str(run.get("data")) == "synthetic" and not _mlm(family):
+        return None, "no tokenizer: the run trained on synthetic token ids"
+    if (cache_dir is None or not isinstance(run.get("cache_dir"), str)
+            or Path(run["cache_dir"]).resolve() != Path(cache_dir).resolve()):
+        return None, (f"no tokenizer: the run cached it in {run.get('cache_dir')!r}, not in --cache-dir {cache_dir}; "
+                      "pass --cache-dir with the run's cache or --tokenizer")
     try:
         texts = _run_texts(family, run)
     except (DataError, OSError, KeyError) as e:
@@ -49,7 +59,7 @@ def run_tokenizer(manifest: Mapping) -> tuple[Tokenizer | None, str]:
         return None, "no tokenizer: the run trained on synthetic token ids"
     bpe_vocab = vocab - len(SPECIAL_TOKENS) if _mlm(family) else vocab
     # the cache file's name: the key the run computed
-    cached = Path(run.get("cache_dir", ".")) / f"tokenizer-{cache_key(texts, bpe_vocab)}.json"
+    cached = Path(cache_dir) / f"tokenizer-{cache_key(texts, bpe_vocab)}.json"
     if not cached.is_file():
         return None, f"no tokenizer: the run's {cached} is gone; pass --tokenizer"
     if _mlm(family):  # reads the cache (it exists) and appends the specials as the run did
@@ -68,9 +78,10 @@ def save_tokenizer(tokenizer: Tokenizer, family: str, max_length: int, out_dir) 
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=max_length, **specials).save_pretrained(out_dir)
 
 
-def write_tokenizer(source, manifest: Mapping, out_dir) -> str:
+def write_tokenizer(source, manifest: Mapping, out_dir, cache_dir) -> str:
     """Put the tokenizer into ``out_dir``: ``source`` (a directory of HF tokenizer files, or a
-    `tokenizers` JSON such as the run's cache file), else the run's own; returns a one-line note."""
+    `tokenizers` JSON such as the run's cache file), else the run's own from ``cache_dir``; returns a
+    one-line note."""
     model = manifest.get("model") or {}
     family = model.get("family", "gpt")
     config = model.get("config", {})
@@ -85,14 +96,12 @@ def write_tokenizer(source, manifest: Mapping, out_dir) -> str:
                              f"({str(e).splitlines()[0][:120]})") from None
         note = f"tokenizer from {source}"
     elif family in FAMILIES and FAMILIES[family].config_from_dict is not None and "config" in model:  # model_zoo
-        tokenizer, note = run_tokenizer(manifest)
+        tokenizer, note = run_tokenizer(manifest, cache_dir)
         if tokenizer is None:
             return note
-    else:  # an `mpt train --hf DIR` run: DIR's own tokenizer files, when it has them
+    else:  # an `mpt train --hf DIR` run: DIR's tokenizer files, when --tokenizer names DIR
         hf_dir = manifest.get("config", {}).get("hf")
-        try:
-            return f"tokenizer files {', '.join(copy_tokenizer(hf_dir, out_dir))} from {hf_dir}"
-        except (ValueError, TypeError, OSError):
-            return f"no tokenizer: the run's --hf {hf_dir} has no tokenizer files now; pass --tokenizer"
+        return (f"no tokenizer: pass --tokenizer {hf_dir} to ship the run's --hf tokenizer files (the checkpoint "
+                "does not choose the directories export reads)")
     save_tokenizer(tokenizer, family, max_length, out_dir)
     return note

@@ -17,6 +17,7 @@ from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute
 from mp_toolkit.run.families import ModelSpec, resolve_hf, resolve_model
 from mp_toolkit.run.loggers import check_loggers
+from mp_toolkit.run.save_dir import check_fresh
 from mp_toolkit.schedule import get_schedule
 
 
@@ -75,6 +76,7 @@ def _validate_paths(cfg: TrainConfig) -> None:
         raise ConfigError(f"--resume {cfg.resume}: no such checkpoint directory")
     if cfg.save_every and cfg.save_dir is None:
         raise ConfigError(f"--save-every {cfg.save_every} needs --save-dir")
+    check_fresh(cfg)
     if cfg.restarts and (cfg.save_dir is None or not cfg.save_every):
         raise ConfigError(f"--restarts {cfg.restarts} needs --save-dir and --save-every N: a restart resumes from "
                           "the latest checkpoint, and without one it would start over")

@@ -138,7 +138,9 @@ class TrainConfig:
     save_every: int = 0
     """Save every this many steps (and after the last step); 0: only after the last step."""
     keep: int | None = 3
-    """Checkpoints kept in save_dir (the newest); None keeps every one."""
+    """Checkpoints kept in save_dir (the newest of this run: another run's are never pruned); None keeps every one."""
+    overwrite: bool = False
+    """Let a fresh run (no resume) save into a save_dir that holds another run's checkpoints."""
     resume: str | None = None
     """Resume from a checkpoint: "latest" or "auto" (save_dir's latest, or a fresh start when it holds
     none: "auto" is the spelling for restart loops such as torchrun --max-restarts), a checkpoint

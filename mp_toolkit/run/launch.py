@@ -105,6 +105,8 @@ class LaunchEnv:
     """Restarts before this one (spawn_local's MPT_RESTART_COUNT, torchrun's TORCHELASTIC_RESTART_COUNT)."""
     status_fd: int | None = None
     """Write end of the pipe to spawn_local's watchdog; None under another launcher."""
+    store_fd: int | None = None
+    """spawn_local: rank 0's rendezvous store serves this listening socket (bound to 127.0.0.1)."""
     faults: Faults = field(default_factory=Faults)
     """Test-only fault injection (``MPT_FAULTS``)."""
 
@@ -125,6 +127,7 @@ def launcher_env() -> LaunchEnv | None:
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))),
         attempt=int(os.environ.get("MPT_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))),
         status_fd=int(fd) if fd else None, faults=Faults.parse(os.environ.get("MPT_FAULTS")),
+        store_fd=int(os.environ["MPT_STORE_FD"]) if os.environ.get("MPT_STORE_FD") else None,
     )
 
 
@@ -150,7 +153,11 @@ def init_distributed(env: LaunchEnv, timeout_s: float) -> torch.device:
     if env.world_size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         store = None
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if env.store_fd is not None:  # spawn_local: rank 0 serves the launcher's loopback socket
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                                  is_master=env.rank == 0, timeout=timeout,
+                                  master_listen_fd=env.store_fd if env.rank == 0 else None)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
                                    is_master=False, timeout=timeout)
             store = dist.PrefixStore(f"mpt/attempt_{env.attempt}", client)
@@ -242,6 +249,24 @@ def comm_failure_line(e: BaseException, peers: Peers | None, rank: int, phase: s
             "stopped is named by its launcher")
 
 
+def loopback_listener() -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 at a port the kernel picks, for spawn_local's rendezvous
+    store: handed to rank 0 open (``TCPStore(master_listen_fd=...)``), so no other process can take
+    the port between its choice and its use, and nothing listens beyond this machine."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
+
+
+def loopback_env() -> dict[str, str]:
+    """gloo's own sockets on the loopback interface too, unless the user chose one (GLOO_SOCKET_IFNAME)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")] if hasattr(socket, "if_nameindex") else []
+    return {"GLOO_SOCKET_IFNAME": names[0]} if names else {}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -300,24 +325,29 @@ def spawn_local(argv: list[str], nprocs: int, restarts: int = 0, save_dir: Path 
 
 def _run_ranks(argv: list[str], nprocs: int, attempt: int, poll_s: float, grace_s: float) -> tuple[int, str | None]:
     """One attempt: (exit code, the watchdog's line or None)."""
-    port = free_port()
+    listener = loopback_listener()
+    port = listener.getsockname()[1]
     ranks: list[_Rank] = []
     try:
         for rank in range(nprocs):
             read, write = os.pipe()
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       MPT_STATUS_FD=str(write), MPT_RESTART_COUNT=str(attempt))
+                       MPT_STATUS_FD=str(write), MPT_RESTART_COUNT=str(attempt),
+                       MPT_STORE_FD=str(listener.fileno()), **loopback_env())
             try:
-                proc = subprocess.Popen([sys.executable, "-m", "mp_toolkit.cli", *argv], env=env, pass_fds=(write,))
+                fds = (write, listener.fileno()) if rank == 0 else (write,)
+                proc = subprocess.Popen([sys.executable, "-m", "mp_toolkit.cli", *argv], env=env, pass_fds=fds)
             finally:
                 os.close(write)
             os.set_blocking(read, False)
             ranks.append(_Rank(rank, proc, read))
+        listener.close()  # rank 0's now: the port closes with it
         return _watch(ranks, poll_s, grace_s)
     except KeyboardInterrupt:
         return 130, None
     finally:
+        listener.close()
         _terminate([r.proc for r in ranks])
         for r in ranks:
             os.close(r.status)

@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from mp_toolkit.checkpoint import CheckpointError
 from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.optim.lr import WarmupDecay, set_lr
 from mp_toolkit.optim.master import resolve_precision
@@ -36,14 +37,15 @@ from mp_toolkit.partition.memstats import (keep_freed_memory, peak_rss_bytes, re
 from mp_toolkit.run.checks import model_spec
 from mp_toolkit.run.compose import make_engine
 from mp_toolkit.run.predict import predicted_rank_bytes
-from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.families import micro_batches
 from mp_toolkit.run.launch import (
     LaunchEnv, PeerLost, Peers, RankStatus, comm_failure_line, init_distributed, is_comm_failure,
 )
 from mp_toolkit.run.metrics import MetricsLog, gather_ints
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
-from mp_toolkit.run.state import ModelNames, Progress, find_checkpoint, load_state, manifest, save_state
+from mp_toolkit.run.save_dir import SaveDirLock, new_run_id, prepare as prepare_save_dir
+from mp_toolkit.run.state import ModelNames, Progress, agree, find_checkpoint, load_state, manifest, save_state
 from mp_toolkit.run.validation import evaluates_at, mlm_metrics, validation_row
 
 __all__ = ["Diverged", "lr_at", "run_training"]
@@ -63,34 +65,36 @@ def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
     --timeout) becomes `PeerLost`, whose line names the lost rank when it ran on this host."""
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     status = RankStatus(env)  # under spawn_local: the watchdog hears each step
-    peers, lost = None, False
+    peers, lost, lock = None, False, SaveDirLock()
     try:
         device = init_distributed(env, cfg.timeout_s)
         if env.world_size > 1:
             peers = Peers.exchange(env.rank, env.world_size, device)
-        return _train(cfg, env, device, status)
+        return _train(cfg, env, device, status, lock)
     except RuntimeError as e:
         if isinstance(e, PeerLost) or not is_comm_failure(e):
             raise
         lost = True  # no teardown: the group is broken and the process exits now
         raise PeerLost(comm_failure_line(e, peers, env.rank, status.phase)) from None
     finally:
+        lock.release()
         if dist.is_initialized() and not lost:
             dist.destroy_process_group()
 
 
-def _resume(cfg: TrainConfig, path, engine, ctx, names, data, spec, log_rank0: bool) -> Progress:
-    """Progress after restoring ``path``, ``--resume``'s checkpoint (a fresh Progress when None)."""
+def _resume(cfg: TrainConfig, path, engine, ctx, names, data, spec, log_rank0: bool) -> tuple[Progress, str]:
+    """(Progress after restoring ``path``, ``--resume``'s checkpoint, the run's id): a fresh
+    Progress and a new id when None; a resumed run keeps the id its checkpoint records."""
     if path is None:
         if cfg.resume and log_rank0:
             print(f"--resume {cfg.resume}: {cfg.save_dir} holds no committed checkpoint yet, starting from step 0")
-        return Progress()
+        return Progress(), new_run_id()
     resumed = load_state(path, cfg, engine, ctx, names, data, spec)
     if log_rank0:
         print(f"resumed from {resumed.path} at step {resumed.progress.step}")
         for note in resumed.notes:
             print(f"  {note}")
-    return resumed.progress
+    return resumed.progress, resumed.run or new_run_id()
 
 
 def _one_step(cfg: TrainConfig, env: LaunchEnv, engine: TrainEngine, data, progress: Progress,
@@ -112,7 +116,7 @@ def _one_step(cfg: TrainConfig, env: LaunchEnv, engine: TrainEngine, data, progr
     return stats, row
 
 
-def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankStatus) -> list[dict]:
+def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankStatus, lock: SaveDirLock) -> list[dict]:
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))
     rank0 = env.rank == 0
     spec = model_spec(cfg)
@@ -136,11 +140,19 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     with torch.device("meta") if spec.builds_on_meta else contextlib.nullcontext():
         model = spec.build()
     names = ModelNames.of(model)
+    if cfg.save_dir is not None:  # locked for the run's life, scratch cleared, room for one checkpoint
+        error = None
+        if rank0:
+            try:
+                prepare_save_dir(cfg, lock, sum(p.numel() for p in model.parameters()))
+            except (ConfigError, CheckpointError) as e:
+                error = e
+        agree(error, ctx)
     resume_from = find_checkpoint(cfg) if cfg.resume else None
     engine = make_engine(cfg, ctx, model, values=resume_from is None)  # resuming: the checkpoint fills them
     del model
     planned = predicted_rank_bytes(cfg, engine.boundaries, ctx.pp_rank)  # mpt plan's figure for this rank
-    progress = _resume(cfg, resume_from, engine, ctx, names, data, spec, rank0)
+    progress, run_id = _resume(cfg, resume_from, engine, ctx, names, data, spec, rank0)
     if progress.step >= cfg.steps:
         if rank0:
             print(f"the checkpoint is at step {progress.step}, --steps is {cfg.steps}: nothing to train")
@@ -176,7 +188,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
             log.note(streak.line(step, stats, cfg, scaler))
         if saves.now(step, counted, log):
             status.set(f"while saving step {step}")
-            meta = manifest(cfg, engine, ctx, data, progress, spec, row["lr"]) if rank0 else None
+            meta = manifest(cfg, engine, ctx, data, progress, spec, row["lr"], run_id) if rank0 else None
             save_state(cfg.save_dir, meta, engine, ctx, names, step, cfg.keep,
                        after_shards=lambda: env.faults.kill_here(env, step, "save"))
             log.note(f"saved step {step} to {cfg.save_dir}")

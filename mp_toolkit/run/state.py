@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from mp_toolkit.checkpoint import (
-    CheckpointError, begin, capture_rng, commit, latest_step, load_optimizer_state_by_name, open_checkpoint,
+    CheckpointError, begin, capture_rng, commit, discard, latest_step, load_optimizer_state_by_name, open_checkpoint,
     optimizer_state_by_name, param_groups_by_name, restore_rng, write_layer_shard, write_optimizer_shard,
     write_rng_shard,
 )
@@ -57,7 +57,7 @@ from mp_toolkit.parallel.tensor_parallel import full_shape, gather_full, shard_f
 from mp_toolkit.run.config import ConfigError, TrainConfig
 
 RUN_CONTROL = ("steps", "metrics", "plot", "progress", "threads", "timeout_s", "save_dir", "save_every", "keep",
-               "resume", "cache_dir", "restarts", "max_skips")
+               "resume", "cache_dir", "restarts", "max_skips", "overwrite")
 """TrainConfig fields that steer the run rather than the training: not reported as changed on resume."""
 
 
@@ -81,7 +81,7 @@ def agree(error: Exception | None, ctx: ParallelContext) -> None:
 
 def _one_line(e: Exception, root) -> CheckpointError:
     if isinstance(e, OSError):
-        return CheckpointError(f"{e.filename or root}: {e.strerror or e}")
+        return CheckpointError(f"{e.filename or root}: {e.strerror or ' '.join(str(e).split())}")
     return e if isinstance(e, CheckpointError) else CheckpointError(str(e))
 
 
@@ -217,11 +217,14 @@ def _data_state(data, dp: int) -> dict:
             "samples": data.position * per_round, "samples_per_epoch": data.batches_per_epoch * per_round}
 
 
-def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, progress: Progress, spec, lr: float) -> dict:
-    """Rank 0's description of the run at this step (the store adds step, files and hashes)."""
+def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, progress: Progress, spec, lr: float,
+             run: str | None = None) -> dict:
+    """Rank 0's description of the run at this step (the store adds step, files and hashes); ``run``
+    is the run's id (`mp_toolkit.run.save_dir`): --keep prunes only checkpoints of that id."""
     named = [(n, engine.master_of(p)) for n, p in engine.named_parameters()]
     scaler = engine.scaler
     return {
+        **({"run": run} if run is not None else {}),
         "config": config_json(cfg), "model": spec.to_json(), "layout": layout_of(engine, ctx, cfg),
         "progress": dataclasses.asdict(progress), "data": _data_state(data, ctx.dp),
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
@@ -238,24 +241,44 @@ def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, 
 def save_state(root: Path, meta: dict | None, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, step: int,
                keep: int | None, after_shards=None) -> None:
     """Write one checkpoint of this step; every rank calls it, rank 0 passes ``meta`` (`manifest`).
-    ``after_shards()`` runs once this rank's shards are written, before the commit (a test's fault hook)."""
+    ``after_shards()`` runs once this rank's shards are written, before the commit (a test's fault hook).
+
+    A failed write on any rank (a full disk, a read-only folder, an I/O error) stops every rank: rank 0
+    removes this save's temp directory, ``latest`` stays on the previous complete checkpoint, and the
+    lowest failing rank raises one `CheckpointError` line naming the file and the error."""
     error, tmp = None, None
     try:
-        tmp = begin(root, step, create=ctx.rank == 0)
-    except (CheckpointError, OSError) as e:
-        error = _one_line(e, root)
-    agree(error, ctx)  # the directory exists before anyone writes into it
-    error = write_shards(tmp, engine, ctx, names)
-    if after_shards is not None:
-        after_shards()
-    agree(error, ctx)  # every shard is written before the commit
-    error = None
-    if ctx.rank == 0:
         try:
-            commit(root, step, tmp, meta, keep=keep)
+            tmp = begin(root, step, create=ctx.rank == 0)
         except (CheckpointError, OSError) as e:
             error = _one_line(e, root)
-    agree(error, ctx)
+        agree(error, ctx)  # the directory exists before anyone writes into it
+        error = write_shards(tmp, engine, ctx, names)
+        if after_shards is not None:
+            after_shards()
+        agree(error, ctx)  # every shard is written before the commit
+        error = None
+        if ctx.rank == 0:
+            try:
+                commit(root, step, tmp, meta, keep=keep)
+            except (CheckpointError, OSError) as e:
+                error = _one_line(e, root)
+        agree(error, ctx)
+    except (CheckpointError, PeerFailed) as e:
+        if ctx.rank == 0 and tmp is not None:
+            discard(tmp)
+        if isinstance(e, CheckpointError):
+            raise CheckpointError(f"saving step {step} failed: {e}; {_still_latest(root)}") from None
+        raise
+
+
+def _still_latest(root: Path) -> str:
+    try:
+        step = latest_step(root)
+    except CheckpointError:
+        step = None
+    return (f"latest still names step-{step:08d}" if step is not None
+            else "no checkpoint was committed")
 
 
 def find_checkpoint(cfg: TrainConfig) -> Path | None:
@@ -346,6 +369,8 @@ class Resumed:
     progress: Progress
     path: Path
     notes: tuple[str, ...]
+    run: str | None = None
+    """The id of the run that saved it (``meta.run``), None in checkpoints from before ids."""
 
 
 def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
@@ -375,7 +400,8 @@ def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, nam
     if changed:
         notes.append(f"settings changed since the save: {', '.join(changed)}")
     progress = meta.get("progress", {})
-    return Resumed(Progress(step=ck.step, applied=int(progress.get("applied", ck.step))), ck.path, tuple(notes))
+    run = meta.get("run") if isinstance(meta.get("run"), str) else None
+    return Resumed(Progress(step=ck.step, applied=int(progress.get("applied", ck.step))), ck.path, tuple(notes), run)
 
 
 def load_state(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
