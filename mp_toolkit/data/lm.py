@@ -298,11 +298,23 @@ def _packed_dataset(stream: np.ndarray, seq_len: int) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"input_ids": chunks})
 
 
-def rank0_first(build, rank: int):
-    """Rank 0 builds first (training and caching the tokenizer); the others then load the cache."""
-    out = build() if rank == 0 else None
-    if dist.is_initialized():
-        dist.barrier()
+def rank0_first(build, rank: int, agree=None):
+    """Rank 0 builds first (training and caching the tokenizer); the others then load the cache.
+
+    ``agree(error)``, when given, is the barrier: a barrier that also tells every rank whether rank 0
+    failed (a DataError) and raises on every rank then, so the others do not wait for it in vain."""
+    if agree is None:
+        out = build() if rank == 0 else None
+        if dist.is_initialized():
+            dist.barrier()
+        return out if out is not None else build()
+    out, error = None, None
+    if rank == 0:
+        try:
+            out = build()
+        except DataError as e:
+            error = e
+    agree(error)
     return out if out is not None else build()
 
 

@@ -40,6 +40,7 @@ from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.hf_source import HFModel, HFSource
+from mp_toolkit.run.state import agree
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,8 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
 
 
 def _gpt_micro_batches(config: gpt.GPTConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
-    ds = rank0_first(lambda: build_lm_dataset(cfg.data, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir), rank)
+    ds = rank0_first(lambda: build_lm_dataset(cfg.data, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir), rank,
+                     lambda error: agree(error, ctx))
     return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
                         holdout=cfg.held_out_sequences), config
 
@@ -210,7 +212,7 @@ def _gpt_micro_batches(config: gpt.GPTConfig, cfg: TrainConfig, ctx: ParallelCon
 def _bert_micro_batches(config: bert.BertConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
     source = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
     corpus = rank0_first(lambda: build_mlm_corpus(source, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
-                         rank)
+                         rank, lambda error: agree(error, ctx))
     data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
                            holdout=cfg.held_out_sequences)
     return data, dataclasses.replace(config, pad_token_id=corpus.special.pad)

@@ -36,6 +36,7 @@ from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.hf_source import HFModel, HFSource
+from mp_toolkit.run.state import agree
 
 BPE_MIN_VOCAB = 257  # `mp_toolkit.data.lm.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
 
@@ -130,10 +131,10 @@ def hf_micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, r
     if not source.is_bert:  # a DataError is the caller's (`families.micro_batches`: one ConfigError line)
         ds = rank0_first(lambda: build_lm_dataset(cfg.data, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir,
                                                   tokenizer_file=tok, eos=_eos(source.config) if tok else None),
-                         rank)
+                         rank, lambda error: agree(error, ctx))
         return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
                             holdout=cfg.held_out_sequences), source
-    corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank)
+    corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank, lambda error: agree(error, ctx))
     data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
                            hf_order=True,  # HF BERT's first layer: (input_ids, attention_mask, token_type_ids)
                            holdout=cfg.held_out_sequences)
