@@ -62,7 +62,8 @@ def train_args(draw, max_world, shared):
             "--seq-len", str(draw(st.sampled_from([8, 16, 32]))), "--micro-batch", str(draw(st.integers(1, 3))),
             "--microbatches", str(draw(st.integers(1, 4))), "--threads", "1", "--no-progress", "--timeout", "60",
             "--cache-dir", str(shared["cache"])]
-    args += ["--data", draw(st.sampled_from(["synthetic", "synthetic", str(shared["corpus"])]))]
+    texts = [str(shared["corpus"])] if model == "bert-tiny" else []  # gpt-tiny's 256 ids are too few for a BPE
+    args += ["--data", draw(st.sampled_from(["synthetic", "synthetic", *texts]))]
     args += draw(_flag("--schedule", st.sampled_from(["gpipe", "1f1b", "interleaved", "zbh1", "auto"])))
     args += draw(_flag("--precision", st.sampled_from(["fp32", "bf16", "fp16", "auto"])))
     args += draw(_flag("--optimizer", st.sampled_from(["adamw", "adam", "adagrad", "rmsprop", "sgd", "lamb", "lars"])))
@@ -70,7 +71,7 @@ def train_args(draw, max_world, shared):
     args += draw(_flag("--clip-grad", st.sampled_from(["none", "0.01", "1.0"])))
     args += draw(_flag("--weight-decay", st.sampled_from([0.0, 0.1])))
     args += draw(_flag("--warmup-steps", st.integers(0, 3)))
-    args += draw(_flag("--lr-decay", st.sampled_from(["linear", "cosine", "none", "constant"])))
+    args += draw(_flag("--lr-decay", st.sampled_from(["linear", "cosine", "none"])))
     args += draw(_flag("--loss-scale", st.sampled_from([0, 1, 1024])))
     args += draw(_flag("--recompute", st.sampled_from(["none", "full", "selective"])))
     args += draw(_flag("--zero", st.sampled_from([0, 1])))
