@@ -42,6 +42,7 @@ from mp_toolkit.optim import master
 from mp_toolkit.optim.lamb import LAMB_RULES
 from mp_toolkit.recompute import MODES as RECOMPUTE_MODES, RecomputeError, parse_layer_counts
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.run.predict import dry_run_report
 from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
 from mp_toolkit.run.loop import run_training
 from mp_toolkit.run.recompute_plan import resolve_auto_schedule
@@ -170,6 +171,8 @@ def _add_train_parser(sub) -> None:
     opt("--recompute-layers", type=_layer_counts, metavar="N[,N...]",
         help="recompute the first N block layers of every stage, or one count per stage (default: all)")
     opt("--memory-gb", type=float, help="per-rank memory cap that --recompute auto plans for")
+    opt("--dry-run", action="store_true", help="run every check, print the run and mpt plan's prediction for its "
+                                               "cut, start nothing (exit 0), also under a launcher")
 
 
 def _add_plan_parser(sub) -> None:
@@ -255,12 +258,16 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
         cfg, line = resolve_auto_schedule(cfg, chunks_given="chunks" in given)
         notes = [*notes, line]
     try:
-        validate(cfg)  # no process group needed: every rank fails the same way before any talks
+        boundaries = validate(cfg)  # no process group needed: every rank fails the same way before any talks
     except ConfigError as e:
         raise blame(e, from_file, args.ds_config) from None
+    dry_run = args.dry_run is not _UNSET
     if (env.rank == 0) if env is not None else cfg.world_size == 1:  # once, by the process that trains rank 0
         for line in notes:
             print(line, flush=True)
+    if env is None and dry_run:
+        print(dry_run_report(cfg, boundaries, "mpt train itself"), flush=True)
+        return 0
     if env is None:  # no launcher: start the pp*tp*dp ranks ourselves
         for path in (cfg.metrics, cfg.plot):
             if path is not None:
@@ -275,6 +282,10 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
         check_grid(env.world_size, cfg.pp, cfg.tp, cfg.dp)
     except GridError as e:
         raise ConfigError(f"the launcher started {env.world_size} processes: {e}") from None
+    if dry_run:
+        if env.rank == 0:
+            print(dry_run_report(cfg, boundaries, f"the launcher (world size {env.world_size})"), flush=True)
+        return 0
     return _run(cfg, env)
 
 

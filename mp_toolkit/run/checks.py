@@ -82,8 +82,9 @@ def _validate_paths(cfg: TrainConfig) -> None:
                           "the latest checkpoint, and without one it would start over")
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Every check that needs no process group: fail before any rank starts."""
+def validate(cfg: TrainConfig) -> list[int]:
+    """Every check that needs no process group: fail before any rank starts. Returns the cut checked
+    (a ``--partition time`` cut is measured when the ranks start; here it is the FLOPs cut)."""
     _validate_numbers(cfg)
     _validate_paths(cfg)
     check_engine(cfg)  # --engine deepspeed's limits (imports no DeepSpeed)
@@ -100,8 +101,10 @@ def validate(cfg: TrainConfig) -> None:
                           "(use --engine mp_toolkit, or --recompute none)")
     if cfg.memory_gb is not None and not (cfg.memory_gb > 0 and math.isfinite(cfg.memory_gb)):
         raise ConfigError(f"--memory-gb {cfg.memory_gb} must be a positive finite number")
-    apply_choices(layers, *cut_and_recompute(cfg, layers, spec.config))  # refuses selective where unsupported
+    boundaries, choices = cut_and_recompute(cfg, layers, spec.config)
+    apply_choices(layers, boundaries, choices)  # refuses selective where unsupported
     try:
         get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return boundaries
