@@ -22,7 +22,7 @@ Peers (each the real library, `tools/peers.py`):
 * one process, plain gradient accumulation (T1, for the bound).
 
 Rows "as mpt train" (and "mpt defaults") run our engine as ``mpt train`` does on CPU: fused
-AdamW and the heap that keeps freed pages (`mp_toolkit.partition.memstats.keep_freed_memory`); the
+AdamW and the heap that keeps freed pages (`mp_toolkit.partition.memstats.DeviceMemory.keep_freed`); the
 "heap kept" rows give DeepSpeed and the single process the same heap, so the table shows how
 much of a margin is the heap. A row's efficiency is against the bound of the single process on
 the same heap.
