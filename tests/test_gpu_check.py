@@ -25,8 +25,15 @@ gpu_check = sys.modules.setdefault("gpu_check", importlib.util.module_from_spec(
 _SPEC.loader.exec_module(gpu_check)
 
 
-def test_dry_run_writes_the_json_and_summary(tmp_path):
-    code = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "memory", "precision", "throughput", "lamb"])
+def test_dry_run_writes_the_json_and_summary(tmp_path, monkeypatch):
+    # mpt train runs in this process: leave glibc's heap and torch's thread count as other tests expect
+    monkeypatch.setenv("MPT_KEEP_FREED_MEMORY", "0")
+    threads = torch.get_num_threads()
+    try:
+        code = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "memory", "precision", "throughput",
+                               "lamb"])
+    finally:
+        torch.set_num_threads(threads)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0 and report["ok"] and report["dry_run"], report
     assert report["device"]["device"] == "cpu" and report["device"]["peak_tflops"] is None

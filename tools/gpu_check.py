@@ -208,7 +208,8 @@ def reference_run(cfg: GPTConfig, data, device: torch.device) -> dict:
 
 def _pp_rank(rank: int, world: int, port: int, cfg, data, device_type: str, results) -> None:
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # cuBLAS picks reproducible reductions only with a fixed workspace (torch's reproducibility notes)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUBLAS_WORKSPACE_CONFIG=":4096:8")
         torch.set_num_threads(1)
         gpus = torch.cuda.device_count() if device_type == "cuda" else 0
         device, backend = device_and_backend(rank, world, gpus)
