@@ -45,7 +45,7 @@ from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SC
 from mp_toolkit.run.predict import dry_run_report
 from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
 from mp_toolkit.run.loop import run_training
-from mp_toolkit.run.recompute_plan import resolve_auto_schedule
+from mp_toolkit.run.recompute_plan import default_schedule, resolve_auto_schedule
 from mp_toolkit.run.skips import Diverged
 from mp_toolkit.run.state import PeerFailed
 from mp_toolkit.schedule import ScheduleError, simulate_report
@@ -257,6 +257,9 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
     if cfg.schedule == "auto":  # every rank resolves it alike (FLOP times: arithmetic)
         cfg, line = resolve_auto_schedule(cfg, chunks_given="chunks" in given)
         notes = [*notes, line]
+    elif "schedule" not in given and "schedule" not in from_file:  # no schedule named: the planner's default
+        cfg, line = default_schedule(cfg)
+        notes = [*notes, line] if line else notes
     try:
         boundaries = validate(cfg)  # no process group needed: every rank fails the same way before any talks
     except ConfigError as e:

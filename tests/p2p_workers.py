@@ -6,9 +6,10 @@ from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.p2p import P2P, TensorSpec
 
 
-def swap_messages(rank, world):
-    """Both ranks send to and receive from each other in one batch (would deadlock unbatched on NCCL)."""
-    p2p = P2P(torch.device("cpu"))
+def swap_messages(rank, world, transport=P2P):
+    """Both ranks send to and receive from each other in one batch (would deadlock unbatched on NCCL);
+    ``transport``: `P2P`, or `HostStagedP2P` (the same calls staged through host memory)."""
+    p2p = transport(torch.device("cpu"))
     peer = 1 - rank
     mine = (torch.full((2, 3), float(rank)), torch.arange(4) + 10 * rank, torch.tensor([True, rank == 1]))
     specs = [TensorSpec.of(t) for t in mine]

@@ -1,5 +1,5 @@
 """What `mpt plan` changes in the process while it times layers: the neighbour load
-(`partition.contention`) and the heap that keeps freed pages (`memstats.keep_freed_memory`)."""
+(`partition.contention`) and the heap that keeps freed pages (`memstats.DeviceMemory.keep_freed`)."""
 import os
 import subprocess
 import sys
@@ -59,12 +59,13 @@ def test_a_helper_that_cannot_start_is_an_error_not_an_idle_machine():
 KEEP = """
 import ctypes, gc, sys, torch
 from mp_toolkit.partition import memstats
-kept = memstats.keep_freed_memory() if sys.argv[1] == "keep" else False
+memory = memstats.DeviceMemory.of("cpu")  # the adapter `mpt train` calls
+kept = memory.keep_freed() if sys.argv[1] == "keep" else False
 x = torch.ones(6 << 20)  # 24 MiB, touched
-before = memstats.rss_bytes()
+before = memory.in_use_bytes()
 del x
 gc.collect()
-print(int(kept), (before - memstats.rss_bytes()) >> 20)
+print(int(kept), (before - memory.in_use_bytes()) >> 20)
 """
 
 

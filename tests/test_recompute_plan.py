@@ -5,19 +5,20 @@ instances, and `mpt plan` / `mpt train --recompute auto` applying it; ``--schedu
 import dataclasses
 import itertools
 import random
+import re
 import subprocess
 import sys
 
 import pytest
 
 from mp_toolkit.partition import PartitionError
-from mp_toolkit.partition.auto_schedule import CANDIDATES, fastest_schedule
+from mp_toolkit.partition.auto_schedule import CANDIDATES, DEFAULT_CANDIDATES, fastest_schedule
 from mp_toolkit.partition.memory import MemoryCapError, StageMemory
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.partition.recompute import RecomputeCosts, min_max_recompute, stage_options
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.config import TrainConfig
-from mp_toolkit.run.recompute_plan import auto_request, resolve_auto_schedule
+from mp_toolkit.run.recompute_plan import auto_request, default_schedule, resolve_auto_schedule
 
 
 def _stage(memory: StageMemory, rc: RecomputeCosts, times, j, a, b, choice: StageRecompute, zbh1: bool):
@@ -159,6 +160,21 @@ def test_train_schedule_auto_resolves_alike_and_says_so():
     again, _ = resolve_auto_schedule(cfg)
     assert first == again and first.schedule in CANDIDATES and line.startswith("--schedule auto: ")
     assert (first.chunks == 2) == (first.schedule == "interleaved")
+
+
+def test_a_run_naming_no_schedule_takes_the_planners_pick_of_1f1b_and_zbh1():
+    """Issue 23: without --schedule our engine at pp > 1 runs what the planner predicts faster of 1F1B
+    and ZB-H1 on the run's own cut; DeepSpeed's engine, one stage, or a named schedule keep theirs."""
+    cfg = TrainConfig(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, microbatches=4)
+    picked, line = default_schedule(cfg)
+    _, auto_line = resolve_auto_schedule(cfg, candidates=DEFAULT_CANDIDATES)
+    times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) ms", auto_line)}
+    assert set(times) == set(DEFAULT_CANDIDATES) and picked.schedule == min(times, key=times.get)
+    assert picked.schedule == "zbh1" and picked.chunks == 1 and "--schedule 1f1b to keep 1F1B" in line
+    assert dataclasses.replace(picked, schedule="1f1b") == cfg  # nothing else changes: the cut is --partition's
+    for kept in (dataclasses.replace(cfg, engine="deepspeed"), dataclasses.replace(cfg, pp=1),
+                 dataclasses.replace(cfg, schedule="gpipe")):
+        assert default_schedule(kept) == (kept, None)
 
 
 def test_auto_takes_selective_where_it_pays_and_only_the_modes_allowed():

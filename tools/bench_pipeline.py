@@ -22,7 +22,7 @@ Peers (each the real library, `tools/peers.py`):
 * one process, plain gradient accumulation (T1, for the bound).
 
 Rows "as mpt train" (and "mpt defaults") run our engine as ``mpt train`` does on CPU: fused
-AdamW and the heap that keeps freed pages (`mp_toolkit.partition.memstats.keep_freed_memory`); the
+AdamW and the heap that keeps freed pages (`mp_toolkit.partition.memstats.DeviceMemory.keep_freed`); the
 "heap kept" rows give DeepSpeed and the single process the same heap, so the table shows how
 much of a margin is the heap. A row's efficiency is against the bound of the single process on
 the same heap.
@@ -42,6 +42,8 @@ figure that other load on the machine disturbs least.
     python tools/bench_pipeline.py --precision bf16
     python tools/bench_pipeline.py --rounds 1 --steps 5 --only 'mpt 1F1B|deepspeed'
     python tools/bench_pipeline.py --profile          # where mp_toolkit's (and DeepSpeed's) time goes, per rank
+    python tools/bench_pipeline.py --side-by-side 3   # issue 23: three runs of our defaults against DeepSpeed's
+                                                      # defaults and torch's schedules (~5 min a run, 2 quiet cores)
 
 Prints a table and, last, one JSON line. Nothing else should run on the machine meanwhile.
 """
@@ -85,6 +87,20 @@ def planner_cut(w: Workload, method: str, chunks: int = 1) -> list[int]:
     return list(plan.boundaries)
 
 
+def default_schedule_of(w: Workload) -> str:
+    """The schedule ``mpt train`` runs on this workload when none is named (`run.recompute_plan.default_schedule`)."""
+    from mp_toolkit.run.config import TrainConfig
+    from mp_toolkit.run.recompute_plan import default_schedule
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, "config.json")
+        path.write_text(json.dumps(w.gpt_config().to_dict()))
+        cfg, _ = default_schedule(TrainConfig(model=str(path), pp=w.pp, microbatches=w.microbatches,
+                                              micro_batch=w.micro_batch, seq_len=w.seq_len, optimizer="adamw",
+                                              precision=w.precision, threads=w.threads))
+    return cfg.schedule
+
+
 def default_cut(w: Workload, chunks: int = 1) -> list[int]:
     from mp_toolkit.layers import LayerList
     from mp_toolkit.run.cut import plan_boundaries
@@ -103,8 +119,10 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
     default heap, so those compare engines alone. "deepspeed uniform, heap kept" and "single
     process, heap kept" give DeepSpeed and the single process the heap ``mpt train`` keeps."""
     pcut = default_cut(w)
-    runs = [("mpt defaults (1F1B, flops cut, fused AdamW)",
-             {"peer": "mpt", "schedule": "1f1b", **as_train(fcut)}, w.pp),
+    schedule = default_schedule_of(w)  # the planner's pick, as `mpt train` without --schedule takes it
+    runs = [(f"mpt defaults ({schedule}, flops cut, fused AdamW)",
+             {"peer": "mpt", "schedule": schedule, **as_train(fcut)}, w.pp),
+            ("mpt 1F1B flops cut, as mpt train", {"peer": "mpt", "schedule": "1f1b", **as_train(fcut)}, w.pp),
             ("mpt ZBH1 flops cut, as mpt train", {"peer": "mpt", "schedule": "zbh1", **as_train(fcut)}, w.pp),
             ("mpt Interleaved1F1B x2 flops cut, as mpt train",
              {"peer": "mpt", "schedule": "interleaved", "chunks": 2, **as_train(fcut2)}, w.pp),
@@ -123,6 +141,8 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
                                                "keep_freed_memory": True}, w.pp),
              ("torch Schedule1F1B", {"peer": "torch", "schedule": "1f1b", "boundaries": pcut}, w.pp),
              ("torch ScheduleGPipe", {"peer": "torch", "schedule": "gpipe", "boundaries": pcut}, w.pp)]
+    if fcut != pcut:
+        runs.append(("torch Schedule1F1B flops cut", {"peer": "torch", "schedule": "1f1b", "boundaries": fcut}, w.pp))
     if tcut is not None and tcut != pcut:
         runs.append(("torch Schedule1F1B time cut", {"peer": "torch", "schedule": "1f1b", "boundaries": tcut}, w.pp))
     runs += [("single process (T1)", {"peer": "single"}, 1),
@@ -257,6 +277,42 @@ def bench(args, w: Workload) -> dict:
             "errors": errors}
 
 
+SIDE_BY_SIDE = ("^(mpt defaults|mpt 1F1B flops cut, as mpt train|deepspeed parameters|torch Schedule1F1B|"
+                "torch ScheduleGPipe|single process, heap kept)")
+"""Issue 23's rows: our defaults, 1F1B as mpt train runs it, DeepSpeed's defaults, every torch schedule."""
+
+
+def side_by_side(args, w: Workload, n: int) -> dict:
+    """``n`` separate runs of the issue-23 rows (each its own `bench`), and per run the ratios the
+    issue sets goals for: defaults / DeepSpeed's defaults (1.25x), defaults / the best torch row
+    (1.1x), and 1F1B as ``mpt train`` runs it against its bound on the same heap (0.95)."""
+    args.only = SIDE_BY_SIDE
+    runs = []
+    for i in range(n):
+        print(f"\n=== side-by-side run {i + 1} of {n} ===", flush=True)
+        r = bench(args, w)
+        rows = {row["label"]: row for row in r["peers"]}
+        ours = next(row for label, row in rows.items() if label.startswith("mpt defaults"))
+        torch_best = max((row for label, row in rows.items() if label.startswith("torch")),
+                         key=lambda row: row["tokens_per_s"])
+        ds = rows["deepspeed parameters"]
+        runs.append({"defaults": ours["label"], "defaults_tokens_per_s": ours["tokens_per_s"],
+                     "deepspeed_defaults_tokens_per_s": ds["tokens_per_s"],
+                     "torch_best": torch_best["label"], "torch_best_tokens_per_s": torch_best["tokens_per_s"],
+                     "vs_deepspeed": ours["tokens_per_s"] / ds["tokens_per_s"],
+                     "vs_torch_best": ours["tokens_per_s"] / torch_best["tokens_per_s"],
+                     "one_f_one_b_efficiency": rows["mpt 1F1B flops cut, as mpt train"]["efficiency"],
+                     "defaults_efficiency": ours["efficiency"], "load_avg": os.getloadavg()[0], "bench": r})
+    print("\n| run | defaults tokens/s | DeepSpeed defaults | best torch | defaults / DeepSpeed (goal 1.25) | "
+          "defaults / torch (goal 1.1) | 1F1B of its bound (goal 0.95) | load avg |\n|---|---:|---:|---|---:|---:|---:|---:|")
+    for i, r in enumerate(runs, 1):
+        print(f"| {i} | {r['defaults_tokens_per_s']:,.0f} | {r['deepspeed_defaults_tokens_per_s']:,.0f} | "
+              f"{r['torch_best']} {r['torch_best_tokens_per_s']:,.0f} | {r['vs_deepspeed']:.2f}x | "
+              f"{r['vs_torch_best']:.2f}x | {r['one_f_one_b_efficiency']:.2f} | {r['load_avg']:.1f} |")
+    checks = [r["bench"]["check"] for r in runs if r["bench"]["check"] is not None]
+    return {"side_by_side": runs, "check": {"ok": all(c["ok"] for c in checks)} if checks else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
@@ -268,11 +324,18 @@ def main() -> None:
     ap.add_argument("--no-time-cut", action="store_true", help="skip the planner's measured 'time' cut")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before its ranks are killed")
     ap.add_argument("--profile", action="store_true", help="profile mp_toolkit's 1F1B per rank instead")
+    ap.add_argument("--side-by-side", type=int, default=0, metavar="N",
+                    help="issue 23: N separate runs of our defaults, 1F1B, DeepSpeed's defaults and torch's "
+                         "schedules, and a table of the ratios per run (implies --no-time-cut)")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise SystemExit("--steps and --rounds must be at least 1, --warmup at least 0")
     w = Workload(precision=args.precision, threads=args.threads)
-    if args.profile:
+    if args.side_by_side:
+        args.no_time_cut = True
+        result = side_by_side(args, w, args.side_by_side)
+        bench_name = "pipeline_side_by_side"
+    elif args.profile:
         import pipeline_profile
 
         result = pipeline_profile.run(args, w, default_cut(w), None if args.no_time_cut else planner_cut(w, "time"))

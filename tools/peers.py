@@ -264,7 +264,7 @@ def train(spec: dict) -> dict:
     if memory or spec.get("map_large_blocks"):
         memstats.map_large_blocks()  # RSS then follows live tensors (slows CPU kernels: memory runs only)
     elif spec.get("keep_freed_memory"):
-        memstats.keep_freed_memory()  # as `mpt train` sets the heap on CPU (freed pages reused, not re-faulted)
+        memstats.DeviceMemory.of("cpu").keep_freed()  # as `mpt train` keeps freed memory on CPU (freed pages reused, not re-faulted)
     if memory:
         memstats.warm_runtime()
     n_steps = spec["warmup"] + spec["steps"]

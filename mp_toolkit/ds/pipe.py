@@ -151,8 +151,10 @@ def pipeline_module(layer_list: LayerList, num_stages: int, loss_fn: Callable, b
 
 
 def init_deepspeed(device: torch.device, timeout_s: float) -> None:
-    """DeepSpeed's communication over torch's default group (formed here when not yet): gloo on CPU."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    """DeepSpeed's communication over torch's default group (formed here when not yet): gloo on CPU.
+    An existing group keeps its backend (ranks sharing a GPU joined gloo, `run.launch.device_and_backend`)."""
+    backend = (torch.distributed.get_backend() if torch.distributed.is_initialized()
+               else "nccl" if device.type == "cuda" else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s))
 
 

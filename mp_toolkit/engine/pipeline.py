@@ -47,7 +47,7 @@ from mp_toolkit.optim.master import MasterWeights, precision_dtype
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.data_parallel import BUCKET_BYTES, DataParallelGrads
 from mp_toolkit.parallel.layouts import TP_ATTRIBUTES
-from mp_toolkit.parallel.p2p import P2P
+from mp_toolkit.parallel.host_staging import make_p2p
 from mp_toolkit.parallel.zero import ShardedGrads, sharded_buckets
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
 from mp_toolkit.schedule.completion import send_waits
@@ -122,7 +122,7 @@ class PipelineEngine:
                        for s in self.schedule.stages_of(ctx.pp_rank)}
         self.stage = self.stages[min(self.stages)]  # the first (with one chunk: the only) stage
         self.ties = TiedGradients(layer_list, boundaries, ctx, self.stages, self.schedule.stage_to_rank)
-        self.p2p = P2P(ctx.device) if ctx.pp > 1 else None
+        self.p2p = make_p2p(ctx.device) if ctx.pp > 1 else None  # CUDA over gloo: staged through the host
         self.stage_to_rank = [ctx.stage_rank(i) for i in self.schedule.stage_to_rank]
         self.loss_fn = loss_fn
         named = self.named_parameters()

@@ -16,6 +16,9 @@ from .planner import GB, Plan, PlanRequest, make_plan
 from .solvers import PartitionError
 
 CANDIDATES = ("gpipe", "1f1b", "interleaved", "zbh1")
+DEFAULT_CANDIDATES = ("1f1b", "zbh1")
+"""What `mpt train` weighs when no schedule is named (issue 23): schedules on the cut ``--partition``
+makes (interleaved would re-cut into pp x chunks stages), 1F1B first so a tie keeps it."""
 
 
 @dataclass
@@ -42,11 +45,11 @@ def _fits(plan: Plan) -> bool:
     return max(per_rank.values()) <= cap * GB
 
 
-def fastest_schedule(req: PlanRequest) -> ScheduleChoice:
+def fastest_schedule(req: PlanRequest, candidates: tuple[str, ...] = CANDIDATES) -> ScheduleChoice:
     """Plan ``req`` under every candidate schedule; the fastest that fits. Raises PartitionError
     (one line, each candidate's reason) when none does."""
     considered, best = {}, None
-    for schedule in CANDIDATES:
+    for schedule in candidates:
         chunks = max(req.chunks, 2) if schedule == "interleaved" else 1
         try:
             plan = make_plan(replace(req, schedule=schedule, chunks=chunks))

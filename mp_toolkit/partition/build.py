@@ -18,7 +18,7 @@ from mp_toolkit.optim.master import PRECISIONS
 
 from .contention import concurrent_load, default_threads, helpers_for
 from .cost import CostModelError, ModelShape
-from mp_toolkit.partition.memstats import keep_freed_memory, release_free_memory, rss_bytes, warm_runtime
+from mp_toolkit.partition.memstats import DeviceMemory, release_free_memory, rss_bytes, warm_runtime
 
 from .measure import TIMED_MICROBATCHES, LayerTiming, measure_layers, measure_optimizer_step
 
@@ -66,7 +66,7 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
     helpers = helpers_for(ranks, threads) if req.load else 0
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    keep_freed_memory()  # the heap as `mpt train` runs it (map_large_blocks below overrides it for bytes)
+    DeviceMemory.of("cpu").keep_freed()  # the heap as `mpt train` runs it (map_large_blocks below overrides it for bytes)
     try:
         warm_runtime()
         torch.manual_seed(0)

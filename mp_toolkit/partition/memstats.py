@@ -1,4 +1,5 @@
-"""Process memory figures for the measured side of ``mpt plan`` (Linux ``/proc``; 0 elsewhere).
+"""Process memory figures for the measured side of ``mpt plan`` (Linux ``/proc``; 0 elsewhere), and
+`DeviceMemory`: how a training rank keeps freed memory and reads its peak, on CPU or CUDA alike.
 
 A CPU tensor's bytes are only visible to us as resident set size. To make RSS track live tensors,
 `map_large_blocks` sets glibc's mmap threshold (as ``MALLOC_MMAP_THRESHOLD_`` would), so every
@@ -10,6 +11,10 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
 
 
 def _status_kb(field: str) -> int:
@@ -81,6 +86,59 @@ def keep_freed_memory() -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Where a rank's tensors live, how freed memory is kept for the next step, and its peak.
+
+    One switch for both devices, ``MPT_KEEP_FREED_MEMORY`` (default on):
+
+    * CPU: `keep_freed` is `keep_freed_memory` (glibc keeps freed heap pages); the figures are the
+      process's resident set (`rss_bytes`, `peak_rss_bytes`, `reset_peak`).
+    * CUDA: torch's caching allocator already keeps freed blocks for reuse, so `keep_freed` changes
+      nothing while the switch is on; with ``MPT_KEEP_FREED_MEMORY=0`` `release` hands the cached
+      blocks back (``torch.cuda.empty_cache``). The figures are the tensors the allocator holds on
+      this device (``torch.cuda.memory_allocated``, ``max_memory_allocated``,
+      ``reset_peak_memory_stats``): the device's memory, not the host process's.
+    """
+
+    device: torch.device
+
+    @classmethod
+    def of(cls, device: torch.device | str) -> "DeviceMemory":
+        return cls(torch.device(device))
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def keep_freed(self) -> bool:
+        """Keep the memory a step frees for the next step; whether freed memory is now kept."""
+        if self.is_cuda:
+            return os.environ.get("MPT_KEEP_FREED_MEMORY", "1") != "0"  # the caching allocator's own behaviour
+        return keep_freed_memory()
+
+    def release(self) -> None:
+        """Collect garbage and give freed memory back (CUDA: only when freed memory is not kept)."""
+        release_free_memory()
+        if self.is_cuda and not self.keep_freed():
+            torch.cuda.empty_cache()
+
+    def in_use_bytes(self) -> int:
+        """Bytes held now: RSS on CPU, allocated tensor bytes on CUDA."""
+        return torch.cuda.memory_allocated(self.device) if self.is_cuda else rss_bytes()
+
+    def peak_bytes(self) -> int:
+        """The highest `in_use_bytes` since the process started or since `reset_peak`."""
+        return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else peak_rss_bytes()
+
+    def reset_peak(self) -> bool:
+        """Restart the high-water mark at the present figure; False where the system does not allow it."""
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return True
+        return reset_peak()
+
+
 def reset_peak() -> bool:
     """Restart the high-water mark at the current RSS; False where the kernel does not allow it."""
     try:
@@ -94,9 +152,6 @@ def reset_peak() -> bool:
 def warm_runtime() -> None:
     """Pay torch's one-time costs (lazy imports on first optimizer, kernel set-up) before a
     baseline is taken, so what is measured after it is tensors rather than library code."""
-    import torch
-    import torch.nn.functional as F
-
     w = torch.nn.Parameter(torch.randn(8, 8))
     opt = torch.optim.AdamW([w], foreach=True)
     q = torch.randn(1, 1, 4, 8, requires_grad=True)

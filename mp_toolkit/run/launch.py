@@ -136,20 +136,30 @@ def local_faults() -> Faults:
     return Faults.parse(os.environ.get("MPT_FAULTS"))
 
 
+def device_and_backend(local_rank: int, local_world_size: int, gpus: int) -> tuple[torch.device, str]:
+    """(this rank's device, the process group's backend) on a machine with ``gpus`` CUDA devices.
+
+    No GPU: CPU and gloo. A GPU for each local rank: ``cuda:LOCAL_RANK`` and NCCL. Fewer GPUs than
+    local ranks (e.g. a pipeline of 2 ranks on one GPU): ranks share ``cuda:LOCAL_RANK % gpus``
+    and join gloo, since NCCL refuses two ranks on one device ("Duplicate GPU detected"); their
+    pipeline messages go through host memory (`mp_toolkit.parallel.host_staging`)."""
+    if gpus == 0:
+        return torch.device("cpu"), "gloo"
+    return torch.device("cuda", local_rank % gpus), "nccl" if gpus >= local_world_size else "gloo"
+
+
 def init_distributed(env: LaunchEnv, timeout_s: float) -> torch.device:
-    """Join the default process group: NCCL when CUDA is available, else gloo. Returns the device.
+    """Join the default process group: NCCL when every local rank has a GPU of its own, gloo
+    otherwise (CPU, or ranks sharing a GPU: `device_and_backend`). Returns the device.
 
     ``timeout_s`` bounds every gloo collective and point-to-point wait (and NCCL's watchdog).
     Under torchrun's agent store each restart gets its own key prefix: torch 2.13's agent reuses one
     store across restarts, and a restarted rank otherwise reads the dead attempt's gloo addresses
     ("Gloo connectFullMesh failed ... Connection refused", observed with --max-restarts).
     """
-    if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank)
+    device, backend = device_and_backend(env.local_rank, env.local_world_size, torch.cuda.device_count())
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
     if env.world_size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         store = None

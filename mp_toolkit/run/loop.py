@@ -32,8 +32,7 @@ from mp_toolkit.optim.lr import WarmupDecay, set_lr
 from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import padded_vocab_size
-from mp_toolkit.partition.memstats import (keep_freed_memory, peak_rss_bytes, release_free_memory, reset_peak,
-                                           rss_bytes, warm_runtime)
+from mp_toolkit.partition.memstats import DeviceMemory, peak_rss_bytes, reset_peak, warm_runtime
 from mp_toolkit.run.checks import model_spec
 from mp_toolkit.run.compose import make_engine
 from mp_toolkit.run.predict import predicted_rank_bytes
@@ -129,13 +128,14 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
               flush=True)
     ctx = build_context(cfg.pp, cfg.tp, cfg.dp, device=device)
     data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
-    # Peak memory is reported as RSS above this baseline. It follows live tensors closely only when
-    # large blocks are mapped one by one (MALLOC_MMAP_THRESHOLD_=65536, as tools/bench_plan_accuracy.py
-    # sets for its memory runs); forcing that here would cost 20-30% of the step time on CPU.
-    if device.type == "cpu":
-        keep_freed_memory()  # a step's freed activations stay in the heap for the next (memstats)
+    # Peak memory is the device's figure above this baseline (`memstats.DeviceMemory`): on CPU the RSS,
+    # which follows live tensors closely only when large blocks are mapped one by one
+    # (MALLOC_MMAP_THRESHOLD_=65536, as tools/bench_plan_accuracy.py sets for its memory runs; forcing
+    # that here would cost 20-30% of the step time); on CUDA the caching allocator's tensor bytes.
+    memory = DeviceMemory.of(device)
+    memory.keep_freed()  # a step's freed activations stay for the next (glibc's heap / the caching allocator)
     warm_runtime()  # torch's one-time costs (lazy imports, kernel set-up) before the baseline
-    base_rss = rss_bytes()  # what the model, its activations and optimizer add is measured from here
+    base = memory.in_use_bytes()  # what the model, its activations and optimizer add is measured from here
     torch.manual_seed(cfg.seed)  # the same init_seed on every rank; each draws only its own layers
     with torch.device("meta") if spec.builds_on_meta else contextlib.nullcontext():
         model = spec.build()
@@ -157,10 +157,11 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         if rank0:
             print(f"the checkpoint is at step {progress.step}, --steps is {cfg.steps}: nothing to train")
         return []
-    release_free_memory()
+    memory.release()
     peak_since_start = peak_rss_bytes()  # imports, build and load: the counter restarts below
     peak_loaded = peak_since_start
     reset_peak()
+    memory.reset_peak()  # on CPU the same counter
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
     # BERT pre-training: MLM and NSP losses and MLM accuracy beside the validation loss (our engine)
     metrics = (mlm_metrics(engine.loss_fn, ctx.tp_group) if spec.family_record.mlm and hasattr(engine, "eval_metrics")
@@ -172,13 +173,14 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         env.faults.kill_here(env, step, "step")
         stats, row = _one_step(cfg, env, engine, data, progress, step)
         if step == cfg.steps:
-            row["peak_memory_bytes"] = gather_ints(peak_rss_bytes() - base_rss, ctx.device)
+            row["peak_memory_bytes"] = gather_ints(memory.peak_bytes() - base, ctx.device)
             row["peak_rss_bytes"] = gather_ints(max(peak_since_start, peak_rss_bytes()), ctx.device)
             row["peak_load_rss_bytes"] = gather_ints(peak_loaded, ctx.device)  # before the first step
             row["planned_memory_bytes"] = gather_ints(planned or 0, ctx.device)  # 0: the cost model cannot say
         if step == first:  # steady state: later steps' peak (the first adds one-time shape agreement)
             peak_since_start = max(peak_since_start, peak_rss_bytes())
             reset_peak()
+            memory.reset_peak()
         if evaluates_at(cfg, step):
             status.set(f"while evaluating after step {step}")
             row.update(validation_row(engine, data, cfg.eval_batches, metrics))

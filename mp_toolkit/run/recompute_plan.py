@@ -13,7 +13,7 @@ import dataclasses
 
 from mp_toolkit.layers import LayerList
 from mp_toolkit.partition import PartitionError
-from mp_toolkit.partition.auto_schedule import fastest_schedule
+from mp_toolkit.partition.auto_schedule import DEFAULT_CANDIDATES, fastest_schedule
 from mp_toolkit.partition.cost import CostModelError
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.recompute import RecomputeError, StageRecompute, apply_recompute, stage_blocks, stage_choices
@@ -62,17 +62,36 @@ def describe(layers: LayerList, boundaries: list[int], choices: list[StageRecomp
     return "; ".join(f"stage {j}: {c.describe(len(b))}" for j, (c, b) in enumerate(zip(choices, blocks)))
 
 
-def resolve_auto_schedule(cfg: TrainConfig, chunks_given: bool = False) -> tuple[TrainConfig, str]:
+def resolve_auto_schedule(cfg: TrainConfig, chunks_given: bool = False,
+                          candidates: tuple[str, ...] | None = None) -> tuple[TrainConfig, str]:
     """``--schedule auto``: ``cfg`` with the fastest schedule the planner predicts (FLOP times at
     `PLAN_TFLOPS`, the cut ``--recompute auto`` or ``--partition flops`` would make, fitting
-    ``--memory-gb`` when given), and the line saying so."""
+    ``--memory-gb`` when given) among ``candidates`` (default: all), and the line saying so."""
     request = dataclasses.replace(auto_request(cfg), chunks=cfg.chunks if chunks_given else 1)
     if cfg.recompute != "auto":
         request = dataclasses.replace(request, method="flops", recompute=cfg.recompute,
                                       recompute_layers=cfg.recompute_layers)
     try:
-        choice = fastest_schedule(request)
+        choice = fastest_schedule(request, *(() if candidates is None else (candidates,)))
     except (PartitionError, CostModelError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     r = choice.plan.request
     return dataclasses.replace(cfg, schedule=r.schedule, chunks=r.chunks), choice.describe()
+
+
+def default_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """The schedule of a run that names none (no ``--schedule``, no DeepSpeed ``pipeline.schedule``):
+    with our engine at pp > 1, ZB-H1 where the planner predicts it faster than 1F1B on the run's cut
+    (`DEFAULT_CANDIDATES`; ZB-H1 fills 1F1B's bubble with weight gradients and holds them until
+    then: more memory, capped by ``--memory-gb`` when given), else 1F1B. Returns ``cfg`` and the
+    line saying so (None when 1F1B stays, or when the planner cannot describe the model)."""
+    if cfg.engine != "mp_toolkit" or cfg.pp < 2 or cfg.schedule != "1f1b":
+        return cfg, None
+    try:
+        picked, line = resolve_auto_schedule(cfg, candidates=DEFAULT_CANDIDATES)
+    except ConfigError:  # e.g. a model the cost model does not describe: 1F1B, as before the planner
+        return cfg, None
+    if picked.schedule == cfg.schedule:
+        return cfg, None
+    return picked, line.replace("--schedule auto:", "schedule (default, the planner's pick):", 1) + \
+        "; --schedule 1f1b to keep 1F1B"
