@@ -133,15 +133,16 @@ def _log_dp_calls(engine) -> list:
     return calls
 
 
-def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none"):
+def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", lengths=None):
     """One case on this rank. Every approximate figure comes back as (err, floor): the parallel
     result's and the fp32 single process's relative error against the float64 reference
     (tests/floor.py); the test bounds one by a multiple of the other. ``recompute``: the run's
-    ``--recompute`` (the reference never recomputes)."""
+    ``--recompute`` (the reference never recomputes). ``lengths``: `make_batches`'s sequence lengths
+    (micro-batches of mixed lengths, different on each replica)."""
     from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
 
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
-    *batches, held_out = make_batches(STEPS + 1, dp * m, cfg.vocab_size)
+    *batches, held_out = make_batches(STEPS + 1, dp * m, cfg.vocab_size, lengths=lengths)
     ref32 = reference(cfg, batches, held_out)
     ref64 = reference(cfg, batches, held_out, torch.float64)
     train_cfg = TrainConfig(model="gpt-tiny", pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,

@@ -13,16 +13,22 @@ from tests.floor import pair
 
 TINY = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=4, n_head=4)
 MICRO_BATCH, SEQ = 2, 16
+# Sequence lengths per step and micro-batch, mixed within each step, with lengths that first appear
+# in later steps (12, then 4): the engine agrees each new shape when it meets it (engine/shapes.py).
+MIXED_LENGTHS = ((16, 8, 16, 8), (8, 12, 16, 12), (4, 16, 12, 4))
 
 
-def make_batches(steps: int, m: int, vocab: int, seed: int = 0) -> list[list[tuple]]:
-    """steps x m micro-batches of (input_ids, labels) from a fixed generator."""
+def make_batches(steps: int, m: int, vocab: int, seed: int = 0, lengths=None) -> list[list[tuple]]:
+    """steps x m micro-batches of (input_ids, labels) from a fixed generator; SEQ tokens each, or
+    with ``lengths`` (per step, per micro-batch, cycled) micro-batch j of step i has
+    ``lengths[i][j]`` tokens."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(steps):
+    for i in range(steps):
         step = []
-        for _ in range(m):
-            seq = torch.randint(0, vocab, (MICRO_BATCH, SEQ + 1), generator=g)
+        for j in range(m):
+            row = lengths[i % len(lengths)] if lengths else (SEQ,)
+            seq = torch.randint(0, vocab, (MICRO_BATCH, row[j % len(row)] + 1), generator=g)
             step.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
         out.append(step)
     return out
@@ -70,8 +76,9 @@ def pipeline_run(cfg: GPTConfig, pp: int, schedule: str, batches, optimizer: str
     return engine, losses
 
 
-def oracle_cases(rank: int, world: int, cases, steps: int = 3):
+def oracle_cases(rank: int, world: int, cases, steps: int = 3, lengths=None):
     """For every (schedule, m, tied[, optimizer[, chunks]]): this rank's stage after ``steps`` steps vs the reference.
+    ``lengths``: `make_batches`'s sequence lengths (default: SEQ for every micro-batch).
 
     Returns per case: (number of tensors compared, number not bitwise equal, max abs difference,
     pipeline losses, reference losses, this rank's tied weight if any, and -- for tied cases, which
@@ -82,7 +89,7 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3):
     for schedule, m, tied, *rest in cases:
         opt, chunks = (list(rest) + ["adamw", 1][len(rest):])[:2]
         cfg = GPTConfig(**TINY, tie_word_embeddings=tied)
-        batches = make_batches(steps, m, cfg.vocab_size)
+        batches = make_batches(steps, m, cfg.vocab_size, lengths=lengths)
         ref_params, ref_losses = single_process(cfg, batches, opt)
         engine, losses = pipeline_run(cfg, world, schedule, batches, opt, chunks=chunks)
         n, unequal, max_diff = 0, 0, 0.0
@@ -98,14 +105,15 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3):
             floors = {name: pair(p.detach(), ref64[name].detach(), ref_params[name].detach())
                       for name, p in engine.named_parameters()}
             floors["losses"] = pair(losses, ref64_losses, ref_losses)
-        report.append((n, unequal, max_diff, losses, ref_losses, tied_copy, floors))
+        report.append((n, unequal, max_diff, losses, ref_losses, tied_copy, floors, engine.shapes.passes))
     return report
 
 
-def eval_matches(rank, world, schedule, chunks=1):
-    """eval_batch's mean loss after training equals the reference model's, and changes nothing."""
+def eval_matches(rank, world, schedule, chunks=1, lengths=None):
+    """eval_batch's mean loss after training equals the reference model's, and changes nothing.
+    Returns (loss, reference loss, nothing changed, shape passes the engine ran)."""
     cfg = GPTConfig(**TINY, tie_word_embeddings=False)
-    batches = make_batches(3, 4, cfg.vocab_size)
+    batches = make_batches(3, 4, cfg.vocab_size, lengths=lengths)
     engine, _ = pipeline_run(cfg, world, schedule, batches[:2], chunks=chunks)
     ref_params, _ = single_process(cfg, batches[:2])
     before = [p.detach().clone() for _, p in engine.named_parameters()]
@@ -119,7 +127,7 @@ def eval_matches(rank, world, schedule, chunks=1):
         for x, y in batches[2]:
             expected += lm_loss(ref(x), y) / len(batches[2])
     unchanged = all(torch.equal(a, p) for a, (_, p) in zip(before, engine.named_parameters()))
-    return loss, expected.item(), unchanged
+    return loss, expected.item(), unchanged, engine.shapes.passes
 
 
 def _all_named(model: LayerList):

@@ -15,7 +15,7 @@ import torch
 
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within
-from tests.oracle_workers import eval_matches, oracle_cases
+from tests.oracle_workers import MIXED_LENGTHS, eval_matches, oracle_cases
 
 CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b", "zbh1") for m in (1, 3, 8)]
 # Interleaved 1F1B: two model chunks per rank, micro-batches a multiple of pp (7 layers -> 4 stages).
@@ -53,5 +53,27 @@ def test_eval_batch_equals_single_process_and_changes_nothing(schedule):
     """Forward only through every schedule (interleaved: 2 chunks per rank): bitwise the unsplit model's
     loss (`mpt train --eval-every`'s validation; tp x dp: tests/test_oracle_tp_dp.py's eval_batch)."""
     chunks = 2 if schedule == "interleaved" else 1
-    for loss, expected, unchanged in run_world(eval_matches, 2, schedule, chunks, timeout_s=120):
+    for loss, expected, unchanged, _ in run_world(eval_matches, 2, schedule, chunks, timeout_s=120):
         assert loss == expected and unchanged
+
+
+def test_mixed_lengths_bitwise_equal_single_process():
+    """Micro-batches of 4, 8, 12 and 16 tokens, mixed within each step and new ones appearing in later
+    steps (issue 21 item 3): 1F1B, ZB-H1 and interleaved 1F1B at pp=2 stay bitwise single-process
+    gradient accumulation over the same micro-batches; each distinct length costs one shape pass."""
+    cases = [("1f1b", 4, False), ("zbh1", 4, False), ("interleaved", 4, False, "adamw", 2)]
+    reports = run_world(oracle_cases, 2, cases, 3, MIXED_LENGTHS, timeout_s=300)
+    lengths = {n for step in MIXED_LENGTHS for n in step}
+    for i, case in enumerate(cases):
+        assert sum(r[i][0] for r in reports) > 0
+        assert [r[i][1] for r in reports] == [0, 0], f"{case}: tensors not bitwise equal per rank"
+        for r in reports:
+            assert r[i][3] == r[i][4], case
+            assert r[i][7] == len(lengths), f"{case}: {r[i][7]} shape passes for {len(lengths)} lengths"
+
+
+def test_mixed_lengths_eval_batch_bitwise():
+    """eval_batch over mixed lengths, after training on mixed lengths: the unsplit model's loss, bitwise."""
+    for loss, expected, unchanged, passes in run_world(eval_matches, 2, "1f1b", 1, MIXED_LENGTHS, timeout_s=120):
+        assert loss == expected and unchanged
+        assert passes == 4  # 16, 8, 12 in training; 4 first met in the evaluated batch

@@ -36,15 +36,20 @@ from mp_toolkit.schedule import get_schedule
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within, assert_within
 from tests.oracle_tp_dp_workers import CLIP, oracle_grid
+from tests.oracle_workers import MIXED_LENGTHS
 
 TINY_BUCKET_MB = 0.001  # ~1 KiB buckets: many all-reduces per stage, checks the flatten / unflatten
 
-LAYOUTS = {  # (pp, tp, dp): cases (schedule, micro-batches per replica, tied, bucket MiB)
+# Mixed sequence lengths (tests/oracle_workers.py MIXED_LENGTHS): each replica meets its own lengths in
+# its own order, and the tp ranks of a stage run each new shape's pass (with its all-reduces) together.
+MIXED = ("none", MIXED_LENGTHS)
+LAYOUTS = {  # (pp, tp, dp): cases (schedule, micro-batches per replica, tied, bucket MiB[, recompute, lengths])
     (1, 2, 1): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, 25.0)],
-    (2, 2, 1): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, 25.0)],
+    (2, 2, 1): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, 25.0),
+                ("1f1b", 3, True, 25.0, *MIXED)],
     (1, 2, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, TINY_BUCKET_MB)],
     (2, 1, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, TINY_BUCKET_MB),
-                ("zbh1", 3, False, 25.0), ("interleaved", 2, True, 25.0)],
+                ("zbh1", 3, False, 25.0), ("interleaved", 2, True, 25.0), ("zbh1", 3, True, 25.0, *MIXED)],
 }
 UNIQUE_TENSORS = 2 + 4 * 12 + 2  # wte, wpe, 4 blocks of 12, ln_f; +1 for an untied LM head
 
@@ -52,7 +57,7 @@ UNIQUE_TENSORS = 2 + 4 * 12 + 2  # wte, wpe, 4 blocks of 12, ln_f; +1 for an unt
 def _check_case(results, layout, case_index, case) -> float:
     """Assert one case on every rank; returns the worst err / floor ratio of its approximate figures."""
     pp, tp, dp = layout
-    schedule, m, tied, bucket_mb = case
+    schedule, m, tied, bucket_mb = case[:4]
     cases = [r["cases"][case_index] for r in results]
     first = cases[0]
     assert all(n > CLIP for n in first["ref_norms"]), f"clipping must bind: {first['ref_norms']}"

@@ -21,6 +21,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from mp_toolkit.engine.free_sent import release, releasable
 from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import StageModule
+from mp_toolkit.engine.shapes import ShapePass, StageSpecs
 from mp_toolkit.parallel.p2p import P2P, TensorSpec, as_tuple
 from mp_toolkit.schedule import Action, Kind
 
@@ -53,7 +54,8 @@ class Executor:
         stage_to_rank: rank of every stage of the pipeline.
         rank: this process's global rank.
         p2p: transport for messages to other ranks.
-        input_specs: stage index -> specs of the message that stage receives (agreed once).
+        shapes: the engine's shape pass (`mp_toolkit.engine.shapes`): what each stage receives,
+            per micro-batch, agreed once per shape of the first stage's inputs.
         loss_fn: (last stage output, labels) -> scalar loss of one micro-batch.
         free_sent_outputs: free the storage of a stage output sent to another rank once its send
             has completed, keeping its graph for the backward (`mp_toolkit.engine.free_sent`
@@ -63,10 +65,11 @@ class Executor:
     """
 
     def __init__(self, stages: dict[int, StageModule], stage_to_rank: Sequence[int], rank: int,
-                 p2p: P2P | None, input_specs: dict[int, list[TensorSpec]], loss_fn: Callable,
+                 p2p: P2P | None, shapes: ShapePass, loss_fn: Callable,
                  free_sent_outputs: bool = True):
         self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
-        self.p2p, self.input_specs, self.loss_fn = p2p, input_specs, loss_fn
+        self.p2p, self.shapes, self.loss_fn = p2p, shapes, loss_fn
+        self.input_specs: list[StageSpecs] = []  # per micro-batch of the last run: stage -> what it receives
         self.free_sent_outputs = free_sent_outputs
         self.freed_bytes = 0  # storage released by the last run (what free_sent_outputs saved)
         self.last_stage = len(self.stage_to_rank) - 1
@@ -92,6 +95,8 @@ class Executor:
         output is freed.
         """
         final = final_weight_grad_actions(actions) if on_grads_final is not None else {}
+        # every rank of the pipeline walks the same micro-batches here, so new shapes are agreed together
+        self.input_specs = self.shapes.for_batch(microbatches)
         self._mbs, self._div, self._scale, self._grad = microbatches, loss_divisor, loss_scale, grad
         self._inputs: dict = {}
         self._outputs: dict = {}
@@ -221,7 +226,7 @@ class Executor:
                 sends.append((s - 1, self._grads.pop(("send", s, k))))
                 send_keys.append(pos)
             elif a.kind is Kind.RECV_F:
-                recvs.append((s - 1, self.input_specs[s]))
+                recvs.append((s - 1, self.input_specs[k][s]))
                 recv_keys.append(("F", s, k))
             elif a.kind is Kind.RECV_B:
                 recvs.append((s + 1, self._sent_specs.pop((s, k))))
@@ -255,37 +260,3 @@ class Executor:
             for t in entry[1]:
                 if releasable(t):
                     self.freed_bytes += release(t)
-
-
-def agree_specs(stages: dict[int, StageModule], stage_to_rank: Sequence[int], rank: int,
-                p2p: P2P | None, first_inputs) -> dict[int, list[TensorSpec]]:
-    """Learn, once, the shapes and dtypes each stage receives: the engine's shape pass.
-
-    Stages run in pipeline order on one sample micro-batch under no_grad, each sending its output
-    specs to the next stage's rank; a receiving stage runs on zeros of those specs. The RNG state
-    is forked so the pass changes nothing that training will see (dropout masks included).
-    """
-    specs: dict[int, list[TensorSpec]] = {}
-    carried = None
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        for s in range(len(stage_to_rank)):
-            owner = stage_to_rank[s]
-            if s > 0 and owner == rank and stage_to_rank[s - 1] != rank:
-                specs[s] = p2p.recv_specs(stage_to_rank[s - 1])
-            if owner != rank:
-                continue
-            if s == 0:
-                inputs = as_tuple(first_inputs)
-            else:
-                if s not in specs:  # the previous stage ran on this rank
-                    specs[s] = [TensorSpec.of(t) for t in carried]
-                inputs = tuple(torch.zeros(sp.shape, dtype=sp.dtype, device=p2p_device(p2p, first_inputs)) for sp in specs[s])
-            carried = as_tuple(stages[s](*inputs))
-            nxt = s + 1
-            if nxt < len(stage_to_rank) and stage_to_rank[nxt] != rank:
-                p2p.send_specs(stage_to_rank[nxt], carried)
-    return specs
-
-
-def p2p_device(p2p: P2P | None, sample) -> torch.device:
-    return p2p.device if p2p is not None else as_tuple(sample)[0].device

@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from mp_toolkit.engine.executor import Executor, agree_specs, final_weight_grad_actions
+from mp_toolkit.engine.executor import Executor, final_weight_grad_actions
+from mp_toolkit.engine.shapes import ShapePass
 from mp_toolkit.engine.reductions import global_mean_loss, trust_ratio_rows
 from mp_toolkit.engine.interface import StepStats
 from mp_toolkit.engine.step import OptimizerStep
@@ -143,8 +144,12 @@ class PipelineEngine:
                              if ctx.dp_group is not None else None)
         self.step = OptimizerStep(ctx, self.masters, self.optimizer, self.ties, clip_grad, loss_scaler,
                                   self.dp_grads)
-        self.executor: Executor | None = None
         self.free_sent_outputs = free_sent_outputs
+        # what each stage receives, agreed per shape of the first stage's inputs (micro-batches may
+        # differ in length, within a run and across runs: `mp_toolkit.engine.shapes`)
+        self.shapes = ShapePass(self.stages, self.stage_to_rank, ctx.rank, self.p2p)
+        self.executor = Executor(self.stages, self.stage_to_rank, ctx.rank, self.p2p, self.shapes, loss_fn,
+                                 free_sent_outputs=free_sent_outputs)
         # when this rank may wait for each of its forward sends (pure data, from the whole schedule)
         self._send_waits = send_waits(self.schedule)[ctx.pp_rank] if ctx.pp > 1 and free_sent_outputs else None
 
@@ -179,25 +184,20 @@ class PipelineEngine:
         move = lambda x: tuple(t.to(dev) for t in x) if isinstance(x, tuple) else x.to(dev)
         return [(move(x), move(y)) for x, y in mbs]
 
-    def _executor(self, sample_inputs) -> Executor:
-        if self.executor is None:  # shapes are agreed once, on the first batch, and cached
-            specs = agree_specs(self.stages, self.stage_to_rank, self.ctx.rank, self.p2p, sample_inputs)
-            self.executor = Executor(self.stages, self.stage_to_rank, self.ctx.rank, self.p2p, specs, self.loss_fn,
-                                     free_sent_outputs=self.free_sent_outputs)
-        return self.executor
-
     def train_batch(self, data_iter: Iterator) -> StepStats:
         """Run every micro-batch of one global batch and take one optimizer step.
 
         ``data_iter`` yields this data-parallel replica's micro-batches (the same on every tp and
-        pp rank of the replica); the reported loss is the mean over all replicas.
+        pp rank of the replica); the reported loss is the mean over all replicas. Micro-batches may
+        differ in length (sequence length, or any shape of the first stage's inputs): each new
+        shape is agreed by the pipeline's ranks once, then cached (`mp_toolkit.engine.shapes`).
         """
         for stage in self.stages.values():
             stage.train()
         mbs = self._next_global_batch(data_iter)
         actions = self.schedule.rank_actions(self.ctx.pp_rank)
         post = self.dp_grads.start_grad_sync if self.dp_grads is not None else None
-        losses = self._executor(mbs[0][0]).run(actions, mbs, loss_divisor=self.m, loss_scale=self.step.loss_scale,
+        losses = self.executor.run(actions, mbs, loss_divisor=self.m, loss_scale=self.step.loss_scale,
                                                on_grads_final=post, send_waits=self._send_waits)
         result = self.step(nonfinite_loss=bool(losses) and not bool(torch.stack(losses).isfinite().all()))
         return StepStats(loss=global_mean_loss(losses, self.ctx, self.stage_to_rank[-1]), grad_norm=result.grad_norm,
@@ -241,7 +241,7 @@ class PipelineEngine:
             stage.eval()
         mbs = self._next_global_batch(data_iter)
         actions = forward_only(self.schedule)[self.ctx.pp_rank]
-        executor = self._executor(mbs[0][0])
+        executor = self.executor
         loss_fn = executor.loss_fn
         executor.loss_fn = metrics_fn or loss_fn
         try:
