@@ -40,6 +40,7 @@ from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
 from mp_toolkit.run.checks import validate
 from mp_toolkit.optim import master
 from mp_toolkit.optim.lamb import LAMB_RULES
+from mp_toolkit.data.buckets import BucketError, parse_buckets
 from mp_toolkit.recompute import MODES as RECOMPUTE_MODES, RecomputeError, parse_layer_counts
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.run.predict import dry_run_report
@@ -117,7 +118,10 @@ def _add_train_parser(sub) -> None:
     opt("--partition", help=f"flops, parameters, uniform, time, or boundaries like 0,3,7 (default {d.partition})")
     opt("--microbatches", type=int, help="micro-batches per step and replica")
     opt("--micro-batch", type=int, help="sequences per micro-batch")
-    opt("--seq-len", type=int)
+    opt("--seq-len", type=int, help="tokens per sequence (may change on --resume, up to the model's positions)")
+    opt("--length-buckets", type=_buckets, metavar="L[,L...]",
+        help="cut each micro-batch to one of these lengths (and --seq-len): BERT to the smallest holding its "
+             "longest pair, GPT to one drawn per micro-batch from the seed; default: every one --seq-len")
     opt("--steps", type=int, help="optimizer steps in all (a resumed run continues up to this step)")
     opt("--optimizer", type=str.lower, choices=OPTIMIZERS)
     opt("--lr", type=float, help="peak learning rate (replaces a DeepSpeed config's scheduler by warm-up/decay)")
@@ -210,6 +214,13 @@ def _add_plan_parser(sub) -> None:
                    help="none, full, selective, or auto (with --method memory: chosen per stage with the cut)")
     p.add_argument("--recompute-layers", type=_layer_counts, default=None, metavar="N[,N...]",
                    help="first N block layers of every stage, or one count per stage (default: all)")
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        return parse_buckets(text)
+    except BucketError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _layer_counts(text: str) -> tuple[int, ...]:

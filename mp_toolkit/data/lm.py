@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from mp_toolkit.data.buckets import cut, drawn_bucket
 from mp_toolkit.progress import progress
 
 EOS_TOKEN = "<|endoftext|>"
@@ -377,10 +378,14 @@ class MicroBatches:
     reads (the dataset is shuffled once at build time, so they are a random sample); `held_out`
     iterates them. The split depends on the dataset and ``holdout`` only, so every (pp, tp, dp)
     layout, and a resumed run, holds out the same sequences.
+
+    ``length_buckets`` (`mp_toolkit.data.buckets`, the dataset's sequence length among them): each
+    micro-batch is cut to one bucket's length, drawn from (seed, epoch, its first row); () keeps
+    every micro-batch whole.
     """
 
     def __init__(self, dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
-                 holdout: int = 0):
+                 holdout: int = 0, length_buckets: tuple[int, ...] = ()):
         if micro_batch_size <= 0:
             raise DataError(f"micro_batch_size={micro_batch_size} must be a positive integer")
         if not 0 <= dp_rank < dp_size:
@@ -392,6 +397,7 @@ class MicroBatches:
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.holdout = holdout
+        self.length_buckets = tuple(length_buckets)
         self.train_rows = len(dataset) - holdout  # rows [0, train_rows) train, the rest validate
         self.batches_per_epoch = (self.train_rows // dp_size) // micro_batch_size
         if self.batches_per_epoch == 0:
@@ -424,7 +430,16 @@ class MicroBatches:
             offset = 0
         idx = self._shard[offset * self.micro_batch_size : (offset + 1) * self.micro_batch_size]
         self.position += 1
-        return self.batch(idx.tolist(), self.epoch)
+        return self.read(idx.tolist(), self.epoch)
+
+    def read(self, rows: list[int], epoch: int):
+        """The micro-batch of dataset ``rows``, cut to its length bucket when there are buckets."""
+        out = self.batch(rows, epoch)
+        return cut(out, self.bucket_length(rows, epoch, out[0])) if self.length_buckets else out
+
+    def bucket_length(self, rows: list[int], epoch: int, inputs) -> int:
+        """Packed sequences: a bucket drawn from (seed, epoch, first row) (`mp_toolkit.data.buckets`)."""
+        return drawn_bucket(self.length_buckets, self.seed, epoch, rows[0])
 
     def batch(self, rows: list[int], epoch: int):
         """The micro-batch of dataset ``rows`` (read in ``epoch``)."""
@@ -437,7 +452,7 @@ class MicroBatches:
         takes held-out rows r, r + dp_size, ... (as training shards), each micro-batch read as in epoch 0."""
         rows = list(range(self.train_rows, len(self.dataset)))[self.dp_rank :: self.dp_size]
         for k in range(len(rows) // self.micro_batch_size):
-            yield self.batch(rows[k * self.micro_batch_size : (k + 1) * self.micro_batch_size], 0)
+            yield self.read(rows[k * self.micro_batch_size : (k + 1) * self.micro_batch_size], 0)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

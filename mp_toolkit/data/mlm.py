@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from mp_toolkit.data.buckets import fitting_bucket
 from mp_toolkit.data.lm import DataError, MicroBatches, read_texts, stdlib_files, train_tokenizer
 
 SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
@@ -277,10 +278,11 @@ class MLMMicroBatches(MicroBatches):
     """
 
     def __init__(self, corpus: MLMCorpus, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, mlm_probability: float = 0.15, hf_order: bool = False, holdout: int = 0):
+                 seed: int = 0, mlm_probability: float = 0.15, hf_order: bool = False, holdout: int = 0,
+                 length_buckets: tuple[int, ...] = ()):
         if not 0.0 < mlm_probability < 1.0:
             raise DataError(f"mlm_probability={mlm_probability} must be in (0, 1)")
-        super().__init__(corpus.dataset, micro_batch_size, dp_rank, dp_size, seed, holdout)
+        super().__init__(corpus.dataset, micro_batch_size, dp_rank, dp_size, seed, holdout, length_buckets)
         self.corpus, self.mlm_probability, self.hf_order = corpus, mlm_probability, hf_order
         self._never = np.asarray(corpus.never_mask, dtype=np.int64)
         self._random_ids = np.setdiff1d(np.arange(corpus.vocab_size), self._never)  # regular tokens
@@ -288,6 +290,10 @@ class MLMMicroBatches(MicroBatches):
     def indices(self, epoch: int) -> list[int]:
         """The dataset rows this rank reads in ``epoch``, in order."""
         return self._shard_for(epoch).tolist()
+
+    def bucket_length(self, rows: list[int], epoch: int, inputs) -> int:
+        """Padded pairs: the smallest bucket holding the longest pair; only padding is cut."""
+        return fitting_bucket(self.length_buckets, inputs[1 if self.hf_order else 2])
 
     def batch(self, idx: list[int], epoch: int):
         """The masked micro-batch of dataset rows ``idx`` in ``epoch`` (`MicroBatches` picks the rows)."""

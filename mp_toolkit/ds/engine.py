@@ -125,7 +125,10 @@ class DeepSpeedPipeline:
         ds_pipe.init_deepspeed(ctx.device, cfg.timeout_s)
         self._check_fp16(precision)
         self.boundaries = list(boundaries)
-        module, self.named = ds_pipe.pipeline_module(layers, cfg.pp, fp32_logits(loss_fn), self.boundaries)
+        # --length-buckets: micro-batches of several lengths, so DeepSpeed sends each message's shapes with
+        # it (PipelineModule's dynamic_shape); one length keeps its first-batch-only shape exchange
+        module, self.named = ds_pipe.pipeline_module(layers, cfg.pp, fp32_logits(loss_fn), self.boundaries,
+                                                     dynamic_shape=bool(cfg.length_buckets))
         grid = module._grid
         if (grid.get_stage_id(), grid.get_data_parallel_id()) != (ctx.pp_rank, ctx.dp_rank):
             raise RuntimeError(f"rank {ctx.rank}: DeepSpeed's grid puts it at stage {grid.get_stage_id()}, replica "

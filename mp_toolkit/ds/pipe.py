@@ -136,13 +136,18 @@ def count_in_norm_once(module: PipelineModule, used: Sequence[nn.Parameter]) -> 
 
 
 def pipeline_module(layer_list: LayerList, num_stages: int, loss_fn: Callable, boundaries: Sequence[int] | None = None,
-                    partition_method: str = "parameters") -> tuple[ExactPartition, list[tuple[str, nn.Parameter]]]:
+                    partition_method: str = "parameters",
+                    dynamic_shape: bool = False) -> tuple[ExactPartition, list[tuple[str, nn.Parameter]]]:
     """(PipelineModule of this stage, its trainable (name, Parameter) in layer order).
+
+    ``dynamic_shape``: DeepSpeed sends the shapes of every activation and gradient message ahead of
+    it (micro-batches of several lengths); False: once, from the first micro-batch.
 
     Needs DeepSpeed's process group (`init_deepspeed`); every rank passes the same ``layer_list``.
     """
     module = ExactPartition(pipeline_layers(layer_list), boundaries, num_stages=num_stages, loss_fn=loss_fn,
-                            partition_method=partition_method, activation_checkpoint_interval=0)
+                            partition_method=partition_method, activation_checkpoint_interval=0,
+                            dynamic_shape=dynamic_shape)
     named = local_parameters(module, layer_list)
     used = [p for _, p in named]
     freeze_unused(module, used)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from mp_toolkit.data.buckets import BucketError
 from mp_toolkit.ds.engine import check_engine
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import OptimizerOptions, check_optimizer_options
@@ -51,6 +52,10 @@ def _validate_numbers(cfg: TrainConfig) -> None:
                  "max_skips"):
         if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
+    try:
+        cfg.bucket_lengths  # noqa: B018 -- each bucket at most --seq-len
+    except BucketError as e:
+        raise ConfigError(str(e)) from None
     if cfg.eval_every < 0 or cfg.eval_batches < 1:
         raise ConfigError(f"--eval-every {cfg.eval_every} / --eval-batches {cfg.eval_batches}: give N >= 0 steps "
                           "(0: no validation) and K >= 1 global batches")

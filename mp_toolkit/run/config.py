@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mp_toolkit.data.buckets import with_seq_len
 from mp_toolkit.optim.factory import OPTIMIZERS
 from mp_toolkit.optim.lr import DECAYS as LR_DECAYS, DeepSpeedSchedule
 from mp_toolkit.optim import master
@@ -62,7 +63,12 @@ class TrainConfig:
     micro_batch: int = 8
     """Sequences per micro-batch."""
     seq_len: int = 128
-    """Tokens per sequence; at most the model's n_positions."""
+    """Tokens per sequence; at most the model's n_positions. A resumed run may change it (the model's
+    positions allowing): the pipeline agrees the new shapes (`mp_toolkit.engine.shapes`)."""
+    length_buckets: tuple[int, ...] = ()
+    """Sequence lengths micro-batches are cut to, each at most seq_len (seq_len is always one):
+    padded data (BERT) to the smallest bucket holding the longest pair, packed data (GPT) to a
+    bucket drawn from (seed, epoch, row) (`mp_toolkit.data.buckets`); (): every micro-batch seq_len."""
     steps: int = 100
     """Optimizer steps."""
     optimizer: str = "adamw"
@@ -186,6 +192,12 @@ class TrainConfig:
     def world_size(self) -> int:
         """Ranks the run needs: pp x tp x dp."""
         return self.pp * self.tp * self.dp
+
+    @property
+    def bucket_lengths(self) -> tuple[int, ...]:
+        """The lengths micro-batches are cut to: length_buckets and seq_len (checked by `run.checks`);
+        () without --length-buckets."""
+        return with_seq_len(self.length_buckets, self.seq_len)
 
     @property
     def tokens_per_step(self) -> int:

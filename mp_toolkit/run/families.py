@@ -206,7 +206,7 @@ def _gpt_micro_batches(config: gpt.GPTConfig, cfg: TrainConfig, ctx: ParallelCon
     ds = rank0_first(lambda: build_lm_dataset(cfg.data, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir), rank,
                      lambda error: agree(error, ctx))
     return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                        holdout=cfg.held_out_sequences), config
+                        holdout=cfg.held_out_sequences, length_buckets=cfg.bucket_lengths), config
 
 
 def _bert_micro_batches(config: bert.BertConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
@@ -214,7 +214,7 @@ def _bert_micro_batches(config: bert.BertConfig, cfg: TrainConfig, ctx: Parallel
     corpus = rank0_first(lambda: build_mlm_corpus(source, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
                          rank, lambda error: agree(error, ctx))
     data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                           holdout=cfg.held_out_sequences)
+                           holdout=cfg.held_out_sequences, length_buckets=cfg.bucket_lengths)
     return data, dataclasses.replace(config, pad_token_id=corpus.special.pad)
 
 

@@ -133,11 +133,11 @@ def hf_micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, r
                                                   tokenizer_file=tok, eos=_eos(source.config) if tok else None),
                          rank, lambda error: agree(error, ctx))
         return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                            holdout=cfg.held_out_sequences), source
+                            holdout=cfg.held_out_sequences, length_buckets=cfg.bucket_lengths), source
     corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank, lambda error: agree(error, ctx))
     data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
                            hf_order=True,  # HF BERT's first layer: (input_ids, attention_mask, token_type_ids)
-                           holdout=cfg.held_out_sequences)
+                           holdout=cfg.held_out_sequences, length_buckets=cfg.bucket_lengths)
     return data, dataclasses.replace(source, config={**source.config, "pad_token_id": corpus.special.pad})
 
 

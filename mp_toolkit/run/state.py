@@ -296,8 +296,20 @@ def reseed(seed: int, step: int) -> None:
     np.random.seed(s % 2**32)
 
 
-def data_position(saved: dict, data, dp: int) -> tuple[dict, str | None]:
-    """(this replica's ``MicroBatches`` state, a note when epochs differ) resuming the saved sample stream."""
+def data_position(saved: dict, data, dp: int, seq_len_change: tuple[int, int] | None = None) -> tuple[dict, str | None]:
+    """(this replica's ``MicroBatches`` state, a note when epochs differ) resuming the saved sample stream.
+
+    ``seq_len_change`` (saved, new): the corpus is cut into sequences of another length, so the saved
+    sample count means another place in it; the run continues the saved epoch at the same fraction
+    of it (whole micro-batch rounds, rounded down), and says so."""
+    if seq_len_change is not None:
+        rounds = data.batches_per_epoch  # micro-batch rounds per epoch on the new cut
+        in_epoch = saved["samples"] - saved["epoch"] * saved["samples_per_epoch"]
+        done = rounds * in_epoch // max(1, saved["samples_per_epoch"])
+        return ({"epoch": saved["epoch"], "position": saved["epoch"] * rounds + done},
+                f"--seq-len changed {seq_len_change[0]} -> {seq_len_change[1]}: the corpus is cut anew into "
+                f"{seq_len_change[1]}-token sequences; epoch {saved['epoch']} continues at the same fraction "
+                f"({done} of {rounds} micro-batch rounds)")
     if (saved["micro_batch"], saved["dp"]) == (data.micro_batch_size, dp):
         return {"epoch": saved["epoch"], "position": saved["position"]}, None
     per_round = data.micro_batch_size * dp
@@ -382,7 +394,9 @@ def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, nam
     scaler = engine.scaler
     if scaler is not None and meta.get("loss_scaler") is not None:
         scaler.load_state_dict(meta["loss_scaler"])
-    state, note = data_position(meta["data"], data, ctx.dp)
+    saved_len = meta.get("config", {}).get("seq_len", cfg.seq_len)
+    resized = (saved_len, cfg.seq_len) if isinstance(saved_len, int) and saved_len != cfg.seq_len else None
+    state, note = data_position(meta["data"], data, ctx.dp, resized)
     data.load_state_dict(state)
     notes += [note] if note else []
     saved_layout = meta.get("layout", {})
