@@ -83,7 +83,8 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3, lengths=None):
     Returns per case: (number of tensors compared, number not bitwise equal, max abs difference,
     pipeline losses, reference losses, this rank's tied weight if any, and -- for tied cases, which
     agree to rounding only -- {name: (err, floor)} of the parameters and "losses" against a float64
-    single process, tests/floor.py's pair; None for untied cases, which must be bitwise).
+    single process, tests/floor.py's pair; None for untied cases, which must be bitwise), then the
+    engine's shape passes, receive buffers allocated and reused, and receives posted ahead).
     """
     report = []
     for schedule, m, tied, *rest in cases:
@@ -105,7 +106,9 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3, lengths=None):
             floors = {name: pair(p.detach(), ref64[name].detach(), ref_params[name].detach())
                       for name, p in engine.named_parameters()}
             floors["losses"] = pair(losses, ref64_losses, ref_losses)
-        report.append((n, unequal, max_diff, losses, ref_losses, tied_copy, floors, engine.shapes.passes))
+        pool = engine.p2p.recv_buffers
+        comms = (engine.shapes.passes, pool.allocated, pool.reused, engine.executor.posted_ahead)
+        report.append((n, unequal, max_diff, losses, ref_losses, tied_copy, floors, *comms))
     return report
 
 

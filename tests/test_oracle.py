@@ -60,7 +60,9 @@ def test_eval_batch_equals_single_process_and_changes_nothing(schedule):
 def test_mixed_lengths_bitwise_equal_single_process():
     """Micro-batches of 4, 8, 12 and 16 tokens, mixed within each step and new ones appearing in later
     steps (issue 21 item 3): 1F1B, ZB-H1 and interleaved 1F1B at pp=2 stay bitwise single-process
-    gradient accumulation over the same micro-batches; each distinct length costs one shape pass."""
+    gradient accumulation over the same micro-batches; each distinct length costs one shape pass.
+    Receive buffers are reused across steps and shapes and receives posted a batch ahead (issue 23
+    item 3) in every case here and in the fixed-length cases above, all bitwise."""
     cases = [("1f1b", 4, False), ("zbh1", 4, False), ("interleaved", 4, False, "adamw", 2)]
     reports = run_world(oracle_cases, 2, cases, 3, MIXED_LENGTHS, timeout_s=300)
     lengths = {n for step in MIXED_LENGTHS for n in step}
@@ -70,6 +72,9 @@ def test_mixed_lengths_bitwise_equal_single_process():
         for r in reports:
             assert r[i][3] == r[i][4], case
             assert r[i][7] == len(lengths), f"{case}: {r[i][7]} shape passes for {len(lengths)} lengths"
+            # receive buffers reused across steps and shapes, receives posted a batch ahead: still bitwise
+            allocated, reused, ahead = r[i][8:11]
+            assert allocated > 0 and reused > 0 and ahead > 0, (case, allocated, reused, ahead)
 
 
 def test_mixed_lengths_eval_batch_bitwise():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mp_toolkit.parallel.context import GridError, check_grid, grid_coords, grid_rank
-from mp_toolkit.parallel.p2p import TensorSpec, decode_specs, encode_specs
+from mp_toolkit.parallel.p2p import RecvBuffers, TensorSpec, decode_specs, encode_specs
 from tests.dist_harness import run_world
 from tests.p2p_workers import grid, swap_messages
 
@@ -23,6 +23,29 @@ def test_batched_swap_carries_float_int_and_bool():
     assert got0[2].dtype == torch.bool and got0[2].tolist() == [True, True]
     assert got1[2].tolist() == [True, False]
     assert sent0 == sent1 == 2 * 3 * 4 + 4 * 8 + 2  # payload bytes: fp32, int64, bool
+
+
+def test_receive_buffers_are_reused_only_when_nothing_holds_them():
+    """A receive buffer is handed out again only once no alias of it lives (issue 23 item 3): not the
+    message, not a detached leaf or a view of it (a saved tensor, a gradient), not autograd's copy."""
+    pool = RecvBuffers(torch.device("cpu"))
+    a = pool.take((2, 3), torch.float32)
+    b = pool.take((2, 3), torch.float32)  # a is held: a second buffer
+    assert a.data_ptr() != b.data_ptr() and pool.allocated == 2
+    leaf = a.detach().requires_grad_()  # what the next stage computes from
+    saved = (leaf * 2).sum()  # autograd keeps leaf for the backward
+    del a, b
+    c = pool.take((2, 3), torch.float32)  # b's buffer is free again, a's is still held by the graph
+    assert pool.allocated == 2 and pool.reused == 1 and c.data_ptr() != leaf.data_ptr()
+    first = leaf.data_ptr()
+    grad_view = leaf.detach()[1]  # a view of it, as a gradient that aliases a message could be
+    del leaf, saved, c
+    d = pool.take((2, 3), torch.float32)  # the view still holds the first buffer: the second comes back
+    assert d.data_ptr() != first and pool.allocated == 2
+    del d, grad_view
+    ptrs = {pool.take((2, 3), torch.float32).data_ptr() for _ in range(3)}  # each dropped at once
+    assert ptrs == {first} and pool.allocated == 2  # no new allocation once everything is released
+    assert pool.take((4,), torch.float32).shape == (4,) and pool.allocated == 3  # another shape: its own
 
 
 def test_axis_order_tp_fastest():

@@ -6,8 +6,9 @@ live only in the profiled process:
 
 * compute: ``Executor._forward`` / ``_backward`` (and ZB-H1's ``_backward_input`` / ``_backward_weight``),
   per stage and per micro-batch;
-* p2p: ``P2P.exchange`` (post + wait for the receives of one batched call; the post alone is
-  ``dist.batch_isend_irecv``) and ``P2P.wait_sends`` (forward sends waited for before their
+* p2p: ``P2P.post`` (one batched call: its receives, and the next batch's where posted ahead; the
+  post alone is ``dist.batch_isend_irecv``), ``Received.wait`` (waiting for a received message when
+  the action that reads it runs) and ``P2P.wait_sends`` (forward sends waited for before their
   outputs are freed, and the rest at the end of the schedule);
 * the step: ``OptimizerStep.__call__`` split into unscale (``grads_to_master``), the
   gradients' 2-norms (one pass, for the inf/nan test and the norm), the inf/nan test on them,
@@ -28,6 +29,7 @@ last step of each run runs under torch.profiler instead, for the top operators p
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -92,7 +94,11 @@ class Profiler:
         for name, kind in (("_forward", "F"), ("_backward", "B"), ("_backward_input", "I"), ("_backward_weight", "W")):
             self._wrap(executor.Executor, name, lambda _self, a, kind=kind: f"{kind} s{a.stage}")
         self._wrap(executor.Executor, "run", "schedule (Executor.run)")
-        self._wrap(p2p.P2P, "exchange", "p2p exchange")
+        if hasattr(p2p, "Received"):  # receives waited for where they are read
+            self._wrap(p2p.P2P, "post", "p2p exchange")
+            self._wrap(p2p.Received, "wait", "p2p recv wait")
+        else:  # before issue 23: exchange posted and waited for its receives at once
+            self._wrap(p2p.P2P, "exchange", "p2p exchange")
         self._wrap(p2p.dist, "batch_isend_irecv", "p2p post")
         self._wrap(p2p.P2P, "wait_sends", "p2p wait_sends")
         self._wrap(step.OptimizerStep, "__call__", "optimizer step (all)")
@@ -149,7 +155,17 @@ class Profiler:
         return {"ms_per_step": per_step, "calls_per_step": {k: v / max(1, self.steps) for k, v in self.calls.items()},
                 "action_median_ms": action_ms, "action_median_cpu_ms": action_cpu_ms,
                 "cpu_ms_per_step": 1e3 * statistics.median(self.step_cpu) if self.step_cpu else None,
-                "p2p_one_way_ms": ping_pong(peer), "torch_ops": self.torch_ops}
+                "p2p_one_way_ms": ping_pong(peer), "torch_ops": self.torch_ops, "receives": receive_stats(peer)}
+
+
+def receive_stats(peer) -> dict | None:
+    """Receive buffers the transport allocated and reused, receives posted a batch ahead (issue 23)."""
+    engine = getattr(peer, "engine", None)
+    pool = getattr(getattr(engine, "p2p", None), "recv_buffers", None)
+    if pool is None:
+        return None
+    return {"buffers_allocated": pool.allocated, "buffers_reused": pool.reused, "buffer_bytes": pool.bytes,
+            "posted_ahead": engine.executor.posted_ahead}
 
 
 def ping_pong(peer, repeats: int = 20) -> dict:
@@ -201,10 +217,15 @@ def breakdown(prof: dict, step_ms: float) -> dict[str, float]:
         if v:
             rows[f"compute {kind}"] = v
     rows["p2p post (batch_isend_irecv)"] = t["p2p post"]
-    rows["p2p wait for receives"] = t["p2p exchange"] - t["p2p post"]
+    if "p2p recv wait" in prof["ms_per_step"]:
+        rows["p2p post: buffers, bookkeeping"] = t["p2p exchange"] - t["p2p post"]
+        rows["p2p wait for receives"] = t["p2p recv wait"]
+    else:  # before issue 23 (exchange waited for its receives itself)
+        rows["p2p wait for receives (+ buffers)"] = t["p2p exchange"] - t["p2p post"]
     rows["p2p wait_sends (freed outputs + end)"] = t["p2p wait_sends"]
     run = t["schedule (Executor.run)"]
-    rows["executor bookkeeping"] = run - sum(compute.values()) - t["p2p exchange"] - t["p2p wait_sends"]
+    rows["executor bookkeeping"] = (run - sum(compute.values()) - t["p2p exchange"] - t["p2p recv wait"]
+                                    - t["p2p wait_sends"])
     rows["loss broadcast"] = t["loss broadcast"]
     for part in STEP_PARTS:
         rows[part] = t[part]
@@ -241,6 +262,8 @@ def run(args, w, pcut: list[int], tcut: list[int] | None) -> dict:
     configs.insert(1, ("deepspeed parameters", {"peer": "deepspeed", "partition": "parameters", "schedule": "1f1b"}))
     out = {}
     for label, extra in configs:
+        if args.only and not re.search(args.only, label):
+            continue
         spec = {"peer": "mpt", **extra, "workload": w.__dict__, "warmup": args.warmup, "steps": args.steps,
                 "profile": True}
         try:
@@ -285,6 +308,10 @@ def report_run(label: str, results: list[dict], w, extra: dict, warmup: int) -> 
         print(f"  simulated step if W cost only (its measured time - I), i.e. did not redo the input-gradient "
               f"path: {what_if:.0f} ms")
     cpu = print_cpu(results)
+    if results[0]["profile"].get("receives"):
+        print("  receives per rank (buffers allocated / reused, posted ahead): " + ", ".join(
+            f"{r['profile']['receives']['buffers_allocated']} / {r['profile']['receives']['buffers_reused']}, "
+            f"{r['profile']['receives']['posted_ahead']}" for r in results))
     print("  p2p one-way: " + ", ".join(f"{k} ({v['bytes'] / 1024:.0f} KiB) {v['ms']:.3f} ms" for k, v in p2p.items())
           + f"; batched exchanges per step {', '.join(f'{e:.0f}' for e in exchanges)}")
     for r in results:

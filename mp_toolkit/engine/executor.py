@@ -22,8 +22,9 @@ from mp_toolkit.engine.free_sent import release, releasable
 from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import StageModule
 from mp_toolkit.engine.shapes import ShapePass, StageSpecs
-from mp_toolkit.parallel.p2p import P2P, TensorSpec, as_tuple
+from mp_toolkit.parallel.p2p import P2P, Received, TensorSpec, as_tuple
 from mp_toolkit.schedule import Action, Kind
+from mp_toolkit.schedule.completion import comm_batches
 
 MicroBatch = tuple  # (inputs: Tensor | tuple[Tensor, ...], labels: Tensor)
 
@@ -62,15 +63,20 @@ class Executor:
             says which outputs qualify); ``run`` needs ``send_waits`` to know when. Default True;
             False keeps every output whole until its backward (the comparison of
             ``tools/bench_memory.py --no-free-sent``).
+        post_ahead: post each comm batch's receives with the batch before it, where the transport
+            allows (``p2p.posts_ahead``: gloo), and wait for a message only when the action that
+            reads it runs, so the transfer overlaps the compute in between. Default True.
     """
 
     def __init__(self, stages: dict[int, StageModule], stage_to_rank: Sequence[int], rank: int,
                  p2p: P2P | None, shapes: ShapePass, loss_fn: Callable,
-                 free_sent_outputs: bool = True):
+                 free_sent_outputs: bool = True, post_ahead: bool = True):
         self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
         self.p2p, self.shapes, self.loss_fn = p2p, shapes, loss_fn
         self.input_specs: list[StageSpecs] = []  # per micro-batch of the last run: stage -> what it receives
         self.free_sent_outputs = free_sent_outputs
+        self.post_ahead = post_ahead and p2p is not None and p2p.posts_ahead
+        self.posted_ahead = 0  # receives posted with the batch before theirs, over the executor's life
         self.freed_bytes = 0  # storage released by the last run (what free_sent_outputs saved)
         self.last_stage = len(self.stage_to_rank) - 1
         self.handlers = {Kind.F: self._forward, Kind.B: self._backward,
@@ -106,6 +112,8 @@ class Executor:
         self._sent_specs: dict = {}  # (stage, mb) -> specs of its sent outputs, for RECV_B
         self._to_free: dict = {}  # position of a SEND_F -> (stage, mb) whose outputs may be freed
         self._wait_plan = send_waits if self.free_sent_outputs else None
+        self._batches = comm_batches(actions)  # (first, last) position of each run of comm actions
+        self._ahead: dict = {}  # ("F" | "B", stage, mb) -> Received, posted with an earlier batch
         self.freed_bytes = 0
         i = 0
         with torch.set_grad_enabled(grad):
@@ -114,12 +122,13 @@ class Executor:
                 while j < len(actions) and actions[j].kind.is_comm:
                     j += 1
                 if j > i:
-                    self._communicate(actions[i:j], i)
+                    self._communicate(actions, i, j)
                     i = j
                     continue
                 handler = self.handlers.get(actions[i].kind)
                 if handler is None:
                     raise NotImplementedError(f"action kind {actions[i].kind.value} ({actions[i]}) is not supported by this executor")
+                self._await(actions[i])
                 handler(actions[i])
                 if i in final:
                     on_grads_final(final[i])
@@ -210,10 +219,46 @@ class Executor:
         return self.stage_to_rank[stage] == self.rank
 
     # --- communication -----------------------------------------------------------------------
-    def _communicate(self, comms: Sequence[Action], first: int) -> None:
-        """Run the comm actions at positions ``first, first + 1, ...`` as one batch."""
-        sends, send_keys, recvs, recv_keys = [], [], [], []
-        for pos, a in enumerate(comms, first):
+    def _await(self, a: Action) -> None:
+        """Wait for the message ``a`` reads, if it is still a posted receive (`Received`)."""
+        store = self._inputs if a.kind is Kind.F else self._grads if a.kind in (Kind.B, Kind.I) else None
+        key = (a.stage, a.microbatch)
+        if store is not None and isinstance(store.get(key), Received):
+            store[key] = store[key].wait()
+
+    def _recv(self, a: Action) -> tuple[tuple, int, list[TensorSpec]] | None:
+        """(key, peer stage, specs) of a receive action; None for a RECV_B whose output has not been
+        sent yet (its specs are those of the sent output)."""
+        s, k = a.stage, a.microbatch
+        if a.kind is Kind.RECV_F:
+            return ("F", s, k), s - 1, self.input_specs[k][s]
+        if (s, k) not in self._sent_specs:
+            return None
+        return ("B", s, k), s + 1, self._sent_specs[(s, k)]
+
+    def _posted_ahead(self, last: int, actions: Sequence[Action]) -> list[tuple[tuple, int, list[TensorSpec]]]:
+        """The receives of the comm batch after the one ending at ``last`` that may be posted now:
+        its leading receives whose specs are known. Each receive moves by at most one batch and in
+        order, so the receives from each peer are posted in the schedule's order (gloo and NCCL
+        pair a channel's messages in order, `mp_toolkit.schedule.completion._pairs`)."""
+        nxt = next(((f, l) for f, l in self._batches if f > last), None)
+        out = []
+        if nxt is not None:
+            for a in actions[nxt[0]:nxt[1] + 1]:
+                if a.kind.is_recv:
+                    recv = self._recv(a)
+                    if recv is None:
+                        break
+                    out.append(recv)
+        return out
+
+    def _communicate(self, actions: Sequence[Action], first: int, end: int) -> None:
+        """Run the comm actions at positions ``first .. end - 1`` as one batch (with, where the
+        transport allows, the next batch's receives); received messages are stored as `Received`
+        and waited for by the action that reads them (`_await`)."""
+        sends, send_keys, recvs = [], [], []
+        for pos in range(first, end):
+            a = actions[pos]
             s, k = a.stage, a.microbatch
             if a.kind is Kind.SEND_F:
                 outputs = self._outputs[(s, k)][1]
@@ -225,26 +270,38 @@ class Executor:
             elif a.kind is Kind.SEND_B:
                 sends.append((s - 1, self._grads.pop(("send", s, k))))
                 send_keys.append(pos)
-            elif a.kind is Kind.RECV_F:
-                recvs.append((s - 1, self.input_specs[k][s]))
-                recv_keys.append(("F", s, k))
-            elif a.kind is Kind.RECV_B:
-                recvs.append((s + 1, self._sent_specs.pop((s, k))))
-                recv_keys.append(("B", s, k))
+            elif a.kind.is_recv:
+                key = ("F" if a.kind is Kind.RECV_F else "B", s, k)
+                if key in self._ahead:  # posted with the batch before
+                    self._deliver(key, self._ahead.pop(key))
+                else:
+                    recvs.append(self._recv(a))
+        new = {key for key, _, _ in recvs}
+        if self.post_ahead:
+            ahead = self._posted_ahead(end - 1, actions)
+            self.posted_ahead += len(ahead)
+            recvs += ahead
+        for direction, s, k in (key for key, _, _ in recvs):
+            if direction == "B":
+                del self._sent_specs[(s, k)]  # read once, by its receive
         remote_sends = []
         for peer_stage, tensors in sends:
             if self.stage_to_rank[peer_stage] == self.rank:
                 raise NotImplementedError("sends between stages on one rank are not supported yet")
             remote_sends.append((self.stage_to_rank[peer_stage], tensors))
-        remote_recvs = [(self.stage_to_rank[peer], specs) for peer, specs in recvs]
-        received = self.p2p.exchange(remote_sends, remote_recvs, send_keys)
-        for (direction, s, k), message in zip(recv_keys, received):
-            if direction == "F":
-                self._inputs[(s, k)] = message
+        remote_recvs = [(self.stage_to_rank[peer], specs) for _, peer, specs in recvs]
+        received = self.p2p.post(remote_sends, remote_recvs, send_keys)
+        for (key, _, _), message in zip(recvs, received):
+            if key in new:
+                self._deliver(key, message)
             else:
-                self._grads[(s, k)] = message
+                self._ahead[key] = message
         if self._wait_plan is not None:
-            self._free_sent(self._wait_plan.get(first + len(comms) - 1, ()))
+            self._free_sent(self._wait_plan.get(end - 1, ()))
+
+    def _deliver(self, key: tuple, message) -> None:
+        direction, s, k = key
+        (self._inputs if direction == "F" else self._grads)[(s, k)] = message
 
     def _free_sent(self, waits: Sequence[int]) -> None:
         """Wait for the sends at positions ``waits`` (the plan guarantees their receives get

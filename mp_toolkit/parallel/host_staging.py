@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.parallel.p2p import P2P, TensorSpec
+from mp_toolkit.parallel.p2p import P2P, Received, TensorSpec
 
 HOST = torch.device("cpu")
 
@@ -30,14 +30,26 @@ class HostStagedP2P:
     def bytes_sent(self) -> int:
         return self.wire.bytes_sent
 
+    @property
+    def posts_ahead(self) -> bool:
+        return self.wire.posts_ahead  # gloo
+
     def exchange(self, sends: list[tuple[int, tuple[torch.Tensor, ...]]],
                  recvs: list[tuple[int, list[TensorSpec]]],
                  send_keys: list | None = None) -> list[tuple[torch.Tensor, ...]]:
-        """`P2P.exchange`: sends copied to the host first (the copy waits for the compute that made
-        them), received tuples copied onto ``device``."""
+        """`P2P.exchange` through host memory (`post`, every receive waited for)."""
+        return [r.wait() for r in self.post(sends, recvs, send_keys)]
+
+    def post(self, sends: list[tuple[int, tuple[torch.Tensor, ...]]],
+             recvs: list[tuple[int, list[TensorSpec]]],
+             send_keys: list | None = None) -> list[Received]:
+        """`P2P.post`: sends copied to the host first (the copy waits for the compute that made
+        them), each received tuple copied onto ``device`` when it is waited for (the host buffer
+        is then free for the next receive of its shape)."""
         hosted = [(peer, tuple(t.detach().to(HOST) for t in tensors)) for peer, tensors in sends]
-        got = self.wire.exchange(hosted, recvs, send_keys)
-        return [tuple(t.to(self.device) for t in message) for message in got]
+        onto_device = lambda message: tuple(t.to(self.device) for t in message)
+        return [Received([r], None, lambda _, r=r: onto_device(r.wait()))
+                for r in self.wire.post(hosted, recvs, send_keys)]
 
     def wait_sends(self, keys=None) -> None:
         self.wire.wait_sends(keys)
