@@ -133,5 +133,10 @@ def eval_matches(rank, world, schedule, chunks=1, lengths=None):
     return loss, expected.item(), unchanged, engine.shapes.passes
 
 
+def mixed_lengths(rank, world, cases):
+    """`oracle_cases` over MIXED_LENGTHS, then `eval_matches` (1F1B) over them, in one world."""
+    return oracle_cases(rank, world, cases, 3, MIXED_LENGTHS), eval_matches(rank, world, "1f1b", 1, MIXED_LENGTHS)
+
+
 def _all_named(model: LayerList):
     return [(f"{n}.{path}", p) for n, layer in zip(model.names, model.layers) for path, p in layer.named_parameters()]

@@ -15,7 +15,7 @@ import torch
 
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within
-from tests.oracle_workers import MIXED_LENGTHS, eval_matches, oracle_cases
+from tests.oracle_workers import MIXED_LENGTHS, eval_matches, mixed_lengths, oracle_cases
 
 CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b", "zbh1") for m in (1, 3, 8)]
 # Interleaved 1F1B: two model chunks per rank, micro-batches a multiple of pp (7 layers -> 4 stages).
@@ -62,9 +62,11 @@ def test_mixed_lengths_bitwise_equal_single_process():
     steps (issue 21 item 3): 1F1B, ZB-H1 and interleaved 1F1B at pp=2 stay bitwise single-process
     gradient accumulation over the same micro-batches; each distinct length costs one shape pass.
     Receive buffers are reused across steps and shapes and receives posted a batch ahead (issue 23
-    item 3) in every case here and in the fixed-length cases above, all bitwise."""
+    item 3) in every case here and in the fixed-length cases above, all bitwise. Then eval_batch over
+    mixed lengths, after training on mixed lengths: the unsplit model's loss, bitwise."""
     cases = [("1f1b", 4, False), ("zbh1", 4, False), ("interleaved", 4, False, "adamw", 2)]
-    reports = run_world(oracle_cases, 2, cases, 3, MIXED_LENGTHS, timeout_s=300)
+    results = run_world(mixed_lengths, 2, cases, timeout_s=300)
+    reports = [r[0] for r in results]
     lengths = {n for step in MIXED_LENGTHS for n in step}
     for i, case in enumerate(cases):
         assert sum(r[i][0] for r in reports) > 0
@@ -75,10 +77,6 @@ def test_mixed_lengths_bitwise_equal_single_process():
             # receive buffers reused across steps and shapes, receives posted a batch ahead: still bitwise
             allocated, reused, ahead = r[i][8:11]
             assert allocated > 0 and reused > 0 and ahead > 0, (case, allocated, reused, ahead)
-
-
-def test_mixed_lengths_eval_batch_bitwise():
-    """eval_batch over mixed lengths, after training on mixed lengths: the unsplit model's loss, bitwise."""
-    for loss, expected, unchanged, passes in run_world(eval_matches, 2, "1f1b", 1, MIXED_LENGTHS, timeout_s=120):
+    for _, (loss, expected, unchanged, passes) in results:
         assert loss == expected and unchanged
         assert passes == 4  # 16, 8, 12 in training; 4 first met in the evaluated batch
