@@ -1,8 +1,8 @@
 """Point-to-point transport between pipeline stages: batched isend/irecv of tensor tuples.
 
-Messages are tuples of tensors. Shapes and dtypes are agreed once (see `send_specs` /
-`recv_specs`, used by the engine's one-time shape pass) and cached by the caller, so a steady-state
-step sends only payload. Integer and bool tensors travel as they are (bool as uint8 bytes) and
+Messages are tuples of tensors. Shapes and dtypes are agreed once per shape of the input (see
+`send_specs` / `recv_specs`, used by the engine's shape pass, `mp_toolkit.engine.shapes`) and
+cached by the caller, so a steady-state step sends only payload. Integer and bool tensors travel as they are (bool as uint8 bytes) and
 never carry gradients.
 
 All the transfers of one run of consecutive communication actions go into a single

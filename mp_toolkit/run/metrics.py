@@ -78,7 +78,7 @@ class MetricsLog:
         if self.cfg.plot:
             plot_losses(self.earlier + self.rows, self.cfg.plot)
         first, last = self.rows[0], self.rows[-1]
-        timed = self.rows[1:] or self.rows  # the first step includes the one-time shape pass
+        timed = self.rows[1:] or self.rows  # the first step includes the shape pass (of its lengths)
         tok_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
         skipped = sum(bool(r.get("skipped")) for r in self.rows)
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(self.rows)} steps, "
