@@ -51,6 +51,9 @@ def _validate_numbers(cfg: TrainConfig) -> None:
                  "max_skips"):
         if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
+    if not (math.isfinite(cfg.hang_timeout_s) and cfg.hang_timeout_s >= 0):
+        raise ConfigError(f"--hang-timeout {cfg.hang_timeout_s} must be a positive finite number of seconds "
+                          "(or 0: no heartbeats)")
     if cfg.eval_every < 0 or cfg.eval_batches < 1:
         raise ConfigError(f"--eval-every {cfg.eval_every} / --eval-batches {cfg.eval_batches}: give N >= 0 steps "
                           "(0: no validation) and K >= 1 global batches")
