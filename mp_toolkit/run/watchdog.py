@@ -69,7 +69,7 @@ class Seen:
         if beat.get("n") != self.beat.get("n"):
             self.counter_at = now
         if beat.get("step") != self.beat.get("step"):
-            if self.beat.get("step") is not None:
+            if self.beat.get("step") is not None and not self.beat.get("first"):  # start-up costs aside
                 self.longest_step_s = max(self.longest_step_s, now - self.step_at)
             self.step_at = now
         self.beat = beat
@@ -125,7 +125,9 @@ class Heartbeat:
     def __init__(self, env: LaunchEnv, status: RankStatus, hang_timeout_s: float):
         self.env, self.status, self.judge = env, status, Judge(hang_timeout_s)
         self.interval = beat_interval(hang_timeout_s)
-        self.store, self.rank0_serves = heartbeat_store(env, hang_timeout_s)
+        # the judge, not the client, decides when the store is silent: the client's own timeout comes
+        # later, so its warnings never precede the line
+        self.store, self.rank0_serves = heartbeat_store(env, 2 * hang_timeout_s + 30)
         self.keys = [f"rank{r}" for r in range(env.world_size)]
         self.counter = 0
         self.stopping = threading.Event()
@@ -205,13 +207,13 @@ class Heartbeat:
             return
         if line is not None:
             sys.stderr.write(f"mpt train: error: {line}\n")
-        for r in hung:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for r in hung:  # then at once out: the main thread would fail talking to them
             beat = self.judge.seen[r].beat if r in self.judge.seen else {}
             if beat.get("host") == host_id() and beat.get("pid") not in (None, os.getpid()):
                 try:
                     os.kill(beat["pid"], signal.SIGKILL)
                 except OSError:
                     pass
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(EXIT_HUNG)
