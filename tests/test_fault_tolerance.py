@@ -7,12 +7,14 @@ loss turn non-finite) or from outside (SIGKILL of the launcher). Each test asser
 process of its job survives, and kills any in its finally.
 """
 
+import json
 import math
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -264,6 +266,20 @@ def test_a_second_signal_stops_at_once():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
     assert done.stdout == "noted SIGTERM\n" and done.stderr == "mpt train: SIGTERM again: stopping at once\n"
+
+
+def test_a_two_kill_chaos_run_ends_bitwise(tmp_path):
+    """tools/chaos.py at a small size: an uninterrupted run, then one with --restarts 3 whose ranks
+    get SIGKILL twice from outside at random steps and moments (seeded); every tensor of the two final
+    checkpoints and every per-step loss equal."""
+    out = tmp_path / "chaos.json"
+    job = Job([sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "chaos.py"), "--kills", "2",
+               "--steps", "16", "--save-every", "4", "--seed", "1", "--timeout", "300", "--work-dir",
+               str(tmp_path / "work"), "--json", str(out)], tmp_path, name="chaos")
+    assert finish(job, 900) == 0, job.stdout[-3000:] + job.stderr[-3000:]  # bounds a hang, not a speed
+    result = json.loads(out.read_text())
+    assert (result["exit_code"], result["recoveries"], len(result["kills"])) == (0, 2, 2), result
+    assert result["tensors"] > 0 and result["tensors_differing"] == 0 and result["losses_equal"], result
 
 
 # -- 2. killed during a checkpoint save ---------------------------------------------------------------

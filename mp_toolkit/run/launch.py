@@ -15,6 +15,9 @@ When a rank dies (RELIABILITY.md)::
                     ranks again with --resume auto
     torchrun        its elastic agent stops the other workers; --max-restarts N restarts them (use
                     --resume auto); `init_distributed` keeps each restart's rendezvous keys apart
+    a hung rank     the other ranks' heartbeat judges name it within --hang-timeout (`run.watchdog`,
+                    over `heartbeat_store`), SIGKILL it when on their host and exit EXIT_HUNG
+    SIGTERM/SIGUSR1 spawn_local forwards them; every rank stops after the same step (`run.preempt`)
 
     torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \\
              --seq-len 64 --data synthetic --save-dir runs/x --save-every 50 --resume auto

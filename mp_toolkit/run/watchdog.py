@@ -119,8 +119,9 @@ class Judge:
 
 
 class Heartbeat:
-    """This rank's beat and judge threads (module docstring). ``start`` writes the first beat;
-    ``arm``, once every rank has written its own (after a collective), starts the threads."""
+    """This rank's beat and judge threads (module docstring). Creating it writes the first beat;
+    ``arm``, once every rank has written its own (after a collective), starts the threads; ``stop``
+    writes the last one (``done``)."""
 
     def __init__(self, env: LaunchEnv, status: RankStatus, hang_timeout_s: float):
         self.env, self.status, self.judge = env, status, Judge(hang_timeout_s)
@@ -132,6 +133,7 @@ class Heartbeat:
         self.counter = 0
         self.stopping = threading.Event()
         self.lock = threading.Lock()
+        self.exiting = threading.RLock()  # the judge's decide-print-exit is not cut short by the beat's exit
         self.last_reply = time.monotonic()
         self.store_gone = False
         self.store.compare_set("hung", "", "")  # present from now on, so multi_get never waits for it
@@ -146,6 +148,7 @@ class Heartbeat:
             "first": step is not None and step == self.status.first_step, "comm": main_thread_communicating(), "done": done}))
 
     def arm(self) -> None:
+        self.last_reply = time.monotonic()  # the store's silence is timed from here
         for target in (self._beat_loop, self._judge_loop):
             t = threading.Thread(target=target, name=f"mpt-{target.__name__[1:]}", daemon=True)
             t.start()
@@ -156,11 +159,14 @@ class Heartbeat:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        with self.lock:
-            try:
-                self.beat(done=True)
-            except Exception:  # noqa: BLE001 - the store's host may be gone already; nothing to tell
-                pass
+        if not self.lock.acquire(timeout=2 * self.interval):
+            return  # the beat thread waits on a silent store: nobody is listening for this beat
+        try:
+            self.beat(done=True)
+        except Exception:  # noqa: BLE001 - the store's host may be gone already; nothing to tell
+            pass
+        finally:
+            self.lock.release()
 
     def _beat_loop(self) -> None:
         while not self.stopping.wait(self.interval):
@@ -188,11 +194,12 @@ class Heartbeat:
             found = self.judge.hung(now)
             if found is not None:
                 ranks, line = found
-                try:
-                    won = self.store.compare_set("hung", "", line).decode() == line
-                except Exception:  # noqa: BLE001 - say it ourselves
-                    won = True
-                self._exit(line if won else None, ranks)
+                with self.exiting:  # the beat thread may read our own `hung` before we print it
+                    try:
+                        won = self.store.compare_set("hung", "", line).decode() == line
+                    except Exception:  # noqa: BLE001 - say it ourselves
+                        won = True
+                    self._exit(line if won else None, ranks)
 
     def _store_silent(self, now: float) -> None:
         silent = f"gave no answer for {now - self.last_reply:.0f} s"
@@ -203,7 +210,9 @@ class Heartbeat:
 
     def _exit(self, line: str | None, hung: list[int]) -> None:
         """Print ``line`` (when this rank is the one to say it), SIGKILL the hung ranks on this host, exit."""
+        self.exiting.acquire()  # held until the process ends
         if self.stopping.is_set():
+            self.exiting.release()
             return
         if line is not None:
             sys.stderr.write(f"mpt train: error: {line}\n")
