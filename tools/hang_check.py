@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import signal
 import statistics
@@ -30,30 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def rank_pids(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the launcher's children that carry RANK in their environment."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher:
-            for item in env:
-                if item.startswith(b"RANK="):
-                    out[int(item[5:])] = int(entry.name)
-    return out
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
+from chaos import machine, rank_pids  # tools/ is this script's directory
 
 
 def alive(pid: int) -> bool:
@@ -121,7 +97,7 @@ def main() -> int:
                   f"(right rank: {r['right_rank']}), both ranks gone after {r['ranks_gone_s'] or float('nan'):.2f} s, "
                   f"the launcher too after {r['stopped_s']:.2f} s, "
                   f"exit {r['exit']}", flush=True)
-    summary = {"runs": a.runs, "hang_timeout_s": a.hang_timeout, "machine": cpu_model(),
+    summary = {"runs": a.runs, "hang_timeout_s": a.hang_timeout, "machine": machine(),
                "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
                "all_named_right": all(r["right_rank"] for r in results),
                "exits": sorted({r["exit"] for r in results}, key=str)}
