@@ -216,9 +216,11 @@ class RankStatus:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGTERM this rank when the mpt launcher dies, even by SIGKILL (prctl PR_SET_PDEATHSIG)."""
+    """Linux: SIGHUP this rank when the mpt launcher dies, even by SIGKILL (prctl PR_SET_PDEATHSIG).
+    Not SIGTERM, which now asks for a graceful stop (`run.preempt`): with its launcher gone nobody
+    would report or restart the rank, so SIGHUP's default action ends it at once."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGHUP)
     except (OSError, AttributeError):
         pass  # elsewhere the pipe's EPIPE at the next step stops the rank
 

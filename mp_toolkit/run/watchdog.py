@@ -12,11 +12,13 @@ Each rank runs two daemon threads once the process group has formed:
       than its limit, main thread not communicating   kernel, a deadlock in its own code)
     every rank in a step, all waiting on each other    a communication deadlock: all are named
     the store gave no answer for --hang-timeout       the store's host is stopped (rank 0 under
-                                                      mpt, the deepspeed launcher, bare ranks)
+                                                      mpt, the deepspeed launcher, bare ranks;
+                                                      rank 0 never judges the store it serves)
 
-A step's limit is max(--hang-timeout, 4 x this rank's longest step so far), and 5 x --hang-timeout
-for the first step of a start (start-up costs: compiling, --partition time measuring). Start-up,
-saves and evaluation are judged by the counter only. The first rank to decide writes its line to
+Beats are judged as of the last successful read, so a rank whose own threads were starved of CPU
+blames nobody for the gap. A step's limit is max(--hang-timeout, 4 x this rank's longest step so
+far), and 5 x --hang-timeout for the first step of a start (start-up costs: compiling, --partition
+time measuring). Start-up, saves and evaluation are judged by the counter only. The first rank to decide writes its line to
 the ``hung`` key (compare-and-set, so one line is printed), SIGKILLs the hung ranks on its own host
 (a stopped process cannot stop itself, and launchers give SIGTERM 30 s before SIGKILL) and exits
 EXIT_HUNG; every other rank sees the key within a beat and exits EXIT_HUNG silently. Launchers then
@@ -95,7 +97,8 @@ class Judge:
         return max(self.hang_timeout_s, STEP_FACTOR * s.longest_step_s)
 
     def hung(self, now: float) -> tuple[list[int], str] | None:
-        """(the hung ranks, the line naming them), or None while every rank is alive and moving."""
+        """(the hung ranks, the line naming them), or None while every rank is alive and moving;
+        ``now`` is the time of the last read of the beats (what is known, not when it is judged)."""
         live = {r: s for r, s in sorted(self.seen.items()) if not s.beat.get("done")}
         limit = self.hang_timeout_s
         stopped = [r for r, s in live.items() if now - s.counter_at > limit]
@@ -189,9 +192,10 @@ class Heartbeat:
             if self.store_gone:
                 return
             now = time.monotonic()
-            if now - self.last_reply > self.judge.hang_timeout_s:
+            serving = self.rank0_serves and self.env.rank == 0  # its own store is silent only when it is
+            if now - self.last_reply > self.judge.hang_timeout_s and not serving:
                 self._store_silent(now)
-            found = self.judge.hung(now)
+            found = self.judge.hung(self.last_reply)  # as of the last read: a starved beat thread blames nobody
             if found is not None:
                 ranks, line = found
                 with self.exiting:  # the beat thread may read our own `hung` before we print it
@@ -203,7 +207,7 @@ class Heartbeat:
 
     def _store_silent(self, now: float) -> None:
         silent = f"gave no answer for {now - self.last_reply:.0f} s"
-        if self.rank0_serves and self.env.rank != 0:
+        if self.rank0_serves:
             self._exit(*reversed(self.judge.named([0], f"the rendezvous store it serves {silent}")))
         self._exit(f"the rendezvous store {silent} (--hang-timeout {self.judge.hang_timeout_s:g}); stopping "
                    "this rank", [])
