@@ -199,11 +199,29 @@ class Heartbeat:
             if found is not None:
                 ranks, line = found
                 with self.exiting:  # the beat thread may read our own `hung` before we print it
-                    try:
-                        won = self.store.compare_set("hung", "", line).decode() == line
-                    except Exception:  # noqa: BLE001 - say it ourselves
-                        won = True
-                    self._exit(line if won else None, ranks)
+                    self._exit(line if self._claim(line) else None, ranks)
+
+    def _claim(self, line: str) -> bool:
+        """Whether this rank is the one to print ``line`` (the first to set ``hung``). Bounded: when the
+        store does not answer within a few beats (its host is the hung one), this rank says it."""
+        wait_s = 2 * self.interval + 1
+        if not self.lock.acquire(timeout=wait_s):
+            return True  # the beat thread waits on the store
+        answer: list = []
+
+        def ask():
+            try:
+                answer.append(self.store.compare_set("hung", "", line).decode())
+            except Exception:  # noqa: BLE001 - no answer: say it ourselves
+                pass
+
+        try:
+            asking = threading.Thread(target=ask, daemon=True)
+            asking.start()
+            asking.join(timeout=wait_s)
+            return not answer or answer[0] == line
+        finally:
+            self.lock.release()
 
     def _store_silent(self, now: float) -> None:
         silent = f"gave no answer for {now - self.last_reply:.0f} s"
