@@ -15,8 +15,9 @@
     mpt export --checkpoint runs/bert --out hf/bert   # BertForPreTraining.from_pretrained("hf/bert")
 
 A wrong value ends with one line on stderr that names it and what would work, exit code 2. `mpt train`
-exits 3 after --max-skips consecutive non-finite steps, 1 when a rank died (the line names it), and
-128 + N when it started the ranks itself and one died of signal N (RELIABILITY.md).
+exits 3 after --max-skips consecutive non-finite steps, 1 when a rank died (the line names it), 4 when
+a rank hung (--hang-timeout; the line names it), 5 when SIGTERM / SIGUSR1 stopped it after a saved
+step, and 128 + N when it started the ranks itself and one died of signal N (RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from mp_toolkit.data.buckets import BucketError, parse_buckets
 from mp_toolkit.recompute import MODES as RECOMPUTE_MODES, RecomputeError, parse_layer_counts
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.run.predict import dry_run_report
-from mp_toolkit.run.launch import EXIT_DIVERGED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local
-from mp_toolkit.run.loop import run_training
+from mp_toolkit.run.launch import (
+    EXIT_DIVERGED, EXIT_PREEMPTED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local,
+)
+from mp_toolkit.run.loop import Preempted, run_training
 from mp_toolkit.run.recompute_plan import default_schedule, resolve_auto_schedule
 from mp_toolkit.run.skips import Diverged
 from mp_toolkit.run.state import PeerFailed
@@ -157,6 +160,9 @@ def _add_train_parser(sub) -> None:
     opt("--cache-dir", type=Path, help="tokenizer cache")
     opt("--threads", type=int, help="torch threads per rank")
     opt("--timeout", dest="timeout_s", type=float, metavar="SECONDS", help="seconds any communication may wait")
+    opt("--hang-timeout", dest="hang_timeout_s", type=float, metavar="SECONDS",
+        help=f"name a rank whose heartbeat or step stops for this long and stop every rank (exit 4; default "
+             f"{d.hang_timeout_s:g}, the first step 5x; 0: off)")
     opt("--no-progress", dest="progress", action="store_const", const=False, help="no progress bar")
     opt("--save-dir", type=Path, help="checkpoint root: layout-independent checkpoints (resume on any pp/tp/dp)")
     opt("--save-every", type=int, help="save every N steps (and after the last); default: after the last only")
@@ -311,6 +317,10 @@ def _run(cfg: TrainConfig, env) -> int:
         if env.rank == 0:
             sys.stderr.write(f"mpt train: error: {e}\n")
         return EXIT_DIVERGED
+    except Preempted as e:
+        if env.rank == 0:
+            sys.stderr.write(f"mpt train: {e}\n")
+        return EXIT_PREEMPTED
     except PeerLost as e:
         sys.stderr.write(f"mpt train: error: {e}\n")
         _exit_without_finalizing(1)

@@ -120,6 +120,44 @@ def bare_ranks(tmp: Path, *args: str, faults: dict | None = None) -> list[Job]:
     return jobs
 
 
+def proc_state(pid: int) -> str:
+    """/proc's state letter of ``pid`` (T: stopped); X when it is gone, Z a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+def watch_hang(job: Job, ranks: tuple[int, ...], hung: int, timeout: float) -> dict[str, float]:
+    """Seconds from the moment rank ``hung`` is seen stopped (state T) to its job's line naming a
+    hung rank (``named_s``) and to every one of ``ranks``' processes of that start being gone
+    (``stopped_s``). Polls /proc every 20 ms; ``timeout`` bounds the whole watch."""
+    deadline = time.monotonic() + timeout
+    pids: dict[int, int] = {}
+    while len(pids) < len(ranks) and time.monotonic() < deadline:
+        pids.update({r: p for r in ranks if r not in pids and (p := rank_pid(job.mark, r)) is not None})
+        time.sleep(0.02)
+    while proc_state(pids[hung]) != "T" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    named = None
+    while time.monotonic() < deadline:
+        if named is None and " hung " in job.stderr:
+            named = time.monotonic() - t0
+        if all(proc_state(p) in ("X", "Z") for p in pids.values()):
+            break
+        time.sleep(0.02)
+    return {"named_s": named if named is not None else float("nan"), "stopped_s": time.monotonic() - t0,
+            "pid": pids[hung]}
+
+
+def log_hang(figures: dict, scenario: str) -> None:
+    """Append one JSON line of ``watch_hang``'s figures to $MPT_HANG_LOG (the 20-run spread), when set."""
+    if os.environ.get("MPT_HANG_LOG"):
+        with open(os.environ["MPT_HANG_LOG"], "a") as f:
+            f.write(json.dumps({"scenario": scenario, **figures, "time": time.time()}) + "\n")
+
+
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -105,3 +105,18 @@ def test_gpt_recipe_config_under_mpt_train(tmp_path, capsys):
     assert "overridden on the command line: --micro-batch, --microbatches, --pp, --precision" in out
     # WarmupDecayLR(linear, 200 warm-up iterations) from the file: DeepSpeed iterations -1, 0, 1
     assert [json.loads(line)["lr"] for line in metrics.read_text().splitlines()] == pytest.approx([0.0, 0.0, 1e-5])
+
+
+def test_bert_recipe_smoke_under_the_deepspeed_launcher(tmp_path):
+    """BERT's `run.sh --smoke` (issue 22): the deepspeed launcher starts 2 CPU processes (pipeline.stages
+    2; heartbeats on, as in every run) that pre-train bert-tiny (MLM + NSP) for 30 steps; the loss falls
+    by more than its own step-to-step spread over the first five steps."""
+    metrics = tmp_path / "smoke.jsonl"
+    code, out = run_group([str(RECIPES / "bert_pretrain" / "run.sh"), "--smoke", "--cache-dir", str(tmp_path / "cache"),
+                           "--metrics", str(metrics)], timeout=240,
+                          env=env(DEEPSPEED=str(BIN / "deepspeed"), MASTER_PORT=str(free_port())))
+    assert code == 0, out[-3000:]
+    assert "launch.py" in out and "pp 2, tp 1, dp 1" in out and " hung " not in out, out[-3000:]
+    loss = losses(metrics)
+    noise = max(loss[:5]) - min(loss[:5])  # the floor: how much the loss moves between early steps
+    assert len(loss) == 30 and sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - noise, loss

@@ -15,7 +15,7 @@ from pathlib import Path
 from mp_toolkit.ds.config import read_ds_config
 from mp_toolkit.run.config import ConfigError, TrainConfig
 
-_FLAG_NAMES = {"timeout_s": "--timeout", "progress": "--no-progress", "bias_correction": "--no-bias-correction"}
+_FLAG_NAMES = {"timeout_s": "--timeout", "hang_timeout_s": "--hang-timeout", "progress": "--no-progress", "bias_correction": "--no-bias-correction"}
 _SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_decay", "min_lr")
 _OPTIMIZER_FIELDS = ("betas", "eps", "min_trust", "max_trust", "bias_correction", "momentum", "trust_coefficient",
                      "lamb_rule")

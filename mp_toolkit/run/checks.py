@@ -56,6 +56,9 @@ def _validate_numbers(cfg: TrainConfig) -> None:
         cfg.bucket_lengths  # noqa: B018 -- each bucket at most --seq-len
     except BucketError as e:
         raise ConfigError(str(e)) from None
+    if not (math.isfinite(cfg.hang_timeout_s) and cfg.hang_timeout_s >= 0):
+        raise ConfigError(f"--hang-timeout {cfg.hang_timeout_s} must be a positive finite number of seconds "
+                          "(or 0: no heartbeats)")
     if cfg.eval_every < 0 or cfg.eval_batches < 1:
         raise ConfigError(f"--eval-every {cfg.eval_every} / --eval-batches {cfg.eval_batches}: give N >= 0 steps "
                           "(0: no validation) and K >= 1 global batches")

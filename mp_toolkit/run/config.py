@@ -137,6 +137,10 @@ class TrainConfig:
     """torch intra-op threads per rank; None: cores divided by local ranks."""
     timeout_s: float = 300.0
     """Bound on every collective and point-to-point wait."""
+    hang_timeout_s: float = 60.0
+    """Heartbeats (`run.watchdog`): a rank whose heartbeat stops for this long, or whose step stops
+    moving for longer than its limit (this, 5x for the first step, 4x the longest step), is named as
+    hung and every rank stops (exit 4); 0 turns heartbeats off (--timeout still bounds every wait)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     save_dir: Path | None = None

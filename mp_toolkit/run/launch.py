@@ -15,6 +15,9 @@ When a rank dies (RELIABILITY.md)::
                     ranks again with --resume auto
     torchrun        its elastic agent stops the other workers; --max-restarts N restarts them (use
                     --resume auto); `init_distributed` keeps each restart's rendezvous keys apart
+    a hung rank     the other ranks' heartbeat judges name it within --hang-timeout (`run.watchdog`,
+                    over `heartbeat_store`), SIGKILL it when on their host and exit EXIT_HUNG
+    SIGTERM/SIGUSR1 spawn_local forwards them; every rank stops after the same step (`run.preempt`)
 
     torchrun --nproc_per_node 2 --max-restarts 3 -m mp_toolkit.cli train --model gpt-tiny --pp 2 \\
              --seq-len 64 --data synthetic --save-dir runs/x --save-every 50 --resume auto
@@ -46,7 +49,13 @@ EXIT_CONFIG = 2
 """A value, a layout or a checkpoint was refused (one line said why): a restart would fail the same way."""
 EXIT_DIVERGED = 3
 """--max-skips consecutive steps were skipped for non-finite values: a restart would repeat them."""
-NOT_RESTARTED = (EXIT_CONFIG, EXIT_DIVERGED, 130)
+EXIT_HUNG = 4
+"""A rank was found hung by the heartbeats (`run.watchdog`) and named; restarted like a dead rank."""
+EXIT_PREEMPTED = 5
+"""SIGTERM / SIGUSR1: every rank finished the step in flight and the job saved it (`run.preempt`)."""
+NOT_RESTARTED = (EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, 130)
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""Signals that ask a run to stop after the step in flight (schedulers' preemption; SLURM --signal)."""
 
 
 class PeerLost(RuntimeError):
@@ -61,12 +70,16 @@ class Faults:
          "nonfinite": [{"rank": 0, "steps": [3, 4], "kind": "grad"}]}   # inf gradients on rank 0
 
     ``"in": "save"`` kills inside the save of that step, after this rank wrote its shards and before
-    the commit. A kill happens on the first attempt only (a restart must get past it); ``kind``
+    the commit. ``"signal": "SIGSTOP"`` (or SIGTERM, SIGUSR1) sends that signal instead of SIGKILL,
+    ``"to": "launcher"`` sends it to the mpt launcher (the parent) instead of this rank.
+    A kill happens on the first attempt only (a restart must get past it); ``kind``
     ``"loss"`` multiplies the last stage's output by inf instead (that rank must hold the last stage).
     """
 
     kill: tuple[int, int, str] | None = None
     nonfinite: tuple[tuple[int, int, str], ...] = ()
+    signal: signal.Signals = signal.SIGKILL
+    to_launcher: bool = False
 
     @classmethod
     def parse(cls, text: str | None) -> "Faults":
@@ -75,6 +88,8 @@ class Faults:
         try:
             doc = json.loads(text)
             kill = doc.get("kill")
+            sig = signal.Signals[kill.get("signal", "SIGKILL")] if kill else signal.SIGKILL
+            to_launcher = kill.get("to", "self") == "launcher" if kill else False
             kill = (int(kill["rank"]), int(kill["step"]), str(kill.get("in", "step"))) if kill else None
             bad = [(int(f["rank"]), int(s), str(f.get("kind", "grad"))) for f in doc.get("nonfinite", [])
                    for s in f["steps"]]
@@ -82,12 +97,12 @@ class Faults:
             raise ConfigError(f"MPT_FAULTS {text!r} is not the documented JSON ({e})") from None
         if (kill and kill[2] not in ("step", "save")) or any(k not in ("grad", "loss") for *_, k in bad):
             raise ConfigError(f"MPT_FAULTS {text!r}: kill.in is step or save, nonfinite kind is grad or loss")
-        return cls(kill, tuple(bad))
+        return cls(kill, tuple(bad), sig, to_launcher)
 
     def kill_here(self, env: "LaunchEnv", step: int, where: str) -> None:
         if env.attempt == 0 and self.kill == (env.rank, step, where):
             sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getppid() if self.to_launcher else os.getpid(), self.signal)
 
     def nonfinite_at(self, rank: int, step: int) -> str | None:
         return next((kind for r, s, kind in self.nonfinite if (r, s) == (rank, step)), None)
@@ -177,15 +192,21 @@ def init_distributed(env: LaunchEnv, timeout_s: float) -> torch.device:
 
 class RankStatus:
     """What this rank is doing ("during start-up", "during step 5", "while saving step 4"), for the
-    lines that report a failure; under spawn_local each change also goes down the pipe to the watchdog."""
+    lines that report a failure; under spawn_local each change also goes down the pipe to the watchdog.
+    ``step`` is the step in flight (None outside a step), ``first_step`` the first one of this start:
+    the heartbeats (`run.watchdog`) read both."""
 
     def __init__(self, env: LaunchEnv):
         self.fd, self.phase = env.status_fd, "during start-up"
+        self.step: int | None = None
+        self.first_step: int | None = None
         if self.fd is not None:
             _die_with_parent()
 
-    def set(self, phase: str) -> None:
-        self.phase = phase
+    def set(self, phase: str, step: int | None = None) -> None:
+        if step is not None and self.first_step is None:
+            self.first_step = step
+        self.phase, self.step = phase, step
         if self.fd is not None:
             try:
                 os.write(self.fd, (phase + "\n").encode())
@@ -195,9 +216,11 @@ class RankStatus:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGTERM this rank when the mpt launcher dies, even by SIGKILL (prctl PR_SET_PDEATHSIG)."""
+    """Linux: SIGHUP this rank when the mpt launcher dies, even by SIGKILL (prctl PR_SET_PDEATHSIG).
+    Not SIGTERM, which now asks for a graceful stop (`run.preempt`): with its launcher gone nobody
+    would report or restart the rank, so SIGHUP's default action ends it at once."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGHUP)
     except (OSError, AttributeError):
         pass  # elsewhere the pipe's EPIPE at the next step stops the rank
 
@@ -212,7 +235,7 @@ class Peers:
 
     @classmethod
     def exchange(cls, rank: int, world_size: int, device: torch.device) -> "Peers":
-        mine = torch.tensor([_host_id(), os.getpid()], dtype=torch.int64, device=device)
+        mine = torch.tensor([host_id(), os.getpid()], dtype=torch.int64, device=device)
         rows = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(rows, mine)
         return cls(rank, tuple((int(r[0]), int(r[1])) for r in rows))
@@ -223,22 +246,36 @@ class Peers:
         deadline = time.monotonic() + wait_s
         while True:
             gone = [(r, pid) for r, (host, pid) in enumerate(self.table)
-                    if r != self.rank and host == _host_id() and not _running(pid)]
+                    if r != self.rank and host == host_id() and not _running(pid)]
             if gone or time.monotonic() > deadline:
                 return gone
             time.sleep(0.1)
 
 
-def _host_id() -> int:
+def host_id() -> int:
     return zlib.crc32(socket.gethostname().encode())
 
 
-def _running(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """/proc's one-letter state of ``pid`` (R, S, T stopped, Z zombie, ...); X when it is gone."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
-    return state not in ("Z", "X")  # a zombie is dead, only not yet reaped
+        return "X"
+
+
+def _running(pid: int) -> bool:
+    return _state(pid) not in ("Z", "X")  # a zombie is dead, only not yet reaped
+
+
+def heartbeat_store(env: LaunchEnv, timeout_s: float) -> tuple[dist.Store, bool]:
+    """(a connection of this rank's own to the rendezvous store, keyed per attempt, whether rank 0
+    serves that store): the heartbeats' side channel (`run.watchdog`). Under torchrun its agent
+    serves the store; under mpt, the deepspeed launcher and bare ranks rank 0 does."""
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timedelta(seconds=max(timeout_s, 1.0)), wait_for_workers=False)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.PrefixStore(f"mpt/heartbeat/attempt_{env.attempt}", client), not agent
 
 
 def is_comm_failure(e: BaseException) -> bool:
@@ -310,7 +347,8 @@ def spawn_local(argv: list[str], nprocs: int, restarts: int = 0, save_dir: Path 
     When one rank fails the others get ``grace_s`` to exit on their own (ranks that agreed on a
     failure all stop, and the one reporting it must finish its line), then are terminated, so no
     process is left behind; Ctrl-C stops them all. A failure that a restart would repeat (a refused
-    value or checkpoint, exit 2; --max-skips, exit 3) is not restarted.
+    value or checkpoint, exit 2; --max-skips, exit 3) is not restarted, nor is a preempted run
+    (SIGTERM or SIGUSR1 to this process is forwarded to every rank, which save and exit 5).
     """
     for attempt in range(restarts + 1):
         code, line = _run_ranks(argv, nprocs, attempt, poll_s, grace_s)
@@ -338,6 +376,13 @@ def _run_ranks(argv: list[str], nprocs: int, attempt: int, poll_s: float, grace_
     listener = loopback_listener()
     port = listener.getsockname()[1]
     ranks: list[_Rank] = []
+
+    def forward(signum, _frame):  # preemption: every rank finishes its step, the job saves and stops
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
         for rank in range(nprocs):
             read, write = os.pipe()
@@ -357,6 +402,8 @@ def _run_ranks(argv: list[str], nprocs: int, attempt: int, poll_s: float, grace_
     except KeyboardInterrupt:
         return 130, None
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         listener.close()
         _terminate([r.proc for r in ranks])
         for r in ranks:
@@ -374,12 +421,15 @@ def _watch(ranks: list[_Rank], poll_s: float, grace_s: float) -> tuple[int, str 
                 exits.append((r, r.proc.returncode))
                 if r.proc.returncode != 0 and deadline is None:
                     deadline = time.monotonic() + grace_s
-        if deadline is not None and time.monotonic() > deadline:
-            break
+        if deadline is not None and (time.monotonic() > deadline or all(
+                _state(r.proc.pid) == "T" for r in ranks if r.proc.returncode is None)):
+            break  # the rest have exited, or are stopped (a hung rank cannot exit on its own)
         time.sleep(poll_s)
     failed = [(r, rc) for r, rc in exits if rc != 0]
     if not failed:
         return 0, None
+    if any(rc == EXIT_HUNG for _, rc in failed):
+        return EXIT_HUNG, None  # a rank named the hung one in its line (and SIGKILLed it)
     # the root cause: a rank killed by a signal (the others then fail talking to it), else the first failure
     cause, rc = next(((r, rc) for r, rc in failed if rc < 0), failed[0])
     others = ", ".join(str(r.rank) for r in ranks if r is not cause)
@@ -394,8 +444,8 @@ def _watch(ranks: list[_Rank], poll_s: float, grace_s: float) -> tuple[int, str 
 
 def _terminate(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+        if p.poll() is None:  # a stopped rank holds SIGTERM pending (its handler cannot run): SIGKILL
+            p.send_signal(signal.SIGKILL if _state(p.pid) == "T" else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:

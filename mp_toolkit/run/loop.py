@@ -13,7 +13,9 @@ Entry point (each rank)::
 
 A step whose loss or gradients are not finite on any rank is skipped by every rank, in every
 precision, and logged; --max-skips such steps in a row stop the run (exit 3) and no checkpoint is
-written at such a step, so `latest` stays on the last good one (RELIABILITY.md).
+written at such a step, so `latest` stays on the last good one (RELIABILITY.md). Each rank's
+heartbeat names a hung rank within --hang-timeout (`run.watchdog`, exit 4); SIGTERM / SIGUSR1 stop
+every rank after the same step, saved (`run.preempt`, exit 5).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ from mp_toolkit.run.launch import (
     LaunchEnv, PeerLost, Peers, RankStatus, comm_failure_line, init_distributed, is_comm_failure,
 )
 from mp_toolkit.run.metrics import MetricsLog, gather_ints
+from mp_toolkit.run.preempt import Preempted, PreemptSignals
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
 from mp_toolkit.run.save_dir import SaveDirLock, new_run_id, prepare as prepare_save_dir
 from mp_toolkit.run.state import ModelNames, Progress, agree, find_checkpoint, load_state, manifest, save_state
 from mp_toolkit.run.validation import evaluates_at, mlm_metrics, validation_row
+from mp_toolkit.run.watchdog import Heartbeat
 
-__all__ = ["Diverged", "lr_at", "run_training"]
+__all__ = ["Diverged", "Preempted", "lr_at", "run_training"]
 
 
 def lr_at(cfg: TrainConfig, progress: Progress, step: int) -> float:
@@ -64,18 +68,26 @@ def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
     --timeout) becomes `PeerLost`, whose line names the lost rank when it ran on this host."""
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     status = RankStatus(env)  # under spawn_local: the watchdog hears each step
-    peers, lost, lock = None, False, SaveDirLock()
+    peers, lost, lock, heartbeat = None, False, SaveDirLock(), None
+    signals = PreemptSignals().install()
     try:
         device = init_distributed(env, cfg.timeout_s)
         if env.world_size > 1:
+            if cfg.hang_timeout_s:  # its first beat now; judging once every rank has beaten (the exchange)
+                heartbeat = Heartbeat(env, status, cfg.hang_timeout_s)
             peers = Peers.exchange(env.rank, env.world_size, device)
-        return _train(cfg, env, device, status, lock)
+            if heartbeat is not None:
+                heartbeat.arm()
+        return _train(cfg, env, device, status, lock, signals)
     except RuntimeError as e:
         if isinstance(e, PeerLost) or not is_comm_failure(e):
             raise
         lost = True  # no teardown: the group is broken and the process exits now
         raise PeerLost(comm_failure_line(e, peers, env.rank, status.phase)) from None
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        signals.restore()
         lock.release()
         if dist.is_initialized() and not lost:
             dist.destroy_process_group()
@@ -115,7 +127,18 @@ def _one_step(cfg: TrainConfig, env: LaunchEnv, engine: TrainEngine, data, progr
     return stats, row
 
 
-def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankStatus, lock: SaveDirLock) -> list[dict]:
+def _preempted_line(cfg: TrainConfig, signal_name: str, step: int, saved: bool) -> str:
+    if cfg.save_dir is None:
+        where = "no --save-dir, nothing saved"
+    elif saved:
+        where = f"saved {cfg.save_dir / f'step-{step:08d}'}; continue with --resume auto"
+    else:
+        where = f"step {step} was skipped, so `latest` in {cfg.save_dir} stays on the last good step"
+    return f"{signal_name}: every rank stopped after step {step} ({where})"
+
+
+def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankStatus, lock: SaveDirLock,
+           signals: PreemptSignals) -> list[dict]:
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))
     rank0 = env.rank == 0
     spec = model_spec(cfg)
@@ -167,9 +190,17 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     metrics = (mlm_metrics(engine.loss_fn, ctx.tp_group) if spec.family_record.mlm and hasattr(engine, "eval_metrics")
                else None)
     scaler, streak, saves = engine.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
+
+    def save(step: int, row: dict) -> None:
+        status.set(f"while saving step {step}")
+        meta = manifest(cfg, engine, ctx, data, progress, spec, row["lr"], run_id) if rank0 else None
+        save_state(cfg.save_dir, meta, engine, ctx, names, step, cfg.keep,
+                   after_shards=lambda: env.faults.kill_here(env, step, "save"))
+        log.note(f"saved step {step} to {cfg.save_dir}")
+
     first = progress.step + 1
     for step in range(first, cfg.steps + 1):
-        status.set(f"during step {step}")
+        status.set(f"during step {step}", step)
         env.faults.kill_here(env, step, "step")
         stats, row = _one_step(cfg, env, engine, data, progress, step)
         if step == cfg.steps:
@@ -188,15 +219,18 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
         counted = streak.update(step, stats, scaler)
         if stats.skipped:
             log.note(streak.line(step, stats, cfg, scaler))
-        if saves.now(step, counted, log):
-            status.set(f"while saving step {step}")
-            meta = manifest(cfg, engine, ctx, data, progress, spec, row["lr"], run_id) if rank0 else None
-            save_state(cfg.save_dir, meta, engine, ctx, names, step, cfg.keep,
-                       after_shards=lambda: env.faults.kill_here(env, step, "save"))
-            log.note(f"saved step {step} to {cfg.save_dir}")
+        saved = saves.now(step, counted, log)
+        if saved:
+            save(step, row)
         if streak.count >= cfg.max_skips:
             log.close()
             raise Diverged(streak.stop_message(step, stats, cfg))
+        stop = signals.agreed(ctx.device) if step < cfg.steps else None  # every rank, the same step
+        if stop is not None:
+            if cfg.save_dir is not None and not saved and not counted:
+                save(step, row)
+            log.close()
+            raise Preempted(_preempted_line(cfg, stop.name, step, saved or not counted))
     if saves.deferred:
         log.note(f"the run ended on a skipped step: no checkpoint of step {cfg.steps}, `latest` stays where it was")
     log.close()
