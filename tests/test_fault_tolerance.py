@@ -2,7 +2,7 @@
 
 Every job is real processes (`mpt train` starting its ranks, torchrun, or bare ranks) on gpt-tiny,
 synthetic data, fp32, two pipeline stages. Faults come from the test-only ``MPT_FAULTS`` hook
-(`mp_toolkit.run.launch.Faults`: a rank SIGKILLs itself at a step or inside a save; a rank's gradients or
+(`mp_toolkit.run.faults.Faults`: a rank SIGKILLs itself at a step or inside a save; a rank's gradients or
 loss turn non-finite) or from outside (SIGKILL of the launcher). Each test asserts that no
 process of its job survives, and kills any in its finally.
 """

@@ -21,7 +21,7 @@ class Diverged(Exception):
 
 @contextmanager
 def injected_nonfinite(engine: PipelineEngine, kind: str | None):
-    """Test hook (``MPT_FAULTS``, `mp_toolkit.run.launch.Faults`): for one step make this rank's gradients
+    """Test hook (``MPT_FAULTS``, `mp_toolkit.run.faults.Faults`): for one step make this rank's gradients
     ("grad": the first parameter's gradient becomes inf) or its loss ("loss": the last stage's output
     times inf) non-finite. Nothing happens when ``kind`` is None."""
     handle = None
