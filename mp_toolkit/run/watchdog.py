@@ -151,7 +151,12 @@ class Heartbeat:
             "first": step is not None and step == self.status.first_step, "comm": main_thread_communicating(), "done": done}))
 
     def arm(self) -> None:
-        self.last_reply = time.monotonic()  # the store's silence is timed from here
+        # every rank wrote its first beat before the collective that precedes this: read them all now,
+        # so a rank (or the store's host) that stops before the first beat-loop read is still named
+        # with its pid and killed, not "pid ?"
+        values = self.store.multi_get(self.keys)
+        self.last_reply = now = time.monotonic()  # the store's silence is timed from here
+        self.judge.update({r: json.loads(v) for r, v in enumerate(values)}, now)
         for target in (self._beat_loop, self._judge_loop):
             t = threading.Thread(target=target, name=f"mpt-{target.__name__[1:]}", daemon=True)
             t.start()
