@@ -29,8 +29,11 @@ demo: $(STAMP)
 		--lr-decay cosine --min-lr 1e-3 --clip-grad 1.0 --precision $(DEMO_PRECISION) \
 		--data stdlib --threads 1 --metrics $(DEMO_DIR)/metrics.jsonl --plot $(DEMO_DIR)/loss.png
 
+# Two pytest workers (pytest-xdist), each taking whole test files so that a file's shared set-up
+# (its module fixtures) runs once; many multi-process tests mostly wait, so two workers overlap them.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The oracle files again on ATen's portable kernels (no SIMD): their tolerances come from a floor
 # measured in each test (DESIGN.md invariant 10), so they must hold on any CPU's kernels, not only
