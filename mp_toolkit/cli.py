@@ -45,9 +45,8 @@ from mp_toolkit.data.buckets import BucketError, parse_buckets
 from mp_toolkit.recompute import MODES as RECOMPUTE_MODES, RecomputeError, parse_layer_counts
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.run.predict import dry_run_report
-from mp_toolkit.run.launch import (
-    EXIT_DIVERGED, EXIT_PREEMPTED, LaunchEnv, PeerLost, launcher_env, local_faults, spawn_local,
-)
+from mp_toolkit.run.launch import EXIT_DIVERGED, EXIT_PREEMPTED, LaunchEnv, PeerLost, launcher_env, local_faults
+from mp_toolkit.run.spawn import can_fork_ranks, spawn_local
 from mp_toolkit.run.loop import Preempted, run_training
 from mp_toolkit.run.recompute_plan import default_schedule, resolve_auto_schedule
 from mp_toolkit.run.skips import Diverged
@@ -267,7 +266,7 @@ def _sources(args: argparse.Namespace, world_size: int | None) -> tuple[dict, di
     return (given, *ds_overrides(args.ds_config, given, world_size))
 
 
-def _train(argv: list[str], args: argparse.Namespace) -> int:
+def _train(argv: list[str], args: argparse.Namespace, fork_ranks: bool) -> int:
     env = launcher_env()
     given, from_file, notes = _sources(args, env.world_size if env is not None else None)
     cfg = merge(given, from_file)
@@ -294,7 +293,8 @@ def _train(argv: list[str], args: argparse.Namespace) -> int:
                 path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.world_size == 1 and not cfg.restarts and cfg.engine == "mp_toolkit":  # DeepSpeed reads a launcher's env
             return _run(cfg, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, faults=local_faults()))
-        return spawn_local(argv, cfg.world_size, restarts=cfg.restarts, save_dir=cfg.save_dir)
+        fork_with = main if fork_ranks and can_fork_ranks() else None
+        return spawn_local(argv, cfg.world_size, restarts=cfg.restarts, save_dir=cfg.save_dir, fork_with=fork_with)
     if cfg.restarts and not env.started_by_mpt:
         raise ConfigError(f"--restarts {cfg.restarts} is for mpt train starting the ranks itself; under a launcher "
                           "restart with it (torchrun --max-restarts N) and pass --resume auto")
@@ -432,12 +432,15 @@ def _check_output(gantt: Path | None) -> None:
         raise ConfigError(f"--gantt {gantt} must end in .png or .svg")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, fork_ranks: bool = False) -> int:
+    """``mpt <argv>``; the exit code. ``fork_ranks``: this process is the ``mpt`` command itself (a
+    fresh interpreter that has run nothing else), so `mpt train` may fork its ranks from it
+    (`run.spawn`); a Python caller gets ranks that start as interpreters of their own."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
-            return _train(argv, args)
+            return _train(argv, args, fork_ranks)
         if args.command == "plan":
             return _plan(args)
         if args.command == "simulate":
@@ -455,5 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def console() -> int:
+    """The ``mpt`` command (and ``python -m mp_toolkit.cli``)."""
+    return main(fork_ranks=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

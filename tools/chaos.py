@@ -60,7 +60,8 @@ def rows(path: Path) -> list[dict]:
 
 
 def rank_pids(parent: int) -> dict[int, int]:
-    """{RANK: pid} of the training processes the launcher ``parent`` started."""
+    """{RANK: pid} of the training processes the launcher ``parent`` started: named ``mpt rank N``
+    when forked from the mpt command (`mp_toolkit.run.spawn`), else with RANK in their environment."""
     out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -69,10 +70,13 @@ def rank_pids(parent: int) -> dict[int, int]:
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             if int(stat[1]) != parent or stat[0] == "Z":
                 continue
+            comm = (entry / "comm").read_text().strip()
             env = dict(kv.split(b"=", 1) for kv in (entry / "environ").read_bytes().split(b"\0") if b"=" in kv)
         except (OSError, ValueError):
             continue
-        if b"RANK" in env:
+        if comm.startswith("mpt rank "):
+            out[int(comm.removeprefix("mpt rank "))] = int(entry.name)
+        elif b"RANK" in env:
             out[int(env[b"RANK"])] = int(entry.name)
     return out
 

@@ -3,7 +3,7 @@
 `torchrun` and the `deepspeed` launcher set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT (torchrun also LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE; the ranks on this node).
 The deepspeed launcher also passes ``--local_rank=N``, which the CLI accepts and ignores. Run without a launcher, `mpt train` starts the ranks itself on this machine with
-exactly those variables (`spawn_local`), so both paths run the same training code.
+exactly those variables (`run.spawn.spawn_local`), so both paths run the same training code.
 
 When a rank dies (RELIABILITY.md)::
 
@@ -29,7 +29,6 @@ import ctypes
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import zlib
@@ -40,7 +39,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.checkpoint import CheckpointError, latest_step
 from mp_toolkit.run.faults import Faults
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -209,7 +207,7 @@ def host_id() -> int:
     return zlib.crc32(socket.gethostname().encode())
 
 
-def _state(pid: int) -> str:
+def proc_state(pid: int) -> str:
     """/proc's one-letter state of ``pid`` (R, S, T stopped, Z zombie, ...); X when it is gone."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -218,7 +216,7 @@ def _state(pid: int) -> str:
 
 
 def _running(pid: int) -> bool:
-    return _state(pid) not in ("Z", "X")  # a zombie is dead, only not yet reaped
+    return proc_state(pid) not in ("Z", "X")  # a zombie is dead, only not yet reaped
 
 
 def heartbeat_store(env: LaunchEnv, timeout_s: float) -> tuple[dist.Store, bool]:
@@ -249,160 +247,7 @@ def comm_failure_line(e: BaseException, peers: Peers | None, rank: int, phase: s
             "stopped is named by its launcher")
 
 
-def loopback_listener() -> socket.socket:
-    """A TCP socket listening on 127.0.0.1 at a port the kernel picks, for spawn_local's rendezvous
-    store: handed to rank 0 open (``TCPStore(master_listen_fd=...)``), so no other process can take
-    the port between its choice and its use, and nothing listens beyond this machine."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    s.listen(128)
-    return s
-
-
-def loopback_env() -> dict[str, str]:
-    """gloo's own sockets on the loopback interface too, unless the user chose one (GLOO_SOCKET_IFNAME)."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return {}
-    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")] if hasattr(socket, "if_nameindex") else []
-    return {"GLOO_SOCKET_IFNAME": names[0]} if names else {}
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class _Rank:
-    rank: int
-    proc: subprocess.Popen
-    status: int  # read end of the rank's status pipe (non-blocking)
-    phase: str = "during start-up"
-    pending: bytes = b""
-
-    def read_status(self) -> None:
-        try:
-            while chunk := os.read(self.status, 4096):
-                *lines, self.pending = (self.pending + chunk).split(b"\n")
-                if lines:
-                    self.phase = lines[-1].decode()
-        except BlockingIOError:
-            pass
-
-
-def spawn_local(argv: list[str], nprocs: int, restarts: int = 0, save_dir: Path | None = None,
-                poll_s: float = 0.1, grace_s: float = 5.0) -> int:
-    """Run ``python -m mp_toolkit.cli <argv>`` as ``nprocs`` ranks on this machine; restart them up to
-    ``restarts`` times after a rank dies, resuming from ``save_dir``'s latest checkpoint (--resume auto).
-
-    Returns 0 when every rank succeeds, else the failing rank's exit code (128 + N for signal N).
-    When one rank fails the others get ``grace_s`` to exit on their own (ranks that agreed on a
-    failure all stop, and the one reporting it must finish its line), then are terminated, so no
-    process is left behind; Ctrl-C stops them all. A failure that a restart would repeat (a refused
-    value or checkpoint, exit 2; --max-skips, exit 3) is not restarted, nor is a preempted run
-    (SIGTERM or SIGUSR1 to this process is forwarded to every rank, which save and exit 5).
-    """
-    for attempt in range(restarts + 1):
-        code, line = _run_ranks(argv, nprocs, attempt, poll_s, grace_s)
-        if code == 0:
-            return 0
-        if line:
-            sys.stderr.write(f"mpt train: {line}\n")
-        if code in NOT_RESTARTED or attempt == restarts:
-            return code
-        try:
-            step = latest_step(save_dir) if save_dir is not None else None
-        except CheckpointError as e:
-            sys.stderr.write(f"mpt train: error: cannot restart: {e}\n")
-            return EXIT_CONFIG
-        if step is not None:
-            argv = [*argv, "--resume", "auto"]  # the last --resume wins
-        where = f"step-{step:08d} in {save_dir}" if step is not None else "the start (no checkpoint yet)"
-        sys.stderr.write(f"mpt train: restart {attempt + 1} of {restarts}: resuming from {where}\n")
-        sys.stderr.flush()
-    return 1
-
-
-def _run_ranks(argv: list[str], nprocs: int, attempt: int, poll_s: float, grace_s: float) -> tuple[int, str | None]:
-    """One attempt: (exit code, the watchdog's line or None)."""
-    listener = loopback_listener()
-    port = listener.getsockname()[1]
-    ranks: list[_Rank] = []
-
-    def forward(signum, _frame):  # preemption: every rank finishes its step, the job saves and stops
-        for r in ranks:
-            if r.proc.poll() is None:
-                r.proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-    try:
-        for rank in range(nprocs):
-            read, write = os.pipe()
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       MPT_STATUS_FD=str(write), MPT_RESTART_COUNT=str(attempt),
-                       MPT_STORE_FD=str(listener.fileno()), **loopback_env())
-            try:
-                fds = (write, listener.fileno()) if rank == 0 else (write,)
-                proc = subprocess.Popen([sys.executable, "-m", "mp_toolkit.cli", *argv], env=env, pass_fds=fds)
-            finally:
-                os.close(write)
-            os.set_blocking(read, False)
-            ranks.append(_Rank(rank, proc, read))
-        listener.close()  # rank 0's now: the port closes with it
-        return _watch(ranks, poll_s, grace_s)
-    except KeyboardInterrupt:
-        return 130, None
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        listener.close()
-        _terminate([r.proc for r in ranks])
-        for r in ranks:
-            os.close(r.status)
-
-
-def _watch(ranks: list[_Rank], poll_s: float, grace_s: float) -> tuple[int, str | None]:
-    exits: list[tuple[_Rank, int]] = []  # in the order seen
-    deadline = None
-    while len(exits) < len(ranks):
-        for r in ranks:
-            r.read_status()
-            if r.proc.returncode is None and r.proc.poll() is not None:
-                r.read_status()  # what it said last, before it died
-                exits.append((r, r.proc.returncode))
-                if r.proc.returncode != 0 and deadline is None:
-                    deadline = time.monotonic() + grace_s
-        if deadline is not None and (time.monotonic() > deadline or all(
-                _state(r.proc.pid) == "T" for r in ranks if r.proc.returncode is None)):
-            break  # the rest have exited, or are stopped (a hung rank cannot exit on its own)
-        time.sleep(poll_s)
-    failed = [(r, rc) for r, rc in exits if rc != 0]
-    if not failed:
-        return 0, None
-    if any(rc == EXIT_HUNG for _, rc in failed):
-        return EXIT_HUNG, None  # a rank named the hung one in its line (and SIGKILLed it)
-    # the root cause: a rank killed by a signal (the others then fail talking to it), else the first failure
-    cause, rc = next(((r, rc) for r, rc in failed if rc < 0), failed[0])
-    others = ", ".join(str(r.rank) for r in ranks if r is not cause)
-    stopping = f"; stopping ranks {others}" if others else ""
-    if rc < 0:
-        name = signal.Signals(-rc).name if -rc in signal.valid_signals() else "?"
-        return 128 - rc, f"rank {cause.rank} died (signal {-rc}, {name}) {cause.phase}{stopping}"
-    if rc in NOT_RESTARTED:
-        return rc, None  # the rank said why in its own line
-    return rc, f"rank {cause.rank} failed (exit code {rc}) {cause.phase}{stopping}"
-
-
-def _terminate(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:  # a stopped rank holds SIGTERM pending (its handler cannot run): SIGKILL
-            p.send_signal(signal.SIGKILL if _state(p.pid) == "T" else signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
