@@ -20,6 +20,7 @@ import torch
 
 from mp_toolkit.checkpoint import open_checkpoint
 from mp_toolkit.run.launch import free_port
+from mp_toolkit.run.spawn import rank_of
 
 MARK = "MPT_FAULT_TEST_JOB"
 TRAIN = ["train", "--model", "gpt-tiny", "--data", "synthetic", "--micro-batch", "2", "--seq-len", "16",
@@ -45,18 +46,13 @@ def processes_with(mark: str) -> list[int]:
 
 
 def rank_pid(mark: str, rank: int) -> int | None:
-    """The pid of the training process of global rank ``rank``: named ``mpt rank N`` when the mpt
-    command forked it, else a ``mp_toolkit.cli`` interpreter with RANK in its environment."""
+    """The pid of the training process of global rank ``rank`` (`run.spawn.rank_of`; not torchrun's agent)."""
     for pid in processes_with(mark):
         try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if comm == f"mpt rank {rank}":
-            return pid
-        if f"RANK={rank}".encode() in env and b"mp_toolkit.cli" in cmdline and b"torchrun" not in cmdline:
+        if b"torchrun" not in cmdline and rank_of(pid) == rank:
             return pid
     return None
 

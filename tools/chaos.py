@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from mp_toolkit.checkpoint import open_checkpoint
+from mp_toolkit.run.spawn import rank_of
 
 
 def train_args(a: argparse.Namespace, root: Path) -> list[str]:
@@ -60,24 +61,17 @@ def rows(path: Path) -> list[dict]:
 
 
 def rank_pids(parent: int) -> dict[int, int]:
-    """{RANK: pid} of the training processes the launcher ``parent`` started: named ``mpt rank N``
-    when forked from the mpt command (`mp_toolkit.run.spawn`), else with RANK in their environment."""
+    """{RANK: pid} of the training processes the launcher ``parent`` started (`run.spawn.rank_of`)."""
     out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[1]) != parent or stat[0] == "Z":
-                continue
-            comm = (entry / "comm").read_text().strip()
-            env = dict(kv.split(b"=", 1) for kv in (entry / "environ").read_bytes().split(b"\0") if b"=" in kv)
-        except (OSError, ValueError):
+        except OSError:
             continue
-        if comm.startswith("mpt rank "):
-            out[int(comm.removeprefix("mpt rank "))] = int(entry.name)
-        elif b"RANK" in env:
-            out[int(env[b"RANK"])] = int(entry.name)
+        if int(stat[1]) == parent and stat[0] != "Z" and (rank := rank_of(int(entry.name))) is not None:
+            out[rank] = int(entry.name)
     return out
 
 

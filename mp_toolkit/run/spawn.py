@@ -40,6 +40,24 @@ from mp_toolkit.run.launch import EXIT_CONFIG, EXIT_HUNG, FORWARDED_SIGNALS, NOT
 
 Entry = Callable[[list[str]], int]
 """The CLI's ``main``: what a forked rank runs."""
+RANK_NAME = "mpt rank "
+"""A forked rank's process name (``/proc/PID/comm``) is this and its global rank."""
+
+
+def rank_of(pid: int) -> int | None:
+    """The global rank of training process ``pid`` on this machine: from its name when the mpt command
+    forked it, else from RANK in the environment of a ``mp_toolkit.cli`` interpreter (started fresh,
+    or by torchrun); None for any other process, or one that is gone."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        if name.startswith(RANK_NAME):
+            return int(name.removeprefix(RANK_NAME))
+        if b"mp_toolkit.cli" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return None
+        env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        return int(env[b"RANK"]) if b"RANK" in env else None
+    except (OSError, ValueError):
+        return None
 
 
 def loopback_listener() -> socket.socket:
@@ -116,7 +134,7 @@ def _fork_rank(entry: Entry, argv: list[str], rank: int, env: dict[str, str], ke
                 os.close(fd)
         os.environ.update(env)
         try:
-            ctypes.CDLL(None).prctl(15, f"mpt rank {rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+            ctypes.CDLL(None).prctl(15, f"{RANK_NAME}{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
         except (OSError, AttributeError):
             pass
         code = entry(argv)
