@@ -27,7 +27,9 @@ from datetime import timedelta
 from functools import partial
 
 import deepspeed
+import deepspeed.ops
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
@@ -155,9 +157,25 @@ def pipeline_module(layer_list: LayerList, num_stages: int, loss_fn: Callable, b
     return module, named
 
 
+def skip_shm_inference_op() -> None:
+    """Keep DeepSpeed from building its shared-memory all-reduce op, which only its
+    ``inference_all_reduce`` uses (training's collectives go through torch.distributed).
+
+    On a CPU accelerator ``deepspeed.init_distributed`` JIT-compiles that op with ninja (about a minute
+    of both cores on a fresh machine, again whenever the virtual environment's path changes) under a
+    lock file in ``~/.cache/torch_extensions``; a run killed while compiling leaves the lock behind and
+    every later DeepSpeed run waits on it for ever. DeepSpeed decides what to build from
+    ``deepspeed.ops.__compatible_ops__``, a dict it keeps for edits like this one."""
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def init_deepspeed(device: torch.device, timeout_s: float) -> None:
     """DeepSpeed's communication over torch's default group (formed here when not yet): gloo on CPU.
-    An existing group keeps its backend (ranks sharing a GPU joined gloo, `run.launch.device_and_backend`)."""
+    An existing group keeps its backend (ranks sharing a GPU joined gloo, `run.launch.device_and_backend`).
+    DeepSpeed's inference-only shared-memory op is not built (`skip_shm_inference_op`)."""
+    skip_shm_inference_op()
     backend = (torch.distributed.get_backend() if torch.distributed.is_initialized()
                else "nccl" if device.type == "cuda" else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s))
