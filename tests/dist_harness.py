@@ -13,19 +13,20 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import time
 import traceback
 from datetime import timedelta
 
 from mp_toolkit.run.launch import free_port
 
 PRELOAD = ["torch", "torch.distributed", "mp_toolkit.run.loop", "mp_toolkit.engine.pipeline",
-           "mp_toolkit.parallel.tensor_parallel", "tests.dist_harness"]
+           "mp_toolkit.parallel.tensor_parallel", "mp_toolkit.cli", "tests.dist_harness", "tests.mpt_command"]
 """What the fork server imports once, so that no rank imports it again."""
 
 _CONTEXT: list = []
 
 
-def _context():
+def fork_context():
     """The session's forkserver context, its preload set before the server first starts."""
     if not _CONTEXT:
         ctx = mp.get_context("forkserver")
@@ -53,9 +54,37 @@ def _entry(fn, rank, world, port, args, results, timeout_s, environ):
             dist.destroy_process_group()
 
 
+def _collect(results, procs: list, timeout_s: float) -> tuple[dict, list[str]]:
+    """({rank: result}, errors): every rank's report, the first failure, a rank that exited without
+    reporting (e.g. it could not unpickle its function: its stderr says why), or the timeout."""
+    out, errors = {}, []
+    deadline = time.monotonic() + timeout_s
+    exited_at: dict[int, float] = {}
+    while len(out) < len(procs) and not errors:
+        try:
+            rank, ok, value = results.get(timeout=0.5)
+        except queue.Empty:
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r not in out and p.exitcode is not None:
+                    exited_at.setdefault(r, now)
+            silent = [r for r, at in exited_at.items() if r not in out and now - at > 2.0]  # a report sent at exit has arrived
+            if silent:
+                errors.append(f"rank {silent[0]} exited with code {procs[silent[0]].exitcode} without reporting "
+                              "(see its stderr)")
+            elif now > deadline:
+                errors.append(f"timed out after {timeout_s}s waiting for {len(procs) - len(out)} rank(s)")
+            continue
+        if ok:
+            out[rank] = pickle.loads(value)
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+    return out, errors
+
+
 def run_world(fn, world: int, *args, timeout_s: float = 120.0) -> list:
     """fn(rank, world, *args) on ``world`` processes; returns the results by rank."""
-    ctx = _context()
+    ctx = fork_context()
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
@@ -64,15 +93,9 @@ def run_world(fn, world: int, *args, timeout_s: float = 120.0) -> list:
              for r in range(world)]
     for p in procs:
         p.start()
-    out, errors = {}, []
+    errors = ["interrupted"]
     try:
-        for _ in range(world):
-            rank, ok, value = results.get(timeout=timeout_s)
-            (out.__setitem__(rank, pickle.loads(value)) if ok else errors.append(f"rank {rank}:\n{value}"))
-            if errors:
-                break
-    except queue.Empty:
-        errors.append(f"timed out after {timeout_s}s waiting for {world - len(out)} rank(s)")
+        out, errors = _collect(results, procs, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=10 if not errors else 0.5)

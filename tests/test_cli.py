@@ -2,20 +2,18 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from tests.cli_helpers import assert_one_line_exit_2
+from tests.mpt_command import run_mpt
 
 BASE = ["train", "--data", "synthetic", "--steps", "3", "--microbatches", "3", "--micro-batch", "2",
         "--seq-len", "16", "--threads", "1", "--no-progress", "--lr", "1e-2"]
 
 
 def mpt(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return run_mpt(args, timeout=timeout)
 
 
 def losses(tmp_path, name, *args):

@@ -20,6 +20,7 @@ import pytest
 
 from mp_toolkit.ds.engine import fp16_available
 from tests.cli_helpers import assert_one_line_exit_2
+from tests.mpt_command import MptProcess, run_mpt
 
 BASE = ["train", "--model", "gpt-tiny", "--pp", "2", "--data", "synthetic", "--steps", "3", "--microbatches", "3",
         "--micro-batch", "2", "--seq-len", "16", "--threads", "1", "--no-progress", "--lr", "1e-2", "--seed", "7",
@@ -28,21 +29,17 @@ CUT = [0, 2, 7]  # neither "uniform" nor "parameters" (ours or DeepSpeed's) cuts
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
-def start(tmp_path, engine: str) -> tuple[subprocess.Popen, str]:
+def start(tmp_path, engine: str) -> tuple[MptProcess, str]:
     metrics = tmp_path / f"{engine}.jsonl"
     argv = [*BASE, "--partition", ",".join(map(str, CUT)), "--engine", engine, "--metrics", str(metrics)]
-    proc = subprocess.Popen([sys.executable, "-m", "mp_toolkit.cli", *argv], env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    return proc, metrics
+    return MptProcess(argv, env=ENV), metrics
 
 
-def finish(proc: subprocess.Popen, metrics) -> tuple[list[dict], str]:
+def finish(proc: MptProcess, metrics) -> tuple[list[dict], str]:
     try:
         out, err = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        proc.close()
     assert proc.returncode == 0, err[-3000:]
     return [json.loads(line) for line in metrics.read_text().splitlines()], out
 
@@ -89,6 +86,5 @@ def test_unknown_engine_is_refused_and_checks_import_no_deepspeed():
             "print(c, 'deepspeed' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["2", "False"], r.stderr  # refused before DeepSpeed (seconds to import) loads
-    r = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", "train", "--engine", "megatron"], env=ENV,
-                       capture_output=True, text=True, timeout=120)
+    r = run_mpt(["train", "--engine", "megatron"], env=ENV, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--engine" in r.stderr

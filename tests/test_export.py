@@ -9,8 +9,6 @@ The reference is our `model_zoo` model holding the checkpoint's tensors, loaded 
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from model_zoo import bert, gpt
 from mp_toolkit.checkpoint import open_checkpoint, save_checkpoint
 from mp_toolkit.cli import main
 from tests.cli_helpers import assert_one_line_exit_2
+from tests.mpt_command import MptProcess
 
 torch.set_num_threads(1)
 
@@ -36,9 +35,8 @@ def runs(tmp_path_factory):
     """{run name: its --save-dir}, the three runs trained at once (each starts its own 2 ranks)."""
     tmp = tmp_path_factory.mktemp("export_runs")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = {name: subprocess.Popen([sys.executable, "-m", "mp_toolkit.cli", "train", *args, *RUN,
-                                     "--save-dir", str(tmp / name), "--cache-dir", str(tmp / "cache")],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    procs = {name: MptProcess(["train", *args, *RUN, "--save-dir", str(tmp / name), "--cache-dir", str(tmp / "cache")],
+                              env=env, merge_stderr=True)
              for name, args in RUNS.items()}
     try:
         for name, p in procs.items():
@@ -46,9 +44,7 @@ def runs(tmp_path_factory):
             assert p.returncode == 0, (name, out)
     finally:
         for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            p.close()
     return {name: tmp / name for name in RUNS} | {"cache": tmp / "cache"}
 
 

@@ -11,8 +11,6 @@ bitwise with ``from_pretrained(DIR, dtype=torch.float32)``, sharded with `shard_
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from mp_toolkit.run.config import ConfigError
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.dist_harness import run_world
 from tests.hf_workers import tiny_hf
+from tests.mpt_command import run_mpt
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 TRAIN = ["train", "--microbatches", "2", "--micro-batch", "2", "--seq-len", "16", "--data", "synthetic", "--threads",
@@ -242,9 +241,8 @@ def test_mpt_train_from_the_shards_on_pp2_and_under_deepspeed_equals_the_single_
 def train_losses(tmp_path, tag, *args, **env):
     """The per-step losses of a 3-step `mpt train` that must succeed."""
     metrics = tmp_path / f"{tag}.jsonl"
-    r = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *TRAIN, "--steps", "3", "--lr", "1e-2",
-                        "--timeout", "60", "--metrics", metrics, "--cache-dir", tmp_path / "cache", *map(str, args)],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+    r = run_mpt([*TRAIN, "--steps", "3", "--lr", "1e-2",
+                        "--timeout", "60", "--metrics", metrics, "--cache-dir", tmp_path / "cache", *map(str, args)], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
     assert r.returncode == 0, r.stdout + r.stderr
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 

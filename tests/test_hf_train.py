@@ -9,8 +9,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 
 from mp_toolkit.checkpoint import open_checkpoint
 from tests.cli_helpers import assert_one_line_exit_2
+from tests.mpt_command import run_mpt
 
 VOCAB = 320
 COMMON = ["train", "--steps", "3", "--microbatches", "2", "--micro-batch", "2", "--seq-len", "32", "--threads", "1",
@@ -26,8 +25,7 @@ COMMON = ["train", "--steps", "3", "--microbatches", "2", "--micro-batch", "2", 
 
 
 def mpt(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_mpt(args, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,14 @@
 import itertools
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.memory import MemoryCapError, StageMemory, min_max_memory, min_memory_cut
 from mp_toolkit.partition.planner import PlanRequest, make_plan, memory_shares
+
+from tests.mpt_command import run_mpt
 
 
 def all_cuts(n, p):
@@ -184,8 +184,7 @@ def test_interleaved_and_zbh1_plans():
 
 
 def mpt(*args):
-    return subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+    return run_mpt(args, timeout=120)
 
 
 def test_mpt_plan_prints_table_and_writes_json_and_gantt(tmp_path):

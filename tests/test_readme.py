@@ -29,6 +29,7 @@ import pytest
 from mp_toolkit.cli import main
 from mp_toolkit.run.launch import free_port
 from tests import test_recipes
+from tests.mpt_command import run_mpt
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "recipes/gpt_pretrain/README.md", "recipes/bert_pretrain/README.md")
@@ -115,9 +116,11 @@ def run(argv: list[str], cwd: Path, timeout: float = 240, **extra) -> str:
 
 
 def smoke_train(words: list[str], cwd: Path, tmp_path: Path) -> str:
-    """``mpt train ...`` as written plus the smoke flags, started as ``python -m mp_toolkit.cli``."""
-    return run([sys.executable, "-m", "mp_toolkit.cli", *words[1:], *SMOKE,
-                "--cache-dir", CACHE[0]], cwd)
+    """``mpt train ...`` as written plus the smoke flags, as a process of its own (`tests.mpt_command`)."""
+    argv = [*words[1:], *SMOKE, "--cache-dir", CACHE[0]]
+    r = run_mpt(argv, env=env(), cwd=cwd, timeout=240, merge_stderr=True)
+    assert r.returncode == 0, f"mpt {shlex.join(argv)} exited {r.returncode}:\n{r.stdout[-3000:]}"
+    return r.stdout
 
 
 def launcher_dry_run(args: list[str], cwd: Path, world: int, local: int) -> str:

@@ -13,8 +13,6 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,6 +30,7 @@ from tests.floor import assert_all_within, assert_within
 from tests.oracle_tp_dp_workers import oracle_grid
 from tests.oracle_workers import TINY
 from tests.recompute_workers import dropout_config, kept_bytes, recompute_vs_none
+from tests.mpt_command import run_mpt
 
 PIPELINE_CASES = [  # (schedule, m, chunks, mode, counts)
     ("gpipe", 3, 1, "full", None), ("gpipe", 3, 1, "selective", None),
@@ -178,9 +177,8 @@ def test_deepspeed_keys_are_read_and_applied(tmp_path, capsys):
     assert settings.train_config_overrides()["recompute"] == "full"
     assert settings.ignored == ("activation_checkpointing.contiguous_memory_optimization",)
     assert read_ds_config(_ds_file(tmp_path, pipeline={"activation_checkpoint_interval": 0})).recompute is None
-    out = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", "train", "--config", str(path), "--model", "gpt-tiny",
-                          "--seq-len", "16", "--steps", "1", "--data", "synthetic", "--threads", "1", "--no-progress"],
-                         capture_output=True, text=True, timeout=300)
+    out = run_mpt(["train", "--config", str(path), "--model", "gpt-tiny",
+                          "--seq-len", "16", "--steps", "1", "--data", "synthetic", "--threads", "1", "--no-progress"], timeout=300)
     assert out.returncode == 0, out.stderr
     assert "--recompute full: stage 0: full x 2 of 2 blocks; stage 1: full x 2 of 2 blocks" in out.stdout
     for key in ("partition_activations", "cpu_checkpointing"):

@@ -6,8 +6,6 @@ import dataclasses
 import itertools
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -19,6 +17,8 @@ from mp_toolkit.partition.recompute import RecomputeCosts, min_max_recompute, st
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.recompute_plan import auto_request, default_schedule, resolve_auto_schedule
+
+from tests.mpt_command import run_mpt
 
 
 def _stage(memory: StageMemory, rc: RecomputeCosts, times, j, a, b, choice: StageRecompute, zbh1: bool):
@@ -113,9 +113,9 @@ def test_auto_fits_a_cap_none_cannot_and_is_faster_than_full():
 
 
 def test_mpt_plan_prints_the_choice_per_stage_and_train_applies_the_same():
-    out = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", "plan", "--model", "gpt-small-cpu", "--pp", "2",
+    out = run_mpt(["plan", "--model", "gpt-small-cpu", "--pp", "2",
                           "--micro-batch", "8", "--seq-len", "128", "--method", "memory", "--memory-gb", "0.08",
-                          "--tflops", "1", "--recompute", "auto"], capture_output=True, text=True, timeout=120)
+                          "--tflops", "1", "--recompute", "auto"], timeout=120)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "recomputes:" in line]
     assert len(lines) == 2 and any("full x" in line or "selective x" in line for line in lines)

@@ -18,6 +18,7 @@ import torch
 
 from mp_toolkit.checkpoint import open_checkpoint
 from tests.floor import assert_all_within, assert_within, pair
+from tests.mpt_command import run_mpt
 
 COMMON = ["train", "--model", "gpt-tiny", "--data", "synthetic", "--micro-batch", "2", "--seq-len", "16",
           "--threads", "1", "--no-progress", "--timeout", "60"]
@@ -25,8 +26,7 @@ BASE = [*COMMON, "--lr", "1e-2"]
 
 
 def mpt(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_mpt(args, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def train(tmp_path, name, *args, microbatches=3, base=BASE):

@@ -1,5 +1,6 @@
 """`mpt train` starting its own ranks (`mp_toolkit.run.spawn`): forked from the mpt command, or
-fresh interpreters when `main` is called from Python; both train alike.
+fresh interpreters when `main` is called from Python; both train alike, and so does an `mpt` forked
+from the test session's server (`tests/mpt_command.py`, how most tests start it).
 
 The forks happen in child interpreters started here, never in the pytest worker (which holds
 threads a fork would not carry).
@@ -8,6 +9,8 @@ threads a fork would not carry).
 import json
 import subprocess
 import sys
+
+from tests.mpt_command import run_mpt
 
 TRAIN = ["train", "--model", "gpt-tiny", "--data", "synthetic", "--seq-len", "16", "--micro-batch", "2",
          "--microbatches", "3", "--threads", "1", "--no-progress", "--pp", "2", "--steps", "3", "--lr", "1e-2"]
@@ -71,3 +74,19 @@ def test_forked_ranks_and_fresh_interpreters_train_bitwise_alike(tmp_path):
         assert done.returncode == 0, done.stderr
     assert len(_losses(forked)) == 3
     assert _losses(forked) == _losses(fresh)
+    # how most tests start mpt: forked from the session's pre-imported server (tests/mpt_command.py)
+    served = tmp_path / "served.jsonl"
+    done = run_mpt([*TRAIN, "--metrics", str(served)], timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert _losses(served) == _losses(forked)
+
+
+def test_a_served_command_exits_and_prints_as_the_mpt_script():
+    """tests/mpt_command.py against ``python -m mp_toolkit.cli``: the same exit code and output for a
+    refused flag and for ``mpt plan``."""
+    for argv in (["train", "--pp", "0", "--model", "gpt-tiny"], ["plan", "--model", "gpt-tiny", "--pp", "2", "--seq-len", "32", "--tflops", "1"]):
+        fresh = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *argv], capture_output=True, text=True,
+                               timeout=120)
+        served = run_mpt(argv, timeout=120)
+        assert (served.returncode, served.stdout, served.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode == 0 and served.stdout

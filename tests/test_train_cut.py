@@ -2,8 +2,6 @@
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,13 +11,14 @@ from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.layers import LayerList
 from mp_toolkit.run.cut import CutWorkload, config_of, plan_boundaries
 
+from tests.mpt_command import run_mpt
+
 BASE = ["train", "--data", "synthetic", "--steps", "2", "--microbatches", "2", "--micro-batch", "2",
         "--seq-len", "16", "--threads", "1", "--no-progress", "--lr", "1e-2"]
 
 
 def mpt(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return run_mpt(args, timeout=timeout)
 
 
 def plan_cut(tmp_path, model, pp, chunks, micro_batch, seq_len):

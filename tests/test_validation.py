@@ -12,8 +12,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
-import sys
 
 import datasets
 import numpy as np
@@ -25,6 +23,7 @@ from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.floor import assert_within, rel_err
+from tests.mpt_command import run_mpt
 
 # the module's fixture runs five `mpt train` processes (about 100 s on an idle 2-core machine): the
 # suite's 300 s per test would count them all against the first test that uses it
@@ -77,8 +76,7 @@ RUN = ["train", "--data", "synthetic", "--steps", "4", "--seq-len", "16", "--thr
 
 
 def mpt(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_mpt(args, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def train(tmp, name, *args):
@@ -296,10 +294,9 @@ def test_deepspeed_engine_reports_the_same_validation_loss(runs, tmp_path):
     its validation losses are ours (fp32; the losses agree as in tests/test_ds_engine.py)."""
     pytest.importorskip("deepspeed")
     metrics = tmp_path / "ds.jsonl"
-    r = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *RUN, "--metrics", str(metrics), "--model",
+    r = run_mpt([*RUN, "--metrics", str(metrics), "--model",
                         str(runs["model"]), "--pp", "2", "--microbatches", "4", "--micro-batch", "2",
-                        "--engine", "deepspeed"], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
+                        "--engine", "deepspeed"], timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     ours = val_losses(runs["one"][0])

@@ -10,8 +10,6 @@ padded to 1024 at tp = 2.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from mp_toolkit.run.checks import validate
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within, assert_within
 from tests.vocab_padding_workers import CONFIG, PADDED, VOCAB, padded_layers, padded_oracle
+from tests.mpt_command import run_mpt
 
 torch.set_num_threads(1)
 
@@ -81,8 +80,7 @@ RUN = ["--data", "synthetic", "--micro-batch", "2", "--microbatches", "2", "--se
 
 def _mpt_train(*args) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", "train", *map(str, args), *RUN],
-                       capture_output=True, text=True, env=env, timeout=240)
+    p = run_mpt(["train", *map(str, args), *RUN], env=env, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
 
