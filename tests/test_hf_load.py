@@ -241,8 +241,8 @@ def test_mpt_train_from_the_shards_on_pp2_and_under_deepspeed_equals_the_single_
 def train_losses(tmp_path, tag, *args, **env):
     """The per-step losses of a 3-step `mpt train` that must succeed."""
     metrics = tmp_path / f"{tag}.jsonl"
-    r = run_mpt([*TRAIN, "--steps", "3", "--lr", "1e-2",
-                        "--timeout", "60", "--metrics", metrics, "--cache-dir", tmp_path / "cache", *map(str, args)], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+    r = run_mpt([*TRAIN, "--steps", "3", "--lr", "1e-2", "--timeout", "60", "--metrics", metrics,
+                 "--cache-dir", tmp_path / "cache", *args], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
     assert r.returncode == 0, r.stdout + r.stderr
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 

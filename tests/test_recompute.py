@@ -177,8 +177,8 @@ def test_deepspeed_keys_are_read_and_applied(tmp_path, capsys):
     assert settings.train_config_overrides()["recompute"] == "full"
     assert settings.ignored == ("activation_checkpointing.contiguous_memory_optimization",)
     assert read_ds_config(_ds_file(tmp_path, pipeline={"activation_checkpoint_interval": 0})).recompute is None
-    out = run_mpt(["train", "--config", str(path), "--model", "gpt-tiny",
-                          "--seq-len", "16", "--steps", "1", "--data", "synthetic", "--threads", "1", "--no-progress"], timeout=300)
+    out = run_mpt(["train", "--config", path, "--model", "gpt-tiny", "--seq-len", "16", "--steps", "1",
+                   "--data", "synthetic", "--threads", "1", "--no-progress"], timeout=300)
     assert out.returncode == 0, out.stderr
     assert "--recompute full: stage 0: full x 2 of 2 blocks; stage 1: full x 2 of 2 blocks" in out.stdout
     for key in ("partition_activations", "cpu_checkpointing"):

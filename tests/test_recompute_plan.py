@@ -113,9 +113,8 @@ def test_auto_fits_a_cap_none_cannot_and_is_faster_than_full():
 
 
 def test_mpt_plan_prints_the_choice_per_stage_and_train_applies_the_same():
-    out = run_mpt(["plan", "--model", "gpt-small-cpu", "--pp", "2",
-                          "--micro-batch", "8", "--seq-len", "128", "--method", "memory", "--memory-gb", "0.08",
-                          "--tflops", "1", "--recompute", "auto"], timeout=120)
+    out = run_mpt(["plan", "--model", "gpt-small-cpu", "--pp", "2", "--micro-batch", "8", "--seq-len", "128",
+                   "--method", "memory", "--memory-gb", "0.08", "--tflops", "1", "--recompute", "auto"], timeout=120)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "recomputes:" in line]
     assert len(lines) == 2 and any("full x" in line or "selective x" in line for line in lines)

@@ -294,9 +294,9 @@ def test_deepspeed_engine_reports_the_same_validation_loss(runs, tmp_path):
     its validation losses are ours (fp32; the losses agree as in tests/test_ds_engine.py)."""
     pytest.importorskip("deepspeed")
     metrics = tmp_path / "ds.jsonl"
-    r = run_mpt([*RUN, "--metrics", str(metrics), "--model",
-                        str(runs["model"]), "--pp", "2", "--microbatches", "4", "--micro-batch", "2",
-                        "--engine", "deepspeed"], timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
+    r = run_mpt([*RUN, "--metrics", metrics, "--model", runs["model"], "--pp", "2", "--microbatches", "4",
+                 "--micro-batch", "2", "--engine", "deepspeed"], timeout=600,
+                env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     ours = val_losses(runs["one"][0])

@@ -80,7 +80,7 @@ RUN = ["--data", "synthetic", "--micro-batch", "2", "--microbatches", "2", "--se
 
 def _mpt_train(*args) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = run_mpt(["train", *map(str, args), *RUN], env=env, timeout=240)
+    p = run_mpt(["train", *args, *RUN], env=env, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
 
