@@ -105,3 +105,23 @@ def test_resume_with_another_seq_len_and_length_buckets(tmp_path):
     assert [r["step"] for r in train_rows] == [3, 4, 5]
     assert all(np.isfinite(r["loss"]) for r in train_rows)
     assert np.isfinite(train_rows[-1]["val_loss"])
+    # tokens: what the 4 micro-batches of 2 held after their cut to 8, 16 or 32 (not 4 x 2 x 32 each step)
+    tokens = [r["tokens"] for r in train_rows]
+    assert all(t % 16 == 0 and 4 * 2 * 8 <= t <= 4 * 2 * 32 for t in tokens) and min(tokens) < 4 * 2 * 32, tokens
+    assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"]) for r in train_rows)
+
+
+def replica_tokens(rank, world, drawn):
+    """`global_batch_tokens` on a pp=2 x dp=2 grid where each rank drew ``drawn[rank]`` tokens."""
+    from mp_toolkit.parallel.context import build_context
+    from mp_toolkit.run.metrics import global_batch_tokens
+
+    return global_batch_tokens(drawn[rank], build_context(pp=2, tp=1, dp=2))
+
+
+def test_a_global_batch_counts_each_replica_once():
+    """Ranks (pp, dp) = (0,0), (0,1), (1,0), (1,1) are 0, 1, 2, 3: replica 0's stages drew 96 and 0
+    (the last stage read nothing), replica 1's 64 and 64 -- 96 + 64 on every rank."""
+    from tests.dist_harness import run_world
+
+    assert run_world(replica_tokens, 4, [96, 64, 0, 64], timeout_s=120) == [160] * 4

@@ -32,7 +32,7 @@ from mp_toolkit.checkpoint import CheckpointError
 from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.optim.lr import WarmupDecay, set_lr
 from mp_toolkit.optim.master import resolve_precision
-from mp_toolkit.parallel.context import build_context
+from mp_toolkit.parallel.context import ParallelContext, build_context
 from mp_toolkit.parallel.tensor_parallel import padded_vocab_size
 from mp_toolkit.partition.memstats import DeviceMemory, peak_rss_bytes, reset_peak, warm_runtime
 from mp_toolkit.run.checks import model_spec
@@ -43,7 +43,7 @@ from mp_toolkit.run.families import micro_batches
 from mp_toolkit.run.launch import (
     LaunchEnv, PeerLost, Peers, RankStatus, comm_failure_line, init_distributed, is_comm_failure,
 )
-from mp_toolkit.run.metrics import MetricsLog, gather_ints
+from mp_toolkit.run.metrics import DrawnTokens, MetricsLog, gather_ints, global_batch_tokens
 from mp_toolkit.run.preempt import Preempted, PreemptSignals
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
 from mp_toolkit.run.save_dir import SaveDirLock, new_run_id, prepare as prepare_save_dir
@@ -108,18 +108,22 @@ def _resume(cfg: TrainConfig, path, engine, ctx, names, data, spec, log_rank0: b
     return resumed.progress, resumed.run or new_run_id()
 
 
-def _one_step(cfg: TrainConfig, env: LaunchEnv, engine: TrainEngine, data, progress: Progress,
-              step: int) -> tuple:
-    """Train step ``step`` (advancing ``progress``); returns (StepStats, its metrics row)."""
+def _one_step(cfg: TrainConfig, env: LaunchEnv, ctx: ParallelContext, engine: TrainEngine, data,
+              progress: Progress, step: int) -> tuple:
+    """Train step ``step`` (advancing ``progress``); returns (StepStats, its metrics row). The row's
+    ``tokens``: the global batch's, counted from the micro-batches drawn under --length-buckets
+    (one small all-gather a step), else dp x micro-batches x micro-batch x seq-len."""
     lr = lr_at(cfg, progress, step)
     set_lr(engine.optimizer, lr)
+    drawn = DrawnTokens(data) if cfg.length_buckets else None
     t0 = time.perf_counter()
     with injected_nonfinite(engine, env.faults.nonfinite_at(env.rank, step)):
-        stats = engine.train_batch(data)
+        stats = engine.train_batch(data if drawn is None else drawn)
     dt = time.perf_counter() - t0
+    tokens = cfg.tokens_per_step if drawn is None else global_batch_tokens(drawn.tokens, ctx)
     progress.step, progress.applied = step, progress.applied + (not stats.skipped)
     row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
-           "tokens_per_s": cfg.tokens_per_step / dt, "step_time_s": dt,
+           "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
            "loss_scale": stats.loss_scale, "skipped": stats.skipped, "time": time.time()}
     trust = engine.trust_ratio_stats()
     if trust is not None:
@@ -202,7 +206,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     for step in range(first, cfg.steps + 1):
         status.set(f"during step {step}", step)
         env.faults.kill_here(env, step, "step")
-        stats, row = _one_step(cfg, env, engine, data, progress, step)
+        stats, row = _one_step(cfg, env, ctx, engine, data, progress, step)
         if step == cfg.steps:
             row["peak_memory_bytes"] = gather_ints(memory.peak_bytes() - base, ctx.device)
             row["peak_rss_bytes"] = gather_ints(max(peak_since_start, peak_rss_bytes()), ctx.device)

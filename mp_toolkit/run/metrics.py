@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mp_toolkit.parallel.context import ParallelContext, grid_coords
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.loggers import ScalarLogs
 
@@ -133,6 +134,33 @@ def gather_ints(value: int, device: torch.device | None = None) -> list[int]:
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
     return [int(r.item()) for r in rows]
+
+
+class DrawnTokens:
+    """The micro-batches an engine draws from ``data``, counting their tokens (the elements of each
+    micro-batch's first tensor, its input ids): under --length-buckets a step's tokens vary."""
+
+    def __init__(self, data):
+        self.data, self.tokens = data, 0
+
+    def __iter__(self) -> "DrawnTokens":
+        return self
+
+    def __next__(self):
+        batch = next(self.data)
+        self.tokens += batch[0].numel()
+        return batch
+
+
+def global_batch_tokens(drawn: int, ctx: ParallelContext) -> int:
+    """The tokens of one global batch from every rank's ``drawn`` count (a collective): the ranks of
+    one replica that read data (its stages, its tp ranks) read the same micro-batches, so a replica
+    counts once (the largest of its ranks' counts: a stage that reads none counts 0); replicas add up."""
+    per_replica = [0] * ctx.dp
+    for rank, count in enumerate(gather_ints(drawn, ctx.device)):
+        dp_rank = grid_coords(rank, ctx.pp, ctx.tp, ctx.dp)[2]
+        per_replica[dp_rank] = max(per_replica[dp_rank], count)
+    return sum(per_replica)
 
 
 def plot_losses(rows: list[dict], path: Path) -> None:
