@@ -88,6 +88,17 @@ def losses_of(tmp_path, name, *args):
     return losses, r.stdout
 
 
+EVAL = ["--eval-every", "2", "--eval-batches", "1"]
+
+
+def validation_rows(tmp_path, name) -> list[dict]:
+    """The metrics rows of run ``name`` (`losses_of`) that carry a validation."""
+    rows = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    found = [row for row in rows if "val_loss" in row]
+    assert found, rows
+    return found
+
+
 def test_gpt2_without_a_tokenizer_trains_one_and_pp2_equals_pp1(tmp_path, corpus):
     """No tokenizer.json: a byte-level BPE is trained on --data with the model's vocab_size (said once).
     GPT-2 ties wte / lm_head across the two stages, so pp=2 sums that gradient in another order:
@@ -155,10 +166,14 @@ def test_bert_with_a_wordpiece_tokenizer_uses_its_special_ids(tmp_path, corpus):
     tok.train_from_iterator(texts(corpus), vocab_size=300, special_tokens=specials, show_progress=False)
     d = save_model(tmp_path / "bert", "BertForPreTraining", tok)
     losses, out = losses_of(tmp_path, "bert", "--hf", d, "--data", corpus, "--pp", "2", "--seq-len", "64",
-                            "--save-dir", tmp_path / "ck")
+                            "--save-dir", tmp_path / "ck", *EVAL)
     assert "(hf BertForPreTraining)" in out and f"tokenizer: {d / 'tokenizer.json'}" in out
     assert losses[0] == pytest.approx(math.log(VOCAB) + math.log(2), abs=0.05)
     assert open_checkpoint(tmp_path / "ck").manifest["hf_config"]["pad_token_id"] == tok.token_to_id("[PAD]") == 4
+    for row in validation_rows(tmp_path, "bert"):  # MLM + NSP = the loss; perplexity of the MLM part
+        assert row["val_loss"] == pytest.approx(row["val_mlm_loss"] + row["val_nsp_loss"], rel=1e-6)
+        assert row["val_ppl"] == pytest.approx(math.exp(row["val_mlm_loss"])) and 0 <= row["val_mlm_accuracy"] <= 1
+    assert "MLM loss" in out and "NSP loss" in out and "MLM accuracy" in out
 
 
 def test_bert_mlm_without_a_tokenizer(tmp_path, corpus):
@@ -166,9 +181,13 @@ def test_bert_mlm_without_a_tokenizer(tmp_path, corpus):
     decoder on the last stage, on 2 stages x 2 data-parallel replicas: the loss is the MLM part of
     the MLM + NSP batches only, ln(320) = 5.77 at init."""
     d = save_model(tmp_path / "mlm", "BertForMaskedLM")
-    losses, out = losses_of(tmp_path, "mlm", "--hf", d, "--data", corpus, "--seq-len", "64", "--pp", "2", "--dp", "2")
+    losses, out = losses_of(tmp_path, "mlm", "--hf", d, "--data", corpus, "--seq-len", "64", "--pp", "2", "--dp", "2",
+                            *EVAL)
     assert "has no tokenizer.json" in out
     assert losses[0] == pytest.approx(math.log(VOCAB), abs=0.05)
+    for row in validation_rows(tmp_path, "mlm"):  # no NSP head: the loss is the MLM loss
+        assert "val_nsp_loss" not in row and row["val_loss"] == pytest.approx(row["val_mlm_loss"], rel=1e-6)
+        assert 0 <= row["val_mlm_accuracy"] <= 1
 
 
 def test_bert_tp2_equals_tp1(tmp_path, corpus):
@@ -176,11 +195,16 @@ def test_bert_tp2_equals_tp1(tmp_path, corpus):
     MLM decoder over the vocabulary, 320 padded to 512): the MLM + NSP losses of a single rank to
     1e-5 relative (tests/test_cli.py's tp tolerance: fp32 reduction order)."""
     d = save_model(tmp_path / "bert", "BertForPreTraining")
-    run = ["--hf", d, "--data", corpus, "--pp", "1", "--seq-len", "64"]
+    run = ["--hf", d, "--data", corpus, "--pp", "1", "--seq-len", "64", *EVAL]
     one, _ = losses_of(tmp_path, "tp1", *run)
     two, out = losses_of(tmp_path, "tp2", *run, "--tp", "2")
     assert f"tp 2 (vocab {VOCAB} padded to 512)" in out, out
     assert two == pytest.approx(one, rel=1e-5) and one[0] != one[-1]
+    # the validation figures from the vocabulary shards (padded rows never the largest logit)
+    for a, b in zip(validation_rows(tmp_path, "tp1"), validation_rows(tmp_path, "tp2"), strict=True):
+        assert [b[k] for k in ("val_loss", "val_mlm_loss", "val_nsp_loss")] == pytest.approx(
+            [a[k] for k in ("val_loss", "val_mlm_loss", "val_nsp_loss")], rel=1e-5)
+        assert b["val_mlm_accuracy"] == a["val_mlm_accuracy"]
 
 
 def test_mpt_plan_takes_the_directory(tmp_path):

@@ -48,7 +48,7 @@ from mp_toolkit.run.preempt import Preempted, PreemptSignals
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
 from mp_toolkit.run.save_dir import SaveDirLock, new_run_id, prepare as prepare_save_dir
 from mp_toolkit.run.state import ModelNames, Progress, agree, find_checkpoint, load_state, manifest, save_state
-from mp_toolkit.run.validation import evaluates_at, mlm_metrics, validation_row
+from mp_toolkit.run.validation import bert_metrics, evaluates_at, validation_row
 from mp_toolkit.run.watchdog import Heartbeat
 
 __all__ = ["Diverged", "Preempted", "lr_at", "run_training"]
@@ -191,8 +191,7 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
     memory.reset_peak()  # on CPU the same counter
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
     # BERT pre-training: MLM and NSP losses and MLM accuracy beside the validation loss (our engine)
-    metrics = (mlm_metrics(engine.loss_fn, ctx.tp_group) if spec.family_record.mlm and hasattr(engine, "eval_metrics")
-               else None)
+    metrics = bert_metrics(spec.family_record.mlm, getattr(spec.config, "architecture", None), engine, ctx.tp_group)
     scaler, streak, saves = engine.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
 
     def save(step: int, row: dict) -> None:

@@ -8,8 +8,9 @@ own schedule and layout), so the values of successive evaluations are comparable
 from a checkpoint reports what the uninterrupted run reports.
 
 Rows get ``val_loss`` (the training loss function's value) and ``val_ppl``. BERT pre-training
-(``--model bert-*``, our engine) also gets ``val_mlm_loss``, ``val_nsp_loss`` and
-``val_mlm_accuracy`` (the share of masked positions whose largest logit is the original token),
+(``--model bert-*``, or ``--hf`` with a BertForPreTraining directory; our engine) also gets
+``val_mlm_loss``, ``val_nsp_loss`` and ``val_mlm_accuracy`` (BertForMaskedLM, which has no NSP head:
+the two MLM figures) (the share of masked positions whose largest logit is the original token),
 computed on the last stage in one pass with the loss (`PipelineEngine.eval_metrics`; under
 tensor parallelism from the vocabulary shards, never gathered), and its ``val_ppl`` is the
 masked-LM perplexity, exp(val_mlm_loss). Each value is averaged like the loss: per micro-batch,
@@ -31,6 +32,7 @@ from mp_toolkit.run.config import TrainConfig
 
 IGNORE_INDEX = -100
 MLM_METRICS = ("val_loss", "val_mlm_loss", "val_nsp_loss", "val_mlm_accuracy")
+MASKED_LM_METRICS = ("val_loss", "val_mlm_loss", "val_mlm_accuracy")
 
 
 def evaluates_at(cfg: TrainConfig, step: int) -> bool:
@@ -72,15 +74,40 @@ def mlm_metrics(loss_fn, tp_group=None):
     return metrics
 
 
+def masked_lm_metrics(loss_fn, tp_group=None):
+    """(logits, labels) -> [loss, MLM loss, MLM accuracy] of a masked-LM-only model (HF BertForMaskedLM)
+    on MLM + NSP micro-batches: ``labels`` (MLM labels, NSP labels), the NSP labels unused."""
+
+    def metrics(logits, labels) -> torch.Tensor:
+        return torch.stack([loss_fn(logits, labels).float(), vocab_parallel_cross_entropy(logits, labels[0], tp_group),
+                            mlm_accuracy(logits, labels[0], tp_group)])
+
+    return metrics
+
+
+def bert_metrics(mlm_family: bool, hf_architecture: str | None, engine: TrainEngine, tp_group=None):
+    """(per-micro-batch metrics, their names) of a BERT run's evaluations, or None: our BERT and HF
+    BertForPreTraining `mlm_metrics`, HF BertForMaskedLM `masked_lm_metrics`; only engines with
+    ``eval_metrics`` (ours) compute them."""
+    if not hasattr(engine, "eval_metrics"):
+        return None
+    if mlm_family or hf_architecture == "BertForPreTraining":
+        return mlm_metrics(engine.loss_fn, tp_group), MLM_METRICS
+    if hf_architecture == "BertForMaskedLM":
+        return masked_lm_metrics(engine.loss_fn, tp_group), MASKED_LM_METRICS
+    return None
+
+
 def validation_row(engine: TrainEngine, data, batches: int, metrics=None) -> dict:
     """The metrics row's validation fields over the held-out split's first ``batches`` global batches:
-    ``val_loss``, ``val_ppl`` and, with ``metrics`` (`mlm_metrics`, our engine), `MLM_METRICS`."""
+    ``val_loss``, ``val_ppl`` and, with ``metrics`` (`bert_metrics`: the function and its names), those."""
     held_out = data.held_out()
     if metrics is None:
         values = {"val_loss": [engine.eval_batch(held_out) for _ in range(batches)]}
     else:
-        rows = [engine.eval_metrics(held_out, metrics, len(MLM_METRICS)) for _ in range(batches)]
-        values = {name: [r[i] for r in rows] for i, name in enumerate(MLM_METRICS)}
+        fn, names = metrics
+        rows = [engine.eval_metrics(held_out, fn, len(names)) for _ in range(batches)]
+        values = {name: [r[i] for r in rows] for i, name in enumerate(names)}
     row = {name: math.fsum(v) / len(v) for name, v in values.items()}
     nll = row.get("val_mlm_loss", row["val_loss"])
     row["val_ppl"] = math.exp(nll) if nll < 700 else math.inf
