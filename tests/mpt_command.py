@@ -50,8 +50,9 @@ def _read(path: Path) -> str:
 class MptProcess:
     """One running `mpt argv`; the part of subprocess.Popen's interface the tests use (text output)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
+    def __init__(self, argv: list, env: dict[str, str] | None = None, cwd: str | Path | None = None,
                  merge_stderr: bool = False):
+        argv = [str(a) for a in argv]  # paths and numbers as the command line would spell them
         self.args = ["mpt", *argv]
         self._dir = Path(tempfile.mkdtemp(prefix="mpt-command-"))
         self._out = self._dir / "stdout"
@@ -104,12 +105,12 @@ class MptProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def run_mpt(argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
+def run_mpt(argv: list, env: dict[str, str] | None = None, cwd: str | Path | None = None,
             timeout: float = 300.0, merge_stderr: bool = False) -> subprocess.CompletedProcess:
     """What ``subprocess.run([python, "-m", "mp_toolkit.cli", *argv], capture_output=True, text=True,
     timeout=timeout)`` returns; past ``timeout`` the command and its ranks are killed and
     subprocess.TimeoutExpired is raised with the output so far."""
-    proc = MptProcess([str(a) for a in argv], env=env, cwd=cwd, merge_stderr=merge_stderr)
+    proc = MptProcess(argv, env=env, cwd=cwd, merge_stderr=merge_stderr)
     started = time.monotonic()
     try:
         proc.wait(timeout)

@@ -9,8 +9,8 @@ from a checkpoint reports what the uninterrupted run reports.
 
 Rows get ``val_loss`` (the training loss function's value) and ``val_ppl``. BERT pre-training
 (``--model bert-*``, or ``--hf`` with a BertForPreTraining directory; our engine) also gets
-``val_mlm_loss``, ``val_nsp_loss`` and ``val_mlm_accuracy`` (BertForMaskedLM, which has no NSP head:
-the two MLM figures) (the share of masked positions whose largest logit is the original token),
+``val_mlm_loss``, ``val_nsp_loss`` and ``val_mlm_accuracy`` (the share of masked positions whose
+largest logit is the original token; BertForMaskedLM, which has no NSP head, gets the two MLM figures),
 computed on the last stage in one pass with the loss (`PipelineEngine.eval_metrics`; under
 tensor parallelism from the vocabulary shards, never gathered), and its ``val_ppl`` is the
 masked-LM perplexity, exp(val_mlm_loss). Each value is averaged like the loss: per micro-batch,
