@@ -88,12 +88,35 @@ def test_gpt_pp2_export_loads_and_gives_our_logits(runs, capsys, tmp_path):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def weight_noise_floor(hf_dir, diffs: dict, ids, logits, trials: int = 3) -> float:
+    """Median relative change of ``logits`` when the model of ``hf_dir`` has each tensor moved by a
+    random direction of the norm of its entry in ``diffs``."""
+    g = torch.Generator().manual_seed(0)
+    changes = []
+    for _ in range(trials):
+        model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+        state, moved = model.state_dict(), set()
+        for k, d in diffs.items():
+            if state[k].data_ptr() in moved:  # a tie: its second name is the same tensor, moved once
+                continue
+            moved.add(state[k].data_ptr())
+            r = torch.randn(d.shape, generator=g)
+            state[k].add_(r * (d.norm() / r.norm()))
+        with torch.no_grad():
+            changes.append(((model(ids).logits - logits).norm() / logits.norm()).item())
+    return sorted(changes)[len(changes) // 2]
+
+
 def test_tp2_checkpoint_exports_what_its_pp_equivalent_exports(runs, capsys, tmp_path):
     """Same training up to fp32 reduction order (invariant 1, bounded against float64 by the oracle
     tests); AdamW turns those ulps of near-zero gradients into up to ~1e-5 of weight, so the two
-    exports agree to 1e-4 of the whole model's norm, parameters and logits alike (measured 2e-6 to
-    2e-5, depending on the CPU's kernels and the initial weights). What the export itself must
-    keep exactly -- the tp=2 checkpoint's own model -- is compared tightly."""
+    exports' parameters agree to 1e-4 of the whole model's norm (measured 2e-6 to 2.9e-5, depending
+    on the CPU's kernels and the initial weights). Their logits differ by what that weight
+    difference does to the logits: the floor is measured here, as the logits' change when the pp=2
+    model's tensors move by random directions of the same per-tensor norms (7e-5 of the logits'
+    norm on an AMX Xeon, where the two exports differ by 1.2e-4: 1.6 floors); an export that
+    computes another function is off by far more than 8 floors. What the export itself must keep
+    exactly -- the tp=2 checkpoint's own model -- is compared tightly."""
     export(capsys, runs["gpt_tp2"], tmp_path / "tp2")
     export(capsys, runs["gpt_pp2"], tmp_path / "pp2")
     tp2 = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2").eval()
@@ -105,7 +128,8 @@ def test_tp2_checkpoint_exports_what_its_pp_equivalent_exports(runs, capsys, tmp
     ids = gpt_inputs()
     with torch.no_grad():
         got_logits, ref_logits = tp2(ids).logits, pp2(ids).logits
-        assert ((got_logits - ref_logits).norm() / ref_logits.norm()).item() < 1e-4
+        floor = weight_noise_floor(tmp_path / "pp2", {k: got[k] - ref[k] for k in got}, ids, ref_logits)
+        assert (got_logits - ref_logits).norm() / ref_logits.norm() < 8 * floor
         # and the tp=2 export is exactly its own checkpoint's model
         torch.testing.assert_close(tp2(ids).logits, zoo_model(runs["gpt_tp2"])(ids), atol=1e-5, rtol=0)
 
