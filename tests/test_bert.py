@@ -319,7 +319,7 @@ def test_config_from_hf_json_ignores_unknown_keys_and_refuses_other_architecture
 
 # --- (e) the loss falls on real MLM + NSP batches ---------------------------------------------
 def test_mlm_nsp_loss_falls_on_stdlib_text(tmp_path):
-    from mp_toolkit.data.lm import read_texts, stdlib_files
+    from mp_toolkit.data.corpus import read_texts, stdlib_files
     from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
 
     texts, _ = read_texts(stdlib_files()[:40])

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mp_toolkit.data import lm as data
-from mp_toolkit.data.lm import (
-    DataError, MicroBatches, build_lm_dataset, read_texts, stdlib_files, train_tokenizer,
-)
+from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
+from mp_toolkit.data.lm import MicroBatches, build_lm_dataset
+from mp_toolkit.data.tokens import progress_bars_on, train_tokenizer
 
 torch.set_num_threads(1)
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
@@ -108,7 +107,7 @@ def test_tokenizer_is_cached_and_deterministic(corpus, tmp_path, monkeypatch):
     assert tok.get_vocab_size() == 300 and tok.token_to_id("<|endoftext|>") == 0
 
     # A second call must load the file, not train: make training impossible.
-    monkeypatch.setattr(data.trainers, "BpeTrainer", None)
+    monkeypatch.setattr("mp_toolkit.data.tokens.trainers.BpeTrainer", None)
     again = train_tokenizer(texts, 300, tmp_path / "c1")
     sample = texts[:3] + ["caf\u00e9 \u2603 unseen bytes"]
     assert [e.ids for e in again.encode_batch(sample)] == [e.ids for e in tok.encode_batch(sample)]
@@ -248,7 +247,7 @@ def test_stdlib_dataset_small_vocab(tmp_path, monkeypatch):
     # The real stdlib files, capped at 3 MB: the full 12 MB corpus costs ~15 s of BPE training and
     # encoding on an idle 2-core machine (several times that on a busy one), and runs the same code.
     full = stdlib_files()
-    monkeypatch.setattr(data, "STDLIB_MAX_BYTES", 3 * 1024 * 1024)
+    monkeypatch.setattr("mp_toolkit.data.corpus.STDLIB_MAX_BYTES", 3 * 1024 * 1024)
     capped = stdlib_files()
     assert 50 < len(capped) < len(full) and capped == full[: len(capped)]
     ds = build_lm_dataset("stdlib", vocab_size=512, seq_len=64, seed=0, cache_dir=tmp_path / "cache")
@@ -277,10 +276,10 @@ def test_progressprogress_bars_only_on_a_terminal(monkeypatch):
     assert bars.progress(items, "x", enabled=False) is items
     datasets.disable_progress_bars()  # what `mpt train --no-progress` does
     try:
-        assert not data.progress_bars_on()
+        assert not progress_bars_on()
     finally:
         datasets.enable_progress_bars()
-    assert data.progress_bars_on()
+    assert progress_bars_on()
 
 
 def test_caches_are_private_verified_and_rebuilt_when_damaged(corpus, tmp_path):

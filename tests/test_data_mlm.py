@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from mp_toolkit.data.lm import DataError, read_texts, stdlib_files
+from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
 from mp_toolkit.data.mlm import (
     IGNORE_INDEX, IS_NEXT, NOT_NEXT, MLMMicroBatches, build_mlm_corpus, mask_tokens,
 )

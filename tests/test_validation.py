@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from mp_toolkit.data.lm import DataError, MicroBatches
+from mp_toolkit.data.corpus import DataError
+from mp_toolkit.data.lm import MicroBatches
 from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
 from tests.cli_helpers import assert_one_line_exit_2

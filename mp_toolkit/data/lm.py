@@ -2,8 +2,9 @@
 
 Every rank of a pipeline calls ``build_lm_dataset`` with the same arguments and gets a
 bit-identical dataset (the first stage feeds ``input_ids``, the last stage scores ``labels``),
-then iterates ``MicroBatches`` with its own data-parallel rank. Nothing here touches the
-network: corpora are local files (by default this interpreter's standard library).
+then iterates ``MicroBatches`` with its own data-parallel rank. The corpus is read by `corpus` (local
+files, by default this interpreter's standard library), tokenized and cached by `tokens`; this
+module packs the token stream into a dataset and deals it out as micro-batches.
 
     ds = build_lm_dataset("stdlib", vocab_size=4096, seq_len=128, seed=0, cache_dir=".cache/mpt")
     batches = MicroBatches(ds, micro_batch_size=8, dp_rank=0, dp_size=1, seed=0)
@@ -11,176 +12,20 @@ network: corpora are local files (by default this interpreter's standard library
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import sysconfig
-import tempfile
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mp_toolkit.data.buckets import cut, drawn_bucket
-from mp_toolkit.progress import progress
+from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
+from mp_toolkit.data.tokens import cache_key, token_stream, tokenized_stream, train_tokenizer
 
-EOS_TOKEN = "<|endoftext|>"
-TEXT_SUFFIXES = (".txt", ".py", ".md")
-JSON_SUFFIXES = (".jsonl", ".json")
-STDLIB_MAX_BYTES = 12 * 1024 * 1024
-_STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
 SYNTHETIC_SEQUENCES = 4096
-ENCODE_CHUNK = 64  # documents per encode_batch call while encoding a corpus (one progress step)
-
-
-class DataError(ValueError):
-    """A corpus or data argument the user can fix; the message is one line naming the value."""
-
-
-def stdlib_files() -> list[Path]:
-    """This interpreter's standard-library ``.py`` files, sorted, capped at ~12 MB in total.
-
-    Test suites, idlelib and installed packages are skipped to bound the size; the order (and so
-    the cut at 12 MB) is deterministic for a given interpreter.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = Path(dirpath).relative_to(root).parts
-        # Prune while walking: site-packages alone can be larger than the whole stdlib.
-        dirnames[:] = [
-            d for d in dirnames
-            if d not in _STDLIB_SKIP_DIRS and not (rel == ("lib2to3",) and d == "tests")
-        ]
-        found.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
-    files, total = [], 0
-    for path in sorted(found, key=lambda p: p.relative_to(root).parts):
-        size = path.stat().st_size
-        if total + size > STDLIB_MAX_BYTES:
-            break
-        files.append(path)
-        total += size
-    return files
-
-
-def _expand(path: Path) -> list[Path]:
-    """A user path -> the corpus files it names (a directory is searched recursively)."""
-    if path.is_dir():
-        found = sorted(
-            p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSON_SUFFIXES
-        )
-        if not found:
-            raise DataError(
-                f"corpus directory {path} has no {'/'.join(TEXT_SUFFIXES + JSON_SUFFIXES)} files"
-            )
-        return found
-    if not path.is_file():
-        raise DataError(f"corpus path {path} does not exist or is not a file or directory")
-    if path.suffix not in TEXT_SUFFIXES + JSON_SUFFIXES:
-        raise DataError(
-            f"corpus file {path} has suffix {path.suffix!r}: use one of "
-            f"{', '.join(TEXT_SUFFIXES + JSON_SUFFIXES)}"
-        )
-    return [path]
-
-
-def _json_texts(path: Path, content: str) -> list[str]:
-    """The "text" field of every JSON line (blank lines are skipped)."""
-    texts = []
-    for lineno, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno} is not a JSON line ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f'{path}:{lineno} has no string "text" field')
-        texts.append(record["text"])
-    return texts
-
-
-def read_texts(paths: Iterable[str | os.PathLike]) -> tuple[list[str], list[Path]]:
-    """Read documents from files or directories; returns (texts, files skipped as non-UTF-8).
-
-    ``.txt``/``.py``/``.md`` files are one document each; ``.jsonl``/``.json`` files are JSON
-    lines whose "text" fields are documents. Files that do not decode as strict UTF-8 are skipped
-    deliberately (a few stdlib files are latin-1) rather than decoded with replacement characters.
-    """
-    texts: list[str] = []
-    skipped: list[Path] = []
-    for given in paths:
-        for path in _expand(Path(given)):
-            try:
-                raw = path.read_bytes()
-            except OSError as e:
-                raise DataError(f"cannot read corpus file {path}: {e.strerror}") from None
-            try:
-                content = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                skipped.append(path)
-                continue
-            if path.suffix in JSON_SUFFIXES:
-                texts.extend(_json_texts(path, content))
-            elif content:
-                texts.append(content)
-    return texts, skipped
-
-
-def _texts_digest(texts: list[str]) -> str:
-    h = hashlib.sha256()
-    for text in texts:
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little"))  # length prefix: ["ab", "c"] != ["a", "bc"]
-        h.update(data)
-    return h.hexdigest()
-
-
-def cache_key(texts: list[str], vocab_size: int) -> str:
-    """The key of the tokenizer trained on ``texts`` with ``vocab_size``: its cache file is
-    ``tokenizer-<key>.json`` (an export finds a run's tokenizer by it, `mp_toolkit.hf.run_tokenizer`)."""
-    return hashlib.sha256(f"{_texts_digest(texts)}:{vocab_size}".encode()).hexdigest()[:16]
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathLike) -> Tokenizer:
-    """Byte-level BPE with ``<|endoftext|>``, trained once per (corpus, vocab_size) and cached.
-
-    The cache file is ``cache_dir/tokenizer-<key>.json``; it is written atomically, so ranks that
-    race to train the same (deterministic) tokenizer all end up reading one complete file.
-    """
-    if vocab_size < 257:
-        raise DataError(
-            f"vocab_size={vocab_size} is too small for byte-level BPE: use at least 257 "
-            f"(256 bytes + {EOS_TOKEN})"
-        )
-    cached = Path(cache_dir) / f"tokenizer-{cache_key(texts, vocab_size)}.json"
-    if cached.is_file():
-        try:
-            tokenizer = Tokenizer.from_file(str(cached))
-            if tokenizer.get_vocab_size() == vocab_size and tokenizer.token_to_id(EOS_TOKEN) == 0:
-                return tokenizer
-        except Exception:  # noqa: BLE001 -- tokenizers raises a bare Exception on a damaged file
-            pass  # damaged (truncated, edited): trained again below and replaced
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],  # id 0
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable
-        show_progress=False,
-    )
-    # the bar counts documents read; the merges that follow are the tokenizer's own (quick) pass
-    tokenizer.train_from_iterator(progress(texts, "training tokenizer", len(texts), progress_bars_on(), "doc"),
-                                  trainer=trainer, length=len(texts))
-
-    _atomic_save(cached, tokenizer.save)
-    return tokenizer
 
 
 def _synthetic_dataset(vocab_size: int, seq_len: int, seed: int, tokens: int) -> datasets.Dataset:
@@ -190,101 +35,6 @@ def _synthetic_dataset(vocab_size: int, seq_len: int, seed: int, tokens: int) ->
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g, dtype=torch.int64)
     return datasets.Dataset.from_dict({"input_ids": ids.numpy()})
-
-
-def progress_bars_on() -> bool:
-    """Progress bars follow `datasets`' switch, which ``mpt train --no-progress`` turns off."""
-    return not datasets.are_progress_bars_disabled()
-
-
-def _atomic_save(path: Path, write) -> None:
-    """Write through a temporary file, fsync it and rename it, so racing ranks never read a partial
-    file and a crash never leaves one. The file stays 0600 (as mkstemp makes it): a cache holds
-    what the corpus says, readable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if os.name == "posix":
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _cached_stream(cache_file: Path, vocab_size: int) -> np.ndarray | None:
-    """The cached token stream when it is intact: a 1-d int32 array whose ids are all below
-    ``vocab_size``; None when missing or damaged (truncated, another dtype, out-of-range ids),
-    so the caller encodes the corpus again and replaces it."""
-    if not cache_file.is_file():
-        return None
-    try:
-        stream = np.load(cache_file, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    if not isinstance(stream, np.ndarray) or stream.dtype != np.int32 or stream.ndim != 1:
-        return None
-    if len(stream) and (int(stream.min()) < 0 or int(stream.max()) >= vocab_size):
-        return None
-    return stream
-
-
-def _token_stream(texts: list[str], tokenizer: Tokenizer, cache_dir: Path, key: str, eos: int | None = None) -> np.ndarray:
-    """All documents' ids, each followed by ``eos`` (default: the tokenizer's <|endoftext|>; none when
-    it has none), as one int32 array, cached as ``tokens-<key>-<tokenizer digest>.npy`` (encoding is
-    slow): the name changes with the tokenizer, and a damaged cache is encoded again (`_cached_stream`)."""
-    digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
-    cache_file = cache_dir / f"tokens-{key}-{digest}.npy"
-    vocab = max(tokenizer.get_vocab_size(), (eos + 1) if eos is not None else 0)
-    cached = _cached_stream(cache_file, vocab)
-    if cached is not None:
-        return cached
-    eos = tokenizer.token_to_id(EOS_TOKEN) if eos is None else eos
-    end = [eos] if eos is not None else []
-    chunks = range(0, len(texts), ENCODE_CHUNK)  # encode_batch per chunk: the same ids, with a bar
-    docs = [enc.ids + end for i in progress(chunks, "encoding corpus", len(chunks), progress_bars_on(), "chunk")
-            for enc in tokenizer.encode_batch(texts[i : i + ENCODE_CHUNK])]
-    stream = np.fromiter((t for doc in docs for t in doc), dtype=np.int32)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:  # a file object, so np.save does not append ".npy"
-            np.save(f, stream, allow_pickle=False)
-
-    _atomic_save(cache_file, write)
-    return stream
-
-
-def load_tokenizer_file(path: str | os.PathLike) -> tuple[Tokenizer, str]:
-    """(a tokenizers ``tokenizer.json``, as HF's ``save_pretrained`` writes it, its content digest)."""
-    try:
-        raw = Path(path).read_bytes()
-        return Tokenizer.from_str(raw.decode("utf-8")), hashlib.sha256(raw).hexdigest()
-    except Exception as e:  # OSError, bad UTF-8, or the plain Exception tokenizers raises on a bad file
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"cannot read tokenizer {path}: {reason}") from None
-
-
-def tokenized_stream(texts: list[str], tokenizer_file: str | os.PathLike, vocab_size: int,
-                     cache_dir: str | os.PathLike, eos: int | None = None) -> np.ndarray:
-    """The token stream of ``texts`` under a given tokenizer.json (HF's special tokens as its
-    post-processor adds them, then ``eos``), cached by (corpus, tokenizer file, eos); every id must be
-    below the model's ``vocab_size``."""
-    tokenizer, digest = load_tokenizer_file(tokenizer_file)
-    key = hashlib.sha256(f"{_texts_digest(texts)}:{digest}:{eos}".encode()).hexdigest()[:16]
-    stream = _token_stream(texts, tokenizer, Path(cache_dir), key, eos=eos)
-    top = int(stream.max()) if len(stream) else -1
-    if top >= vocab_size:
-        raise DataError(f"tokenizer {tokenizer_file} gives token id {top}, but the model's vocab_size is {vocab_size}: "
-                        "use the tokenizer the model was built for (ids must be below vocab_size)")
-    return stream
 
 
 def _packed_dataset(stream: np.ndarray, seq_len: int) -> datasets.Dataset:
@@ -360,7 +110,7 @@ first build pays for training and encoding. Equal arguments give bit-identical d
         else:
             tokenizer = train_tokenizer(texts, vocab_size, cache_dir)
             key = cache_key(texts, vocab_size)  # the tokenizer's key: same corpus, same vocabulary
-            stream = _token_stream(texts, tokenizer, Path(cache_dir), key)
+            stream = token_stream(texts, tokenizer, Path(cache_dir), key)
         ds = _packed_dataset(stream, seq_len)
     return ds.shuffle(seed=seed).with_format("torch")
 

@@ -9,7 +9,7 @@ Every rank builds the same corpus (bit-identical, like ``build_lm_dataset``) and
     # each (8, 128) int64, nsp_labels (8,); model: BertConfig(vocab_size=corpus.vocab_size,
     #                                                         pad_token_id=corpus.special.pad, ...)
 
-Tokenizer: ``mp_toolkit.data.lm.train_tokenizer``'s byte-level BPE (cached, no unknown tokens) with
+Tokenizer: ``mp_toolkit.data.tokens.train_tokenizer``'s byte-level BPE (cached, no unknown tokens) with
 ``[PAD] [CLS] [SEP] [MASK]`` appended as the last four ids. Text is encoded with the plain BPE, so
 a literal "[SEP]" in a source file stays ordinary text and never becomes a separator.
 
@@ -38,7 +38,9 @@ import torch
 from tokenizers import Tokenizer
 
 from mp_toolkit.data.buckets import fitting_bucket
-from mp_toolkit.data.lm import DataError, MicroBatches, read_texts, stdlib_files, train_tokenizer
+from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
+from mp_toolkit.data.lm import MicroBatches
+from mp_toolkit.data.tokens import train_tokenizer
 
 SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as HF's BertForPreTraining reads them

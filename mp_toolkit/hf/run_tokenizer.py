@@ -1,7 +1,7 @@
 """The tokenizer an exported model ships with: one the user names, or the one its run trained.
 
 `mpt train` trains a byte-level BPE per (corpus, vocabulary) and caches it as
-``<cache_dir>/tokenizer-<key>.json`` (`mp_toolkit.data.lm.train_tokenizer`); the manifest records the
+``<cache_dir>/tokenizer-<key>.json`` (`mp_toolkit.data.tokens.train_tokenizer`); the manifest records the
 run's ``data`` and ``cache_dir``, which give the key again. A manifest is untrusted input, so it
 never chooses a directory to read by itself: the run's cache is used only when it is the export's
 own ``--cache-dir`` (default the training default, ``~/.cache/mp_toolkit``), and the files of an
@@ -20,9 +20,10 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from mp_toolkit.data.lm import EOS_TOKEN, DataError, cache_key, read_texts, stdlib_files
+from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
 from mp_toolkit.data.mlm import SPECIAL_TOKENS, bert_tokenizer
 from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.data.tokens import EOS_TOKEN, cache_key
 from mp_toolkit.hf.export import copy_tokenizer
 from mp_toolkit.run.families import FAMILIES
 

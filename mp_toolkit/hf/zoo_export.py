@@ -89,7 +89,7 @@ def gpt2_config(config: gpt.GPTConfig) -> transformers.GPT2Config:
     if not config.bias:
         raise ExportError("this GPT has bias=False: HF GPT2LMHeadModel always has Linear and LayerNorm biases, "
                           "so it cannot hold this model (train with bias=true to export to GPT-2)")
-    # our tokenizers put <|endoftext|> at id 0 (mp_toolkit.data.lm.train_tokenizer); GPT-2's 50256 may not exist
+    # our tokenizers put <|endoftext|> at id 0 (mp_toolkit.data.tokens.train_tokenizer); GPT-2's 50256 may not exist
     return transformers.GPT2Config(**{k: d[k] for k in _GPT2_FIELDS}, bos_token_id=0, eos_token_id=0,
                                    architectures=["GPT2LMHeadModel"])
 

@@ -32,7 +32,8 @@ from torch import nn
 
 from model_zoo import bert, gpt
 from model_zoo.config_io import read_config_json
-from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset, rank0_first
+from mp_toolkit.data.corpus import DataError
+from mp_toolkit.data.lm import MicroBatches, build_lm_dataset, rank0_first
 from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
 from mp_toolkit.layers import LayerList

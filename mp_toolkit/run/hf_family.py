@@ -29,16 +29,18 @@ from mp_toolkit.hf import (
     UnsupportedModelError, apply_hf_tensor_parallel, architecture_for, causal_lm_loss,
     check_hf_tensor_parallel, load_config, masked_lm_loss, pretraining_loss,
 )
-from mp_toolkit.data.lm import DataError, MicroBatches, build_lm_dataset, load_tokenizer_file, rank0_first
+from mp_toolkit.data.corpus import DataError
+from mp_toolkit.data.lm import MicroBatches, build_lm_dataset, rank0_first
 from mp_toolkit.data.mlm import SPECIAL_TOKENS, MLMMicroBatches, build_mlm_corpus, tokenized_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.data.tokens import load_tokenizer_file
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.hf_source import HFModel, HFSource
 from mp_toolkit.run.state import agree
 
-BPE_MIN_VOCAB = 257  # `mp_toolkit.data.lm.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
+BPE_MIN_VOCAB = 257  # `mp_toolkit.data.tokens.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
 
 
 def resolve_hf(directory: str) -> HFSource:

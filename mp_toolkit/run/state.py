@@ -49,7 +49,7 @@ from mp_toolkit.checkpoint import (
     optimizer_state_by_name, param_groups_by_name, restore_rng, write_layer_shard, write_optimizer_shard,
     write_rng_shard,
 )
-from mp_toolkit.data.lm import DataError
+from mp_toolkit.data.corpus import DataError
 from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import ParallelContext
