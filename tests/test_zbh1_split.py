@@ -157,14 +157,17 @@ def test_split_or_fallback_gives_the_full_backward(module, splits):
 
 
 def test_gradient_hooks_on_parameters_still_fire_in_w():
-    """A hook on a parameter (mpt's fault injection makes a gradient inf with one) sees W's gradient."""
+    """A hook on a parameter (mpt's fault injection makes a gradient inf with one) sees W's gradient,
+    or I's for a LayerNorm parameter (`worth_deferring`)."""
     stage = gpt_stage(1, 2)
-    params = list(stage.parameters())
-    seen = []
+    params = list(stage.parameters())  # ln_1.weight, ln_1.bias, attn.qkv.weight, attn.qkv.bias, ...
+    seen, seen_ln = [], []
     params[3].register_hook(lambda g: seen.append(g.shape) or torch.full_like(g, float("inf")))
+    params[0].register_hook(lambda g: seen_ln.append(g.shape) or torch.full_like(g, float("inf")))
     x = torch.randn(B, T, CFG.n_embd, requires_grad=True)
     out = stage(x)
     _, weight_pass = split_backward_input([out], [torch.ones_like(out)], [x], params)
-    assert seen == []
+    assert seen == [] and seen_ln == [params[0].shape] and torch.isinf(params[0].grad).all()
     weight_pass.run()
     assert seen == [params[3].shape] and torch.isinf(params[3].grad).all()
+    assert seen_ln == [params[0].shape]  # once, in I

@@ -209,8 +209,12 @@ def split_backward_input(roots: Sequence[torch.Tensor | GradientEdge], grads: Se
     if groups is None:
         got = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
         return got, None
-    later = [g for g in groups if worth_deferring(g)]
-    now = [p for g in groups if not worth_deferring(g) for p in g.params]
+    later, now = [], []  # groups for W; parameters whose gradients come with I's
+    for g in groups:
+        if worth_deferring(g):
+            later.append(g)
+        else:
+            now += g.params
     recorded: dict[Node, tuple] = {}
     handles = [n.register_prehook(_recorder(recorded, n)) for g in later for n in g.nodes]
     try:
