@@ -168,15 +168,27 @@ def bert_tp_rank(rank: int, world: int, names):
 
 # ---------------------------------------------------------------- pipeline (pp = world) vs HF
 
-def hf_reference(name: str, batches, overrides: dict, optimizer: str = "adamw", dtype=torch.float32):
+def hf_reference(name: str, batches, overrides: dict, optimizer: str = "adamw", dtype=torch.float32,
+                 by_row: bool = False):
     """Single-process gradient accumulation on the HF model itself: same micro-batches, same optimizer.
-    In float64 (the same initial values, widened) it is tests/floor.py's reference."""
+    In float64 (the same initial values, widened) it is tests/floor.py's reference. ``by_row`` runs
+    each micro-batch one sequence at a time, each row's token losses summed and divided by the
+    micro-batch's token count: the same mean loss and gradient, summed in another order."""
     model = tiny_hf(name, train=True, **overrides).to(dtype)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     losses = []
     for step in batches:
         total = torch.zeros((), dtype=dtype)
         for (ids, mask), labels in step:
+            if by_row:
+                count = (labels != -100).sum()
+                for r in range(len(ids)):
+                    row = (slice(r, r + 1),)
+                    loss = causal_lm_loss(model(input_ids=ids[row], attention_mask=mask[row]).logits, labels[row])
+                    loss = loss * (labels[row] != -100).sum() / count / len(step)
+                    loss.backward()
+                    total += loss.detach()
+                continue
             loss = causal_lm_loss(model(input_ids=ids, attention_mask=mask).logits, labels) / len(step)
             loss.backward()  # invariant 5: the loss, not the gradient, is scaled
             total += loss.detach()
@@ -219,13 +231,22 @@ def pp_rank(rank: int, world: int, cases, steps: int = 2, m: int = 3):
     return report
 
 
-def _floors(engine, full, hf_names, ref32, losses, ref64) -> dict:
+def _floors(engine, full, hf_names, ref32, losses, ref64, other32=None) -> dict:
     """{parameter name: (err, floor)} and "losses": tests/floor.py's pair of every parameter of this
-    rank (``full`` gathers a shard) and of the losses, against the float64 HF reference."""
+    rank (``full`` gathers a shard) and of the losses, against the float64 HF reference. ``other32``:
+    a second valid fp32 reference (`hf_reference` ``by_row``); the floor is then the larger of the
+    two fp32 runs' errors."""
     (state32, losses32), (state64, losses64) = ref32, ref64
-    out = {key: pair(full(p), state64[hf_names[key][0]], state32[hf_names[key][0]])
-           for key, p in engine.named_parameters()}
-    out["losses"] = pair(losses, losses64, losses32)
+
+    def floored(got, name=None):
+        ref, single = (losses64, losses32) if name is None else (state64[name], state32[name])
+        err, floor = pair(got, ref, single)
+        if other32 is not None:
+            floor = max(floor, pair(other32[1] if name is None else other32[0][name], ref, single)[0])
+        return err, floor
+
+    out = {key: floored(full(p), hf_names[key][0]) for key, p in engine.named_parameters()}
+    out["losses"] = floored(losses)
     return out
 
 
@@ -259,6 +280,7 @@ def pp_tp_rank(rank: int, world: int, cases, steps: int = 2, m: int = 3):
             n += 1
             diff = max(diff, (gather_full(p, ctx.tp_group) - ref_state[hf_names[key][0]]).abs().max().item())
         floors = _floors(engine, lambda p: gather_full(p, ctx.tp_group), hf_names, (ref_state, ref_losses), losses,
-                         hf_reference(name, batches, {}, optimizer, dtype=torch.float64))
+                         hf_reference(name, batches, {}, optimizer, dtype=torch.float64),
+                         hf_reference(name, batches, {}, optimizer, by_row=True))
         report.append((n, diff, losses, ref_losses, floors))
     return report
