@@ -167,7 +167,8 @@ def test_every_schedule_frees_each_send_before_its_backward(plan_of):
     """Both plans wait for each SEND_F at or before the receive of its gradient and run every
     schedule to its end: each stored output is freed before its backward, and nothing deadlocks."""
     for name, pp, chunks in [("gpipe", 2, 1), ("1f1b", 2, 1), ("zbh1", 2, 1), ("interleaved", 2, 2),
-                             ("1f1b", 4, 1), ("interleaved", 4, 2), ("zbh1", 4, 1)]:
+                             ("1f1b", 4, 1), ("interleaved", 4, 2), ("zbh1", 4, 1), ("zbdrain", 2, 1),
+                             ("zbdrain", 4, 1)]:
         schedule = get_schedule(name, pp, 8, num_chunks=chunks)
         assert runs_with_waits(schedule, plan_of(schedule)), name
         for rank, plan in enumerate(plan_of(schedule)):

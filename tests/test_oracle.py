@@ -17,7 +17,7 @@ from tests.dist_harness import run_world
 from tests.floor import assert_all_within
 from tests.oracle_workers import MIXED_LENGTHS, eval_matches, mixed_lengths, oracle_cases
 
-CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b", "zbh1") for m in (1, 3, 8)]
+CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b", "zbh1", "zbdrain") for m in (1, 3, 8)]
 # Interleaved 1F1B: two model chunks per rank, micro-batches a multiple of pp (7 layers -> 4 stages).
 INTERLEAVED = [("interleaved", m, False, "adamw", 2) for m in (2, 4)]
 
@@ -48,7 +48,7 @@ def test_tied_embedding_across_stages_matches_and_copies_stay_equal():
     print(f"\nworst err / floor: {max(ratios):.2f}")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbh1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbh1", "zbdrain"])
 def test_eval_batch_equals_single_process_and_changes_nothing(schedule):
     """Forward only through every schedule (interleaved: 2 chunks per rank): bitwise the unsplit model's
     loss (`mpt train --eval-every`'s validation; tp x dp: tests/test_oracle_tp_dp.py's eval_batch)."""
@@ -59,12 +59,12 @@ def test_eval_batch_equals_single_process_and_changes_nothing(schedule):
 
 def test_mixed_lengths_bitwise_equal_single_process():
     """Micro-batches of 4, 8, 12 and 16 tokens, mixed within each step and new ones appearing in later
-    steps (issue 21 item 3): 1F1B, ZB-H1 and interleaved 1F1B at pp=2 stay bitwise single-process
+    steps (issue 21 item 3): 1F1B, ZB-H1, ZB-drain and interleaved 1F1B at pp=2 stay bitwise single-process
     gradient accumulation over the same micro-batches; each distinct length costs one shape pass.
     Receive buffers are reused across steps and shapes and receives posted a batch ahead (issue 23
     item 3) in every case here and in the fixed-length cases above, all bitwise. Then eval_batch over
     mixed lengths, after training on mixed lengths: the unsplit model's loss, bitwise."""
-    cases = [("1f1b", 4, False), ("zbh1", 4, False), ("interleaved", 4, False, "adamw", 2)]
+    cases = [("1f1b", 4, False), ("zbh1", 4, False), ("zbdrain", 4, False), ("interleaved", 4, False, "adamw", 2)]
     results = run_world(mixed_lengths, 2, cases, timeout_s=300)
     reports = [r[0] for r in results]
     lengths = {n for step in MIXED_LENGTHS for n in step}

@@ -49,7 +49,8 @@ LAYOUTS = {  # (pp, tp, dp): cases (schedule, micro-batches per replica, tied, b
     (2, 2, 1): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, 25.0)],
     (1, 2, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, TINY_BUCKET_MB)],
     (2, 1, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, TINY_BUCKET_MB),
-                ("zbh1", 3, False, 25.0), ("interleaved", 2, True, 25.0), ("zbh1", 3, True, 25.0, *MIXED)],
+                ("zbh1", 3, False, 25.0), ("interleaved", 2, True, 25.0), ("zbh1", 3, True, 25.0, *MIXED),
+                ("zbdrain", 3, True, 25.0)],
 }
 UNIQUE_TENSORS = 2 + 4 * 12 + 2  # wte, wpe, 4 blocks of 12, ln_f; +1 for an untied LM head
 

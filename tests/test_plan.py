@@ -8,7 +8,7 @@ import pytest
 
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.memory import MemoryCapError, StageMemory, min_max_memory, min_memory_cut
-from mp_toolkit.partition.planner import PlanRequest, make_plan, memory_shares
+from mp_toolkit.partition.planner import SPLIT_OVERHEAD, PlanRequest, make_plan, memory_shares
 
 from tests.mpt_command import run_mpt
 
@@ -260,7 +260,8 @@ def test_measured_zbh1_plan_uses_each_stages_measured_input_and_weight_passes():
     last = p.stages[1]
     assert durations[(0, "I")] == 0.0 and durations[(0, "W")] == pytest.approx(p.stages[0].backward_ms)
     i_ms, w_ms = durations[(1, "I")], durations[(1, "W")]
-    assert i_ms > 0 and w_ms > 0 and i_ms + w_ms == pytest.approx(last.backward_ms)
+    # W also carries the split's own cost, which the layer-by-layer timing does not see
+    assert i_ms > 0 and w_ms > 0 and i_ms + w_ms == pytest.approx((1 + SPLIT_OVERHEAD) * last.backward_ms)
 
 
 def test_zbh1s_recorded_gradients_count_on_every_stage_but_the_first():

@@ -17,11 +17,12 @@ from mp_toolkit.partition.recompute import RecomputeCosts, min_max_recompute, st
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.recompute_plan import auto_request, default_schedule, resolve_auto_schedule
+from mp_toolkit.schedule import split_share
 
 from tests.mpt_command import run_mpt
 
 
-def _stage(memory: StageMemory, rc: RecomputeCosts, times, j, a, b, choice: StageRecompute, zbh1: bool):
+def _stage(memory: StageMemory, rc: RecomputeCosts, times, j, a, b, choice: StageRecompute, split):
     """(bytes, time) of one stage, computed from scratch: the layers' kept bytes less what the
     chosen blocks drop, their workspace what they rebuild, their backward longer."""
     blocks = [i for i in range(a, b) if rc.block[i]]
@@ -34,18 +35,18 @@ def _stage(memory: StageMemory, rc: RecomputeCosts, times, j, a, b, choice: Stag
         ws[i] = max(ws[i], rc.full_workspace[i]) if full else ws[i]
         extra += rc.full_s[i] if full else rc.selective_s[i]
     adjusted = StageMemory(memory.static, act, memory.inflight, ws, memory.fixed, memory.step_transient)
-    runs = 2 if zbh1 and j > 0 else 1
-    return adjusted(j, a, b), sum(times[a:b]) + runs * extra
+    runs = 1 + (split[j] if split else 0)
+    return adjusted(j, a, b), sum(times[a:b]) + round(runs * extra)
 
 
-def _brute(times, memory, rc, p, cap, options, zbh1):
+def _brute(times, memory, rc, p, cap, options, split):
     """The least bottleneck over every cut and every choice per stage; None when nothing fits."""
     n, best = len(times), None
     for inner in itertools.combinations(range(1, n), p - 1):
         bounds = [0, *inner, n]
         per_stage = []
         for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            fits = [_stage(memory, rc, times, j, a, b, c, zbh1) for c in options(j, sum(rc.block[a:b]))]
+            fits = [_stage(memory, rc, times, j, a, b, c, split) for c in options(j, sum(rc.block[a:b]))]
             fits = [t for nbytes, t in fits if nbytes <= cap]
             if not fits:
                 break
@@ -82,15 +83,16 @@ def test_joint_choice_matches_brute_force(modes):
     solved = infeasible = 0
     for _ in range(250):
         times, memory, rc, p, cap = _instance(rng)
-        zbh1 = rng.random() < 0.3
-        expected = _brute(times, memory, rc, p, cap, options, zbh1)
+        # the rebuilds of a split backward: none, ZB-H1's (every backward past stage 0) or ZB-drain's
+        split = rng.choice([(), (), (0, *[1.0] * (p - 1)), tuple(split_share("zbdrain", j, 4) for j in range(p))])
+        expected = _brute(times, memory, rc, p, cap, options, split)
         if expected is None:
             with pytest.raises(MemoryCapError):
-                min_max_recompute(times, memory, rc, p, cap, options, zbh1)
+                min_max_recompute(times, memory, rc, p, cap, options, split)
             infeasible += 1
             continue
-        bounds, choices = min_max_recompute(times, memory, rc, p, cap, options, zbh1)
-        got = [_stage(memory, rc, times, j, a, b, c, zbh1) for j, (a, b, c) in
+        bounds, choices = min_max_recompute(times, memory, rc, p, cap, options, split)
+        got = [_stage(memory, rc, times, j, a, b, c, split) for j, (a, b, c) in
                enumerate(zip(bounds, bounds[1:], choices))]
         assert all(nbytes <= cap for nbytes, _ in got), (bounds, choices, cap)
         assert max(t for _, t in got) == expected, (times, bounds, choices)
@@ -161,15 +163,17 @@ def test_train_schedule_auto_resolves_alike_and_says_so():
     assert (first.chunks == 2) == (first.schedule == "interleaved")
 
 
-def test_a_run_naming_no_schedule_takes_the_planners_pick_of_1f1b_and_zbh1():
-    """Issue 23: without --schedule our engine at pp > 1 runs what the planner predicts faster of 1F1B
-    and ZB-H1 on the run's own cut; DeepSpeed's engine, one stage, or a named schedule keep theirs."""
-    cfg = TrainConfig(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, microbatches=4)
+@pytest.mark.parametrize("microbatches,expected", [(4, "zbh1"), (8, "zbdrain")])
+def test_a_run_naming_no_schedule_takes_the_planners_pick_of_1f1b_and_the_zero_bubble_ones(microbatches, expected):
+    """Issue 23: without --schedule our engine at pp > 1 runs what the planner predicts fastest of 1F1B,
+    ZB-drain and ZB-H1 on the run's own cut (ZB-H1 pays the split's cost on every micro-batch, ZB-drain
+    once: from 8 micro-batches on, ZB-drain); DeepSpeed's engine, one stage, or a named schedule keep theirs."""
+    cfg = TrainConfig(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, microbatches=microbatches)
     picked, line = default_schedule(cfg)
     _, auto_line = resolve_auto_schedule(cfg, candidates=DEFAULT_CANDIDATES)
     times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) ms", auto_line)}
     assert set(times) == set(DEFAULT_CANDIDATES) and picked.schedule == min(times, key=times.get)
-    assert picked.schedule == "zbh1" and picked.chunks == 1 and "--schedule 1f1b to keep 1F1B" in line
+    assert picked.schedule == expected and picked.chunks == 1 and "--schedule 1f1b to keep 1F1B" in line
     assert dataclasses.replace(picked, schedule="1f1b") == cfg  # nothing else changes: the cut is --partition's
     for kept in (dataclasses.replace(cfg, engine="deepspeed"), dataclasses.replace(cfg, pp=1),
                  dataclasses.replace(cfg, schedule="gpipe")):

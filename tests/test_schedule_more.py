@@ -1,4 +1,4 @@
-"""Interleaved 1F1B, ZB-H1, the timeline simulator and the Gantt chart."""
+"""Interleaved 1F1B, ZB-H1, ZB-drain, the timeline simulator and the Gantt chart."""
 import io
 
 import pytest
@@ -15,7 +15,9 @@ from mp_toolkit.schedule import (
     one_f_one_b,
     simulate,
     simulate_report,
+    split_share,
     validate,
+    zb_drain,
     zbh1,
 )
 
@@ -125,6 +127,52 @@ def test_zbh1_memory_is_that_of_1f1b(p, m):
     assert t.peak_inflight_w == tuple(min(p, m) for _ in range(p))  # F ahead of W
 
 
+# ---- ZB-drain -----------------------------------------------------------------------
+@pytest.mark.parametrize("p,m", ZB_SIZES)
+def test_zb_drain_is_1f1b_with_the_last_backwards_split(p, m):
+    """Stage s runs 1F1B's order with its last min(s, m) backwards as I (sent at once) and their W
+    after its last I; weight gradients accumulate in ascending micro-batch order."""
+    sched = zb_drain(p, m)
+    validate(sched)
+    ref = one_f_one_b(p, m)
+    for s, (acts, ref_acts) in enumerate(zip(sched.actions, ref.actions)):
+        split = min(s, m)
+        first_split = m - split
+        computes = [a for a in acts if a.kind.is_compute]
+        expected = [Action(s, Kind.I, a.microbatch) if a.kind is Kind.B and a.microbatch >= first_split else a
+                    for a in ref_acts if a.kind.is_compute]
+        assert computes == expected + [Action(s, Kind.W, k) for k in range(first_split, m)]
+        weight = [a.microbatch for a in computes if a.kind in (Kind.B, Kind.W)]
+        assert weight == list(range(m))
+        assert split_share("zbdrain", s, m) == split / m
+        for i, a in enumerate(acts):  # the input gradient leaves before any W
+            if a.kind is Kind.SEND_B:
+                assert acts[i - 1].kind in (Kind.B, Kind.I) and acts[i - 1].microbatch == a.microbatch
+
+
+@pytest.mark.parametrize("p,m", ZB_SIZES)
+def test_zb_drain_memory(p, m):
+    t = simulate(zb_drain(p, m))
+    assert t.peak_inflight == simulate(one_f_one_b(p, m)).peak_inflight  # F ahead of I: 1F1B's
+    assert all(w <= min(max(p - s, s), m) for s, w in enumerate(t.peak_inflight_w))  # F ahead of W
+    assert all(a <= b for a, b in zip(t.peak_inflight_w, simulate(zbh1(p, m)).peak_inflight_w))
+
+
+def test_zb_drain_two_stages_takes_the_drain_with_one_split():
+    """p = 2, F = I = W = 1: 1F1B 3m+3, ZB-drain 3m+2 (stage 1 sends its last input gradient before
+    its last W), ZB-H1 3m+1 at m splits. When a split costs 10% of B more (the planner's
+    SPLIT_OVERHEAD: W = 1.2), ZB-H1 pays it m times on stage 1: faster at m = 4, slower from m = 8."""
+    unit = {"F": 1, "I": 1, "W": 1, "B": 2}
+    costly = {0: unit, 1: {**unit, "W": 1.2}}
+    for m in (4, 8, 16):
+        assert simulate(one_f_one_b(2, m), unit).step_time == 3 * m + 3
+        assert simulate(zb_drain(2, m), unit).step_time == 3 * m + 2
+        assert simulate(zbh1(2, m), unit).step_time == 3 * m + 1
+        assert simulate(zb_drain(2, m), costly).step_time == 3 * m + 2
+        assert simulate(zbh1(2, m), costly).step_time == pytest.approx(3 * m + 1 + 0.2 * m)
+    assert split_share("zbh1", 0, 8) == 0 and split_share("zbh1", 1, 8) == 1 and split_share("1f1b", 1, 8) == 0
+
+
 # ---- CSV and names ------------------------------------------------------------------
 @pytest.mark.parametrize("sched", [interleaved_1f1b(3, 6, 2), zbh1(3, 4)], ids=["il", "zb"])
 def test_csv_round_trip(sched, tmp_path):
@@ -141,6 +189,7 @@ def test_get_schedule_new_names():
     assert get_schedule("interleaved", 2, 6, num_chunks=3) == interleaved_1f1b(2, 6, 3)
     assert get_schedule("interleaved", 2, 6, chunks=3).num_stages == 6
     assert get_schedule("ZBH1", 3, 4) == zbh1(3, 4) == get_schedule("zbh1", 3, 4)
+    assert get_schedule("ZBDrain", 3, 4) == zb_drain(3, 4) == get_schedule("zb-drain", 3, 4)
     assert get_schedule("1F1B", 2, 3, num_chunks=1) == one_f_one_b(2, 3)
 
 

@@ -11,7 +11,8 @@ compute, fp32 master weights in every peer).
 Peers (each the real library, `tools/peers.py`):
 
 * mp_toolkit: 1F1B, GPipe, ZB-H1, interleaved 1F1B with 2 chunks on our default "parameters"
-  cut (`mp_toolkit.run.cut.plan_boundaries`); 1F1B on the planner's "time" cut
+  cut (`mp_toolkit.run.cut.plan_boundaries`); 1F1B, ZB-H1 and ZB-drain on the planner's "flops" cut
+  as ``mpt train`` runs them; 1F1B on the planner's "time" cut
   (`make_plan(method="time")`, layers measured here first, ~20 s; ``--no-time-cut`` skips it),
   and interleaved on the planner's "flops" cut (deterministic; the time cut of 4 chunks moves
   with machine noise);
@@ -124,6 +125,7 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
              {"peer": "mpt", "schedule": schedule, **as_train(fcut)}, w.pp),
             ("mpt 1F1B flops cut, as mpt train", {"peer": "mpt", "schedule": "1f1b", **as_train(fcut)}, w.pp),
             ("mpt ZBH1 flops cut, as mpt train", {"peer": "mpt", "schedule": "zbh1", **as_train(fcut)}, w.pp),
+            ("mpt ZBDrain flops cut, as mpt train", {"peer": "mpt", "schedule": "zbdrain", **as_train(fcut)}, w.pp),
             ("mpt Interleaved1F1B x2 flops cut, as mpt train",
              {"peer": "mpt", "schedule": "interleaved", "chunks": 2, **as_train(fcut2)}, w.pp),
             ("mpt 1F1B", {"peer": "mpt", "schedule": "1f1b"}, w.pp),
@@ -277,9 +279,10 @@ def bench(args, w: Workload) -> dict:
             "errors": errors}
 
 
-SIDE_BY_SIDE = ("^(mpt defaults|mpt 1F1B flops cut, as mpt train|deepspeed parameters|torch Schedule1F1B|"
-                "torch ScheduleGPipe|single process, heap kept)")
-"""Issue 23's rows: our defaults, 1F1B as mpt train runs it, DeepSpeed's defaults, every torch schedule."""
+SIDE_BY_SIDE = ("^(mpt defaults|mpt 1F1B flops cut, as mpt train|mpt ZBH1 flops cut, as mpt train|"
+                "deepspeed parameters|torch Schedule1F1B|torch ScheduleGPipe|single process, heap kept)")
+"""Issue 23's rows: our defaults, 1F1B and ZB-H1 as mpt train runs them, DeepSpeed's defaults, every torch
+schedule."""
 
 
 def side_by_side(args, w: Workload, n: int) -> dict:

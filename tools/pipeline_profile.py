@@ -256,6 +256,7 @@ def run(args, w, pcut: list[int], tcut: list[int] | None) -> dict:
                ("mpt 1F1B, with map_large_blocks() (memory-measurement mode)",
                 {"schedule": "1f1b", "map_large_blocks": True}),
                ("mpt ZBH1", {"schedule": "zbh1"}),
+               ("mpt ZBDrain", {"schedule": "zbdrain"}),
                ("mpt Interleaved1F1B x2", {"schedule": "interleaved", "chunks": 2})]
     if tcut is not None and tcut != pcut:
         configs.insert(1, ("mpt 1F1B time cut", {"schedule": "1f1b", "boundaries": tcut}))

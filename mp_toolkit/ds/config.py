@@ -60,7 +60,7 @@ _IGNORED_PIPELINE = ("partition", "seed_layers", "activation_checkpoint_interval
                      "grad_partitioned", "use_reentrant")
 _TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 _SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
-                   "zbh1": "zbh1"}
+                   "zbh1": "zbh1", "zbdrain": "zbdrain"}
 
 
 # DeepSpeed's ``fp16`` block (its defaults where a key is absent): ``enabled`` (fp16 training with fp32

@@ -80,7 +80,7 @@ class PipelineEngine:
         ctx: this rank's ParallelContext.
         boundaries: partition ``[0, b1, ..., len(layer_list)]`` with ``ctx.pp * chunks`` stages.
         num_microbatches: m, micro-batches per global batch on each data-parallel replica.
-        schedule: schedule name ("gpipe", "1f1b", "interleaved", "zbh1").
+        schedule: schedule name ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain").
         optimizer: callable([(name, param), ...]) -> torch.optim.Optimizer over this stage's
             (fp32 master) parameters, named as in the unsplit LayerList (LAMB / LARS built with
             ``tp_group=ctx.tp_group``, so their trust ratios use whole-tensor norms).

@@ -1,5 +1,5 @@
-"""``--schedule auto``: the fastest predicted schedule among GPipe, 1F1B, interleaved 1F1B and ZB-H1
-that fits the memory cap.
+"""``--schedule auto``: the fastest predicted schedule among GPipe, 1F1B, interleaved 1F1B, ZB-drain and
+ZB-H1 that fits the memory cap.
 
 Each candidate is planned in full (`planner.make_plan`: its own cut, in-flight memory, simulated
 timeline with messages, optimizer step); a candidate fits when no rank is over ``memory_gb`` (and
@@ -15,8 +15,8 @@ from .cost import CostModelError
 from .planner import GB, Plan, PlanRequest, make_plan
 from .solvers import PartitionError
 
-CANDIDATES = ("gpipe", "1f1b", "interleaved", "zbh1")
-DEFAULT_CANDIDATES = ("1f1b", "zbh1")
+CANDIDATES = ("gpipe", "1f1b", "interleaved", "zbdrain", "zbh1")
+DEFAULT_CANDIDATES = ("1f1b", "zbdrain", "zbh1")
 """What `mpt train` weighs when no schedule is named (issue 23): schedules on the cut ``--partition``
 makes (interleaved would re-cut into pp x chunks stages), 1F1B first so a tie keeps it."""
 

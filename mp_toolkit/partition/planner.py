@@ -24,7 +24,7 @@ import torch
 
 from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
-from mp_toolkit.schedule import get_schedule, simulate
+from mp_toolkit.schedule import get_schedule, simulate, split_share
 
 from .build import measure_model
 from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape, step_bytes_per_param
@@ -33,6 +33,13 @@ from .recompute import apply_to_plan, choose_recompute
 from .solvers import PartitionError, explicit, min_max, uniform
 
 PLAN_METHODS = ("uniform", "parameters", "flops", "time", "type:REGEX", "memory")
+PLAN_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain")
+SPLIT_OVERHEAD = 0.10
+"""What a backward run as ``I`` then ``W`` costs beyond the backward it replaces, as a share of it,
+charged to each ``W``: ``W`` re-reads operands that other work has since evicted from cache. Measured
+on the issue-8 workload in the pipeline (stage 1's CPU time per step, ZB-H1 against 1F1B): 10-19% on
+an AVX-512 Xeon, 10% on an AMD EPYC; 6.5% in one process. The timed split of ``--measure`` times a
+layer's I and W back to back and does not see it."""
 MAX_MICROBATCHES = 65536
 """The simulator keeps every action of a step; beyond this a plan would take minutes."""
 GB = 1e9
@@ -186,12 +193,12 @@ class LayerTimes:
 
 def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> LayerTimes:
     """Per layer times, optimizer seconds and bytes: measured here (``--method time`` or
-    ``--measure``; ZB-H1's I and W too for ``--schedule zbh1``) or from FLOPs."""
+    ``--measure``; the split's I and W too for ``--schedule zbh1`` / ``zbdrain``) or from FLOPs."""
     split, recorded = None, []
     if req.method == "time" or req.measure:
         timings, opt_s, step_bytes, residue, how = measure_model(req, shape)
         times = [(t.forward_s, t.backward_s) for t in timings]
-        if req.schedule == "zbh1":
+        if splits(req):
             split = [(t.input_s, t.weight_s) for t in timings]
         costs = [replace(c, activation_bytes=t.activation_bytes, workspace_bytes=t.workspace_bytes)
                  for c, t in zip(costs, timings)]
@@ -248,25 +255,31 @@ def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float
 
 def _inflight(req: PlanRequest):
     """Per stage peak in-flight micro-batches of the schedule the run would execute, and the
-    unit-cost schedule itself (ZB-H1 keeps a micro-batch's activations until its W)."""
+    unit-cost schedule itself (a split backward keeps a micro-batch's activations until its W)."""
     schedule = get_schedule(req.schedule, req.pp, req.microbatches, num_chunks=req.chunks)
     tl = simulate(schedule)
-    return schedule, list(tl.peak_inflight_w if req.schedule == "zbh1" else tl.peak_inflight)
+    return schedule, list(tl.peak_inflight_w if splits(req) else tl.peak_inflight)
+
+
+def splits(req: PlanRequest) -> bool:
+    """Whether ``req``'s schedule runs any backward as I then W (ZB-H1, ZB-drain)."""
+    return any(split_share(req.schedule, s, req.microbatches) for s in range(1, req.pp))
 
 
 def _split_backward_ms(stage: StagePlan, bounds: list[int],
                        split: list[tuple[float, float]] | None) -> dict[str, float]:
-    """ZB-H1's I and W of one stage as the engine runs them (`engine.split_backward`). The first
-    stage's inputs are token ids, so it does not split: I is empty and W the whole backward B.
-    Elsewhere: the layers' measured I and W (``split``, which carry the split's own overhead),
-    or without a measurement half of B each (a matrix product's backward is one product for the
-    input and one for the weight)."""
+    """A split backward's I and W on one stage as the engine runs them (`engine.split_backward`).
+    The first stage's inputs are token ids, so it does not split: I is empty and W the whole
+    backward B. Elsewhere: the layers' measured I and W (``split``), or without a measurement half
+    of B each (a matrix product's backward is one product for the input and one for the weight);
+    W then carries the split's own cost, `SPLIT_OVERHEAD` of B."""
     if stage.index == 0:
         return {"I": 0.0, "W": stage.backward_ms}
+    overhead = SPLIT_OVERHEAD * stage.backward_ms
     if split is None:
-        return {"I": stage.backward_ms / 2, "W": stage.backward_ms / 2}
+        return {"I": stage.backward_ms / 2, "W": stage.backward_ms / 2 + overhead}
     a, b = bounds[stage.index], bounds[stage.index + 1]
-    return {"I": 1e3 * sum(i for i, _ in split[a:b]), "W": 1e3 * sum(w for _, w in split[a:b])}
+    return {"I": 1e3 * sum(i for i, _ in split[a:b]), "W": 1e3 * sum(w for _, w in split[a:b]) + overhead}
 
 
 def make_plan(req: PlanRequest) -> Plan:
@@ -378,8 +391,8 @@ def check_request(req: PlanRequest, shape: ModelShape) -> None:
     if req.microbatches > MAX_MICROBATCHES:
         raise PartitionError(f"--microbatches {req.microbatches} is more than the planner simulates "
                              f"(at most {MAX_MICROBATCHES})")
-    if req.schedule not in ("gpipe", "1f1b", "interleaved", "zbh1"):
-        raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of gpipe, 1f1b, interleaved, zbh1")
+    if req.schedule not in PLAN_SCHEDULES:
+        raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of {', '.join(PLAN_SCHEDULES)}")
     if not (req.method in PLAN_METHODS[:4] or req.method == "memory" or req.method.startswith("type:")):
         raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
     if req.zero not in (0, 1):

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from mp_toolkit.recompute import RecomputeError, StageRecompute, is_block, recomputed_layers, stage_choices
+from mp_toolkit.schedule import split_share
 
 from .cost import ACT_BYTES, LayerCost, ModelShape
 from .memory import MemoryCapError, StageMemory
@@ -101,9 +102,9 @@ def stage_options(modes: Sequence[str]) -> Callable[[int, int], list[StageRecomp
 class _Segments:
     """Bytes and time of stage ``j`` over layers [a, b) with a recomputation choice."""
 
-    def __init__(self, times: Sequence[float], memory: StageMemory, rc: RecomputeCosts, zbh1: bool):
+    def __init__(self, times: Sequence[float], memory: StageMemory, rc: RecomputeCosts, split: Sequence[float]):
         n = len(times)
-        self.memory, self.rc, self.zbh1 = memory, rc, zbh1
+        self.memory, self.rc, self.split = memory, rc, split
         # One common integer scale for layer times and recomputation seconds: sums compare exactly.
         w = exact_weights(list(times) + list(rc.full_s) + list(rc.selective_s))
         self.time, self.full_t, self.sel_t = w[:n], w[n:2 * n], w[2 * n:]
@@ -122,7 +123,7 @@ class _Segments:
         full = choice.mode == "full"
         saved = sum((self.rc.full_saved if full else self.rc.selective_saved)[i] for i in chosen)
         extra = sum((self.full_t if full else self.sel_t)[i] for i in chosen)
-        times_run = 2 if self.zbh1 and j > 0 else 1  # ZB-H1: I and W each rebuild what they need
+        times_run = 1 + (self.split[j] if j < len(self.split) else 0)  # a split backward's I and W each rebuild
         m = self.memory
         ws = max(m.workspace[a:b], default=0) if m.workspace else 0
         kept = self._pa[b] - self._pa[a] + (self._pr[b] - self._pr[a] if j > 0 else 0)
@@ -131,7 +132,7 @@ class _Segments:
         new_ws = max([ws] + ([self.rc.full_workspace[i] for i in chosen] if full else []))
         new_peak = m.inflight[j] * (kept - saved) + new_ws
         nbytes = m(j, a, b) - max(peak, step) + max(new_peak, step)
-        return nbytes, self._pt[b] - self._pt[a] + times_run * extra
+        return nbytes, self._pt[b] - self._pt[a] + round(times_run * extra)
 
     def least_bytes(self, j: int, a: int, b: int, options) -> int:
         """The bytes of the leanest allowed choice of stage ``j`` over [a, b)."""
@@ -175,14 +176,16 @@ def _prefix(xs: Sequence[int]) -> list[int]:
 
 
 def min_max_recompute(times: Sequence[float], memory: StageMemory, rc: RecomputeCosts, num_stages: int, cap: int,
-                      options: Callable[[int, int], list[StageRecompute]], zbh1: bool = False
+                      options: Callable[[int, int], list[StageRecompute]], split: Sequence[float] = ()
                       ) -> tuple[list[int], list[StageRecompute]]:
     """The cut and per-stage recomputation whose slowest stage (forward + backward + recomputation)
     is fastest with every stage <= ``cap`` bytes; ``options(stage, blocks)`` lists the choices a
-    stage may take. Raises `MemoryCapError` when no cut and choice fit."""
+    stage may take; ``split[j]``: the share of stage ``j``'s backwards run as I then W, each of which
+    rebuilds what it needs (`mp_toolkit.schedule.split_share`; none when absent). Raises
+    `MemoryCapError` when no cut and choice fit."""
     n = len(times)
     check_num_stages(n, num_stages)
-    seg = _Segments(times, memory, rc, zbh1)
+    seg = _Segments(times, memory, rc, split)
     cache: dict[tuple[int, int, int], tuple[int, StageRecompute] | None] = {}
 
     def cost(j: int, a: int, b: int):
@@ -233,19 +236,19 @@ def choose_recompute(req, shape: ModelShape, costs: Sequence[LayerCost], times: 
                              f"use --recompute full")
     rc = recompute_costs(shape, costs, times, req.micro_batch, req.seq_len, ACT_BYTES[req.dtype], req.tp)
     per_layer = [f + b for f, b in times]
-    zbh1 = req.schedule == "zbh1"
+    split = [split_share(req.schedule, j, req.microbatches) for j in range(num_stages)]
     if mode == "auto":
         if req.method != "memory" or req.memory_gb is None:
             raise PartitionError("--recompute auto chooses with the cut under a memory cap: use --method memory "
                                  "--memory-gb GB")
         modes = tuple(m for m in req.recompute_modes if m != "selective" or shape.family in SELECTIVE_FAMILIES)
-        return min_max_recompute(per_layer, memory, rc, num_stages, _cap(req), stage_options(modes), zbh1)
+        return min_max_recompute(per_layer, memory, rc, num_stages, _cap(req), stage_options(modes), split)
     try:
         fixed = stage_choices(mode, req.recompute_layers, num_stages)
     except RecomputeError as e:
         raise PartitionError(str(e)) from None
     if req.method == "memory" and req.memory_gb is not None:
-        bounds, _ = min_max_recompute(per_layer, memory, rc, num_stages, _cap(req), lambda j, _: [fixed[j]], zbh1)
+        bounds, _ = min_max_recompute(per_layer, memory, rc, num_stages, _cap(req), lambda j, _: [fixed[j]], split)
         return bounds, fixed
     return default_cut(), fixed
 
@@ -269,7 +272,7 @@ def apply_to_plan(req, shape: ModelShape, costs: Sequence[LayerCost], times: Seq
         if full:
             ws[i] = max(ws[i], rc.full_workspace[i])
         extra = rc.full_s[i] if full else rc.selective_s[i]
-        runs = 2 if req.schedule == "zbh1" and stage_of[i] > 0 else 1
+        runs = 1 + split_share(req.schedule, stage_of[i], req.microbatches)
         times[i] = (times[i][0], times[i][1] + runs * extra)
         if split is not None:
             split[i] = (split[i][0] + extra, split[i][1] + extra)

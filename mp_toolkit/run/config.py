@@ -13,7 +13,7 @@ from mp_toolkit.optim import master
 __all__ = ["ENGINES", "LR_DECAYS", "OPTIMIZERS", "PARTITION_METHODS", "PRECISIONS", "SCHEDULES", "ConfigError",
            "TrainConfig", "parse_boundaries"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain")
 PRECISIONS = (*master.PRECISIONS, "auto")  # "auto": bf16 where it is fast, else fp32 (`optim.master.resolve_precision`)
 PARTITION_METHODS = ("flops", "parameters", "uniform", "time")
 ENGINES = ("mp_toolkit", "deepspeed")
@@ -50,7 +50,8 @@ class TrainConfig:
     """Which pipeline engine trains: mp_toolkit (ours: every schedule, tp, checkpoints) or deepspeed
     (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.ds.engine`)."""
     schedule: str = "1f1b"
-    """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks) or zbh1 (zero bubble)."""
+    """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks), zbh1 (zero bubble) or zbdrain
+    (1F1B whose drain runs deferred weight gradients, `mp_toolkit.schedule.zero_bubble`)."""
     chunks: int = 1
     """Model chunks per rank for the interleaved schedule (its stages = pp x chunks)."""
     partition: str = "flops"

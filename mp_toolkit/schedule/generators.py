@@ -1,5 +1,5 @@
 """Schedule generators: GPipe and 1F1B (PipeDream-Flush), with comm actions inserted, and
-the registry of every schedule by name (interleaved 1F1B and ZB-H1 live in their own files).
+the registry of every schedule by name (interleaved 1F1B, ZB-H1 and ZB-drain live in their own files).
 
 Both put stage ``s`` on rank ``s``. With ``p`` stages, ``m`` micro-batches and equal forward
 and backward cost per stage, both have bubble fraction ``(p-1)/(m+p-1)``; 1F1B holds at most
@@ -18,7 +18,7 @@ from typing import Callable
 
 from .actions import Action, Kind, Schedule
 from .interleaved import interleaved_1f1b
-from .zero_bubble import zbh1
+from .zero_bubble import zb_drain, zbh1
 
 __all__ = ["gpipe", "one_f_one_b", "get_schedule", "SCHEDULES"]
 
@@ -116,11 +116,12 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "1f1b": one_f_one_b,
     "interleaved1f1b": interleaved_1f1b,
     "zbh1": zbh1,
+    "zbdrain": zb_drain,
 }
 """Generators by lower-case torch name; each takes ``(num_stages, num_microbatches)``."""
 _DISPLAY_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
-                  "zbh1": "ZBH1"}
-_ALIASES = {"interleaved": "interleaved1f1b", "zb-h1": "zbh1"}
+                  "zbh1": "ZBH1", "zbdrain": "ZBDrain"}
+_ALIASES = {"interleaved": "interleaved1f1b", "zb-h1": "zbh1", "zb-drain": "zbdrain"}
 
 
 def get_schedule(
@@ -132,7 +133,7 @@ def get_schedule(
     chunks: int | None = None,
 ) -> Schedule:
     """Build a schedule by torch's name (case-insensitive): ``GPipe``, ``1F1B``,
-    ``Interleaved1F1B`` (alias ``interleaved``) or ``ZBH1``.
+    ``Interleaved1F1B`` (alias ``interleaved``), ``ZBH1`` or ``ZBDrain``.
 
     ``num_stages`` is the pipeline degree ``p`` (ranks). For ``Interleaved1F1B`` each rank
     holds ``num_chunks`` (or ``chunks``; default 2) model chunks, so the Schedule has

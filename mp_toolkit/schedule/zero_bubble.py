@@ -1,5 +1,5 @@
 """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1, the handcrafted
-memory-efficient schedule).
+memory-efficient schedule), and ZB-drain, 1F1B that splits only the backwards its drain waits on.
 
 The backward of a micro-batch is split in two: ``I`` computes the gradient with respect to
 the stage's input — the upstream stage waits for it, so it stays on the critical path — and
@@ -13,26 +13,81 @@ Peak memory is that of 1F1B: stage ``s`` runs at most ``p-s`` forwards ahead of 
 input-gradients (as 1F1B runs ahead of its backwards) and at most ``p`` ahead of its weight
 gradients, 1F1B's peak on stage 0. Every stage runs F, I and W in ascending micro-batch
 order, so weight gradients accumulate in single-process order.
+
+A split is not free: ``I`` and ``W`` together run longer than the backward they replace (``W``
+re-reads its operands after other work has evicted them from cache; `SPLIT_OVERHEAD` in the
+planner), and ZB-H1 pays that on every micro-batch of every stage but the first. Its steady
+state gains nothing from the deferral when the stages are balanced — every stage is busy either
+way — so with two stages the whole gain is the drain: the last stage sends its final input
+gradient before computing its weight gradient. ZB-drain (`zb_drain`) keeps exactly that: 1F1B's
+order, with stage ``s`` splitting only its last ``s`` backwards and running their ``W`` after its
+last ``I``. With two stages and ``F = I = W`` it idles 1F1B's bubble less one ``W`` (steps of
+``3m+2`` against 1F1B's ``3m+3`` and ZB-H1's ``3m+1``) at one split instead of ``m``; from three
+stages on, ZB-H1's faster first backward wave is worth more. The planner
+(`mp_toolkit.partition.auto_schedule`) weighs them with the split's cost.
 """
 from __future__ import annotations
 
 from .actions import Action, Kind, Schedule
 from .interleaved import insert_comms
 
-__all__ = ["zbh1"]
+__all__ = ["zbh1", "zb_drain", "split_share"]
 
 
 def zbh1(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H1 with stage ``s`` on rank ``s``; comm actions as in :func:`insert_comms`
     (``RECV_B`` before ``I``, ``SEND_B`` right after it)."""
-    p, m = num_stages, num_microbatches
+    return _one_stage_per_rank("ZBH1", num_stages, num_microbatches, _stage_compute_order)
+
+
+def zb_drain(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B in which stage ``s`` runs its last ``min(s, m)`` backwards as ``I`` (``SEND_B`` right
+    after it) and their ``W`` after its last ``I``; comm actions as in :func:`insert_comms`.
+
+    Weight gradients still accumulate in ascending micro-batch order (``B`` of the first ones,
+    then the deferred ``W``). Activations for ``I``: 1F1B's (``min(p-s, m)`` micro-batches on
+    stage ``s``); counting what the deferred ``W`` keep, stage ``s`` holds at most
+    ``max(p-s, s)`` micro-batches' worth, never more than ZB-H1's ``p``.
+    """
+    return _one_stage_per_rank("ZBDrain", num_stages, num_microbatches, _drain_compute_order)
+
+
+def _one_stage_per_rank(name: str, p: int, m: int, compute_order) -> Schedule:
+    """Stage ``s`` on rank ``s`` running ``compute_order(s, p, m)``, comm actions inserted."""
     if p < 1:
         raise ValueError(f"num_stages must be at least 1, got {p}")
     if m < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {m}")
-    compute = [_stage_compute_order(s, p, m) for s in range(p)]
-    actions = insert_comms(tuple(range(p)), compute)
-    return Schedule("ZBH1", p, m, tuple(range(p)), actions)
+    compute = [compute_order(s, p, m) for s in range(p)]
+    return Schedule(name, p, m, tuple(range(p)), insert_comms(tuple(range(p)), compute))
+
+
+def split_share(schedule: str, stage: int, num_microbatches: int) -> float:
+    """The share of stage ``stage``'s backwards that ``schedule`` (a `run.config` name) runs as
+    ``I`` then ``W``: the engine then records what ``W`` needs, and a recomputed layer is rebuilt
+    in each of the two. The first stage never splits (its input is token ids: ``I`` has nothing
+    to compute, ``W`` runs the whole backward)."""
+    if stage == 0:
+        return 0.0
+    if schedule == "zbh1":
+        return 1.0
+    if schedule == "zbdrain":
+        return min(stage, num_microbatches) / num_microbatches
+    return 0.0
+
+
+def _drain_compute_order(stage: int, p: int, m: int) -> list[Action]:
+    """F/B/I/W actions of one stage of `zb_drain`: 1F1B's order (``min(p-s-1, m)`` warm-up
+    forwards, then one forward and one backward, then the backwards left), the last
+    ``min(s, m)`` backwards as ``I``, and their ``W`` at the end."""
+    num_warmup = min(p - stage - 1, m)
+    first_split = m - min(stage, m)
+    order = [Action(stage, Kind.F, k) for k in range(num_warmup)]
+    for k in range(m):
+        if num_warmup + k < m:
+            order.append(Action(stage, Kind.F, num_warmup + k))
+        order.append(Action(stage, Kind.B if k < first_split else Kind.I, k))
+    return order + [Action(stage, Kind.W, k) for k in range(first_split, m)]
 
 
 def _stage_compute_order(stage: int, p: int, m: int) -> list[Action]:
