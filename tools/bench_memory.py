@@ -50,7 +50,7 @@ from peers import Workload  # noqa: E402
 from ranks import RunError, run_ranks  # noqa: E402
 
 MB = 1e6
-SCHEDULES = [("GPipe", "gpipe", 1), ("1F1B", "1f1b", 1), ("ZBH1", "zbh1", 1), ("Interleaved1F1B x2", "interleaved", 2)]
+SCHEDULES = [("GPipe", "gpipe", 1), ("1F1B", "1f1b", 1), ("ZBH1", "zbh1", 1), ("ZBDrain", "zbdrain", 1), ("Interleaved1F1B x2", "interleaved", 2)]
 
 
 def predict(w: Workload, config: Path, schedule: str, chunks: int, measure: bool, **request):
