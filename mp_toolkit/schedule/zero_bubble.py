@@ -22,9 +22,9 @@ way — so with two stages the whole gain is the drain: the last stage sends its
 gradient before computing its weight gradient. ZB-drain (`zb_drain`) keeps exactly that: 1F1B's
 order, with stage ``s`` splitting only its last ``s`` backwards and running their ``W`` after its
 last ``I``. With two stages and ``F = I = W`` it idles 1F1B's bubble less one ``W`` (steps of
-``3m+2`` against 1F1B's ``3m+3`` and ZB-H1's ``3m+1``) at one split instead of ``m``; from three
-stages on, ZB-H1's faster first backward wave is worth more. The planner
-(`mp_toolkit.partition.auto_schedule`) weighs them with the split's cost.
+``3m+2`` against 1F1B's ``3m+3`` and ZB-H1's ``3m+1``) at one split instead of ``m``. ZB-H1 also
+shortens the warm-up (its first backward wave runs I only), which is worth more with more stages or
+unequal ones; the planner (`mp_toolkit.partition.auto_schedule`) weighs the two with the split's cost.
 """
 from __future__ import annotations
 
