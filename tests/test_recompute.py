@@ -36,6 +36,7 @@ PIPELINE_CASES = [  # (schedule, m, chunks, mode, counts)
     ("gpipe", 3, 1, "full", None), ("gpipe", 3, 1, "selective", None),
     ("1f1b", 3, 1, "full", None), ("1f1b", 3, 1, "selective", None), ("1f1b", 3, 1, "full", (1,)),
     ("zbh1", 3, 1, "full", None), ("zbh1", 3, 1, "selective", None), ("zbh1", 3, 1, "full", (1, 2)),
+    ("zbdrain", 3, 1, "full", None), ("zbdrain", 3, 1, "selective", None),
     ("interleaved", 4, 2, "full", None), ("interleaved", 4, 2, "selective", (1, 0, 1, 0)),
 ]
 
