@@ -15,7 +15,7 @@ from model_zoo import bert, gpt
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.master import PRECISIONS
-from mp_toolkit.schedule import split_share
+from mp_toolkit.schedule import SPLIT_SCHEDULES
 
 from .contention import concurrent_load, default_threads, helpers_for
 from .cost import CostModelError, ModelShape
@@ -81,7 +81,7 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
             release_free_memory()
             before = rss_bytes()
             timings = measure_layers(layers, inputs, loss_fn, labels, microbatches=rounds,  # default allocator
-                                     split=split_share(req.schedule, 1, req.microbatches) > 0,
+                                     split=req.schedule in SPLIT_SCHEDULES,
                                      order="gpipe" if req.schedule == "gpipe" else "1f1b", bar="timing layers")
             release_free_memory()
             residue = max(0, rss_bytes() - before)  # what computing leaves resident: kernel scratch, caches

@@ -24,7 +24,7 @@ import torch
 
 from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
-from mp_toolkit.schedule import get_schedule, simulate, split_share
+from mp_toolkit.schedule import SPLIT_SCHEDULES, get_schedule, simulate
 
 from .build import measure_model
 from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape, step_bytes_per_param
@@ -198,7 +198,7 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> 
     if req.method == "time" or req.measure:
         timings, opt_s, step_bytes, residue, how = measure_model(req, shape)
         times = [(t.forward_s, t.backward_s) for t in timings]
-        if splits(req):
+        if req.schedule in SPLIT_SCHEDULES:
             split = [(t.input_s, t.weight_s) for t in timings]
         costs = [replace(c, activation_bytes=t.activation_bytes, workspace_bytes=t.workspace_bytes)
                  for c, t in zip(costs, timings)]
@@ -258,12 +258,7 @@ def _inflight(req: PlanRequest):
     unit-cost schedule itself (a split backward keeps a micro-batch's activations until its W)."""
     schedule = get_schedule(req.schedule, req.pp, req.microbatches, num_chunks=req.chunks)
     tl = simulate(schedule)
-    return schedule, list(tl.peak_inflight_w if splits(req) else tl.peak_inflight)
-
-
-def splits(req: PlanRequest) -> bool:
-    """Whether ``req``'s schedule runs any backward as I then W (ZB-H1, ZB-drain)."""
-    return any(split_share(req.schedule, s, req.microbatches) for s in range(1, req.pp))
+    return schedule, list(tl.peak_inflight_w if req.schedule in SPLIT_SCHEDULES else tl.peak_inflight)
 
 
 def _split_backward_ms(stage: StagePlan, bounds: list[int],

@@ -16,7 +16,7 @@ from .printer import format_actions, format_schedule, makespan, unit_time_steps
 from .report import simulate_report
 from .simulator import DEFAULT_COSTS, Event, Timeline, cost_function, simulate
 from .validate import ScheduleError, simulate_order, validate
-from .zero_bubble import split_share, zb_drain, zbh1
+from .zero_bubble import SPLIT_SCHEDULES, split_share, zb_drain, zbh1
 
 __all__ = [
     "Action",
@@ -30,6 +30,7 @@ __all__ = [
     "zbh1",
     "zb_drain",
     "split_share",
+    "SPLIT_SCHEDULES",
     "insert_comms",
     "ScheduleError",
     "validate",

@@ -31,7 +31,10 @@ from __future__ import annotations
 from .actions import Action, Kind, Schedule
 from .interleaved import insert_comms
 
-__all__ = ["zbh1", "zb_drain", "split_share"]
+__all__ = ["zbh1", "zb_drain", "split_share", "SPLIT_SCHEDULES"]
+
+SPLIT_SCHEDULES = ("zbh1", "zbdrain")
+"""The schedules (`run.config` names) that run backwards as ``I`` then ``W``."""
 
 
 def zbh1(num_stages: int, num_microbatches: int) -> Schedule:
@@ -67,13 +70,11 @@ def split_share(schedule: str, stage: int, num_microbatches: int) -> float:
     ``I`` then ``W``: the engine then records what ``W`` needs, and a recomputed layer is rebuilt
     in each of the two. The first stage never splits (its input is token ids: ``I`` has nothing
     to compute, ``W`` runs the whole backward)."""
-    if stage == 0:
+    if stage == 0 or schedule not in SPLIT_SCHEDULES:
         return 0.0
     if schedule == "zbh1":
         return 1.0
-    if schedule == "zbdrain":
-        return min(stage, num_microbatches) / num_microbatches
-    return 0.0
+    return min(stage, num_microbatches) / num_microbatches  # zbdrain
 
 
 def _drain_compute_order(stage: int, p: int, m: int) -> list[Action]:
