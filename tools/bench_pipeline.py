@@ -18,8 +18,11 @@ Peers (each the real library, `tools/peers.py`):
   with machine noise);
 * DeepSpeed 0.19 (DS_ACCELERATOR=cpu, gloo): ``PipelineModule`` with ``partition_method``
   "parameters" and "uniform", ``PipelineEngine.train_batch`` (its 1F1B TrainSchedule);
-* torch.distributed.pipelining: ``PipelineStage`` built by hand per rank, ``Schedule1F1B`` and
-  ``ScheduleGPipe`` on our "parameters" cut, ``Schedule1F1B`` on the "time" cut;
+* torch.distributed.pipelining: ``PipelineStage`` built by hand per stage, ``Schedule1F1B`` and
+  ``ScheduleGPipe`` on our "parameters" cut, ``Schedule1F1B`` on the "flops" and "time" cuts,
+  ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` on the planner's "flops" cut into
+  2 chunks per rank, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (rank r holds stages r and
+  2p-1-r) on the V cut that balances ranks (`v_cut`);
 * one process, plain gradient accumulation (T1, for the bound).
 
 Rows "as mpt train" (and "mpt defaults") run our engine as ``mpt train`` does on CPU: fused
@@ -44,7 +47,7 @@ figure that other load on the machine disturbs least.
     python tools/bench_pipeline.py --rounds 1 --steps 5 --only 'mpt 1F1B|deepspeed'
     python tools/bench_pipeline.py --profile          # where mp_toolkit's (and DeepSpeed's) time goes, per rank
     python tools/bench_pipeline.py --side-by-side 3   # issue 23: three runs of our defaults against DeepSpeed's
-                                                      # defaults and torch's schedules (~5 min a run, 2 quiet cores)
+                                                      # defaults and every torch schedule (~10 min a run, 2 cores)
 
 Prints a table and, last, one JSON line. Nothing else should run on the machine meanwhile.
 """
@@ -112,10 +115,33 @@ def default_cut(w: Workload, chunks: int = 1) -> list[int]:
     return plan_boundaries(layers, w.pp, "parameters", chunks)
 
 
-def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[int]) -> list[tuple[str, dict, int]]:
+def v_cut(w: Workload) -> list[int]:
+    """A cut into ``2 * pp`` stages for a V placement (rank r holds stages r and 2p-1-r, torch's ZBV and
+    DualPipeV): the one whose busiest rank has the fewest FLOPs (`mp_toolkit.partition.cost.layer_costs`),
+    then the smallest largest stage; the chunk min-max cut (`planner_cut(w, "flops", 2)`) balances stages,
+    not ranks, and under a V leaves the middle ranks the heaviest."""
+    from itertools import combinations
+
+    from mp_toolkit.partition.cost import layer_costs, model_shape
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, "config.json")
+        path.write_text(json.dumps(w.gpt_config().to_dict()))
+        costs = [c.flops_fwd + c.flops_bwd for c in layer_costs(model_shape(str(path)), w.micro_batch, w.seq_len)]
+    n, k = len(costs), 2 * w.pp
+
+    def score(cut: tuple[int, ...]) -> tuple[float, float]:
+        stage = [sum(costs[a:b]) for a, b in zip(cut, cut[1:])]
+        return max(stage[r] + stage[k - 1 - r] for r in range(w.pp)), max(stage)
+
+    return list(min(((0, *inner, n) for inner in combinations(range(1, n), k - 1)), key=score))
+
+
+def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[int],
+              vcut: list[int]) -> list[tuple[str, dict, int]]:
     """(label, spec, processes) of every run, in the order a round visits them. ``tcut``: the
     planner's time cut (None: no time-cut runs); ``fcut``: its FLOPs cut (``mpt train``'s default
-    partition), ``fcut2`` into 2 chunks per rank. Rows "as mpt train" (and "mpt defaults") run as
+    partition), ``fcut2`` into 2 chunks per rank, ``vcut`` for a V placement (`v_cut`). Rows "as mpt train" (and "mpt defaults") run as
     ``mpt train`` does (`as_train`); every other row steps the same torch AdamW (foreach) on glibc's
     default heap, so those compare engines alone. "deepspeed uniform, heap kept" and "single
     process, heap kept" give DeepSpeed and the single process the heap ``mpt train`` keeps."""
@@ -142,7 +168,13 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
              ("deepspeed uniform, heap kept", {"peer": "deepspeed", "partition": "uniform",
                                                "keep_freed_memory": True}, w.pp),
              ("torch Schedule1F1B", {"peer": "torch", "schedule": "1f1b", "boundaries": pcut}, w.pp),
-             ("torch ScheduleGPipe", {"peer": "torch", "schedule": "gpipe", "boundaries": pcut}, w.pp)]
+             ("torch ScheduleGPipe", {"peer": "torch", "schedule": "gpipe", "boundaries": pcut}, w.pp),
+             ("torch ScheduleInterleaved1F1B flops cut",
+              {"peer": "torch", "schedule": "interleaved", "boundaries": fcut2}, w.pp),
+             ("torch ScheduleInterleavedZeroBubble flops cut",
+              {"peer": "torch", "schedule": "interleavedzb", "boundaries": fcut2}, w.pp),
+             ("torch ScheduleZBVZeroBubble V cut", {"peer": "torch", "schedule": "zbv", "boundaries": vcut}, w.pp),
+             ("torch ScheduleDualPipeV V cut", {"peer": "torch", "schedule": "dualpipev", "boundaries": vcut}, w.pp)]
     if fcut != pcut:
         runs.append(("torch Schedule1F1B flops cut", {"peer": "torch", "schedule": "1f1b", "boundaries": fcut}, w.pp))
     if tcut is not None and tcut != pcut:
@@ -212,10 +244,10 @@ def print_table(table: list[dict], w: Workload, t1: float, bound: float) -> None
 
 def bench(args, w: Workload) -> dict:
     tcut = None if args.no_time_cut else planner_cut(w, "time")
-    fcut, fcut2 = planner_cut(w, "flops"), planner_cut(w, "flops", 2)
-    runs = [r for r in peer_runs(w, tcut, fcut, fcut2) if re.search(args.only, r[0]) or r[2] == 1]
+    fcut, fcut2, vcut = planner_cut(w, "flops"), planner_cut(w, "flops", 2), v_cut(w)
+    runs = [r for r in peer_runs(w, tcut, fcut, fcut2, vcut) if re.search(args.only, r[0]) or r[2] == 1]
     print(f"planned cuts: parameters {default_cut(w)} (x2 chunks {default_cut(w, 2)}), time {tcut}, "
-          f"flops {fcut} (x2 chunks {fcut2}); {len(runs)} runs x {args.rounds} rounds", flush=True)
+          f"flops {fcut} (x2 chunks {fcut2}), V {vcut}; {len(runs)} runs x {args.rounds} rounds", flush=True)
     pooled: dict[str, dict] = {}
     errors: dict[str, str] = {}
     check = None
@@ -274,15 +306,15 @@ def bench(args, w: Workload) -> dict:
         print(f"{label}: could not run: {e.splitlines()[-1]}")
     return {"t1_tokens_per_s": t1, "bound_tokens_per_s": bound, "t1_heap_kept_tokens_per_s": t1_kept,
             "bound_heap_kept_tokens_per_s": bounds[True], "best_mpt": best["label"] if best else None,
-            "time_cut": tcut, "flops_cut": fcut, "flops_cut_x2": fcut2,
+            "time_cut": tcut, "flops_cut": fcut, "flops_cut_x2": fcut2, "v_cut": vcut,
             "parameters_cut": default_cut(w), "parameters_cut_x2": default_cut(w, 2), "check": check, "peers": table,
             "errors": errors}
 
 
 SIDE_BY_SIDE = ("^(mpt defaults|mpt 1F1B flops cut, as mpt train|mpt ZBH1 flops cut, as mpt train|"
-                "deepspeed parameters|torch Schedule1F1B|torch ScheduleGPipe|single process, heap kept)")
-"""Issue 23's rows: our defaults, 1F1B and ZB-H1 as mpt train runs them, DeepSpeed's defaults, every torch
-schedule."""
+                "mpt Interleaved1F1B x2 flops cut, as mpt train|deepspeed parameters|torch |single process, heap kept)")
+"""Issue 23's rows: our defaults, 1F1B, ZB-H1 and interleaved as mpt train runs them, DeepSpeed's defaults,
+every torch schedule (`peers.TORCH_SCHEDULES`, the several-stages-per-rank ones on our chunk cut or `v_cut`)."""
 
 
 def side_by_side(args, w: Workload, n: int) -> dict:

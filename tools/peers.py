@@ -2,8 +2,8 @@
 
 * ``mpt``:       mp_toolkit's PipelineEngine (any schedule, any cut);
 * ``deepspeed``: DeepSpeed's ``PipelineModule`` + ``deepspeed.initialize`` -> ``PipelineEngine.train_batch``;
-* ``torch``:     ``torch.distributed.pipelining`` (``PipelineStage`` built by hand, ``Schedule1F1B`` /
-                 ``ScheduleGPipe``);
+* ``torch``:     ``torch.distributed.pipelining`` (``PipelineStage`` built by hand, one per stage of the
+                 rank; every schedule of `TORCH_SCHEDULES`);
 * ``single``:    one process, plain gradient accumulation over the same micro-batches.
 
 Every peer is the real library. All build the same weights: ``torch.manual_seed(seed)`` then
@@ -191,36 +191,54 @@ class DeepSpeedPeer:
         return float(self.engine.train_batch(data_iter=iter(split(x, y, self.m))))
 
 
+TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B",
+                   "interleavedzb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+"""Our names for torch.distributed.pipelining's schedules; the last four run several stages per rank."""
+V_SHAPED = ("zbv", "dualpipev")  # rank r holds stages r and 2p-1-r; the others loop: stage s on rank s % p
+
+
+def torch_stages_of(schedule: str, rank: int, world: int, num_stages: int) -> list[int]:
+    """The stages ``rank`` holds under torch's ``schedule`` with ``num_stages`` stages on ``world`` ranks."""
+    if schedule in V_SHAPED:
+        if num_stages != 2 * world:
+            raise ValueError(f"torch's {TORCH_SCHEDULES[schedule]} runs two stages per rank: pass {2 * world + 1} "
+                             f"boundaries, not {num_stages + 1}")
+        return [rank, num_stages - 1 - rank]
+    return list(range(rank, num_stages, world))
+
+
 class TorchPipePeer:
-    """torch.distributed.pipelining: this rank's layers as an nn.Sequential in a PipelineStage."""
+    """torch.distributed.pipelining: each stage's layers as an nn.Sequential in a PipelineStage (one per
+    stage this rank holds), run by the torch schedule the spec names (`TORCH_SCHEDULES`)."""
 
     def __init__(self, w: Workload, spec: dict):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_timeout(spec))
         layers = [m for _, m in build_gpt(w).named_layers()]
         self.boundaries = spec["boundaries"]
-        a, b = self.boundaries[rank], self.boundaries[rank + 1]
-        sub = nn.Sequential(*layers[a:b]).to(DTYPES[w.precision])
+        num_stages = len(self.boundaries) - 1
+        mine = torch_stages_of(spec["schedule"], rank, world, num_stages)
+        subs = [nn.Sequential(*layers[self.boundaries[s]:self.boundaries[s + 1]]).to(DTYPES[w.precision])
+                for s in mine]
         del layers
-        stage = PipelineStage(sub, rank, world, torch.device("cpu"))
-        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[spec["schedule"]]
+        stages = [pipelining.PipelineStage(sub, s, num_stages, torch.device("cpu")) for s, sub in zip(mine, subs)]
+        schedule = getattr(pipelining, TORCH_SCHEDULES[spec["schedule"]])
         # scale_grads=True: gradients of the mean loss over the micro-batches, as the other peers
-        self.schedule = schedule(stage, w.microbatches, loss_fn=fp32_loss, scale_grads=True)
-        self.masters = Fp32Masters(w, sub.parameters())
-        self.params = sum(p.numel() for p in sub.parameters())
-        self.dtype = str(next(sub.parameters()).dtype)
-        self.rank, self.last = rank, world - 1
+        self.schedule = schedule(stages if num_stages > world else stages[0], w.microbatches,
+                                 loss_fn=fp32_loss, scale_grads=True)
+        params = [p for sub in subs for p in sub.parameters()]
+        self.masters = Fp32Masters(w, params)
+        self.params = sum(p.numel() for p in params)
+        self.dtype = str(params[0].dtype)
+        self.first, self.last = 0 in mine, num_stages - 1 in mine
 
     def step(self, x, y):
         losses: list = []
-        if self.rank == 0:
-            self.schedule.step(x, return_outputs=False)
-        elif self.rank == self.last:
-            self.schedule.step(target=y, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step(return_outputs=False)
+        kwargs = {"target": y, "losses": losses} if self.last else {}
+        self.schedule.step(*((x,) if self.first else ()), **kwargs, return_outputs=False)
         self.masters.step()
         return float(torch.stack([l.detach().float() for l in losses]).mean()) if losses else None
 
