@@ -18,8 +18,9 @@ from tests.floor import assert_all_within
 from tests.oracle_workers import MIXED_LENGTHS, eval_matches, mixed_lengths, oracle_cases
 
 CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b", "zbh1", "zbdrain") for m in (1, 3, 8)]
-# Interleaved 1F1B: two model chunks per rank, micro-batches a multiple of pp (7 layers -> 4 stages).
-INTERLEAVED = [("interleaved", m, False, "adamw", 2) for m in (2, 4)]
+# Interleaved 1F1B: two model chunks per rank, micro-batches a multiple of pp (7 layers -> 4 stages);
+# m = 8 runs the whole steady phase after the 2(p-r-1) + (v-1)p warm-up forwards.
+INTERLEAVED = [("interleaved", m, False, "adamw", 2) for m in (2, 4, 8)]
 
 
 @pytest.mark.parametrize("pp", [2, 4])

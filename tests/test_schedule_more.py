@@ -52,26 +52,26 @@ def test_interleaved_validates_in_order(p, v, m):
 
 @pytest.mark.parametrize("p,v,m", INTERLEAVED_SIZES)
 def test_interleaved_peak_memory_per_rank(p, v, m):
-    # Rank r keeps (p-r-1) + (v-1)*p + 1 chunk micro-batches alive. A chunk is 1/v of the
-    # rank's layers, so rank 0 holds p rank-shares, 1F1B's peak; later ranks hold more than
-    # 1F1B's p-r, as in Megatron.
+    # Rank r keeps 2(p-r-1) + (v-1)*p + 1 chunk micro-batches alive (Megatron's warm-up; p-r with
+    # one chunk, 1F1B). A chunk is 1/v of the rank's layers, so rank 0 holds p + (p-1)/v
+    # rank-shares, against 1F1B's p.
     t = simulate(interleaved_1f1b(p, m, v))
-    assert t.peak_inflight_rank == tuple(min((p - r - 1) + (v - 1) * p + 1, m * v)
+    assert t.peak_inflight_rank == tuple(min((p - r - 1) * (2 if v > 1 else 1) + (v - 1) * p + 1, m * v)
                                          for r in range(p))
 
 
 def test_interleaved_p2_v2_m4_actions():
-    # Rank 0 holds stages 0 and 2, rank 1 stages 1 and 3. 2RECV_F2 sits before 0B0 because
-    # rank 1 posts 1SEND_F2 before 1SEND_B0 on the same link (FIFO).
+    # Rank 0 holds stages 0 and 2, rank 1 stages 1 and 3. Rank 0 warms up with Megatron's and torch's
+    # 2(p-r-1) + (v-1)p = 4 forwards (0F0 0F1 2F0 2F1), rank 1 with 2; each rank's receives follow
+    # the order its peer sends in on their one link (FIFO): 1RECV_F2 before 1RECV_B0.
     assert format_actions(interleaved_1f1b(2, 4, 2)) == (
-        "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 2RECV_F0 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1 "
-        "2RECV_B0 2B0 2SEND_B0 0F2 0SEND_F2 2RECV_B1 2B1 2SEND_B1 0F3 0SEND_F3 2RECV_F2 "
-        "0RECV_B0 0B0 2F2 2SEND_F2 2RECV_F3 0RECV_B1 0B1 2F3 2SEND_F3 2RECV_B2 2B2 2SEND_B2 "
-        "2RECV_B3 2B3 2SEND_B3 0RECV_B2 0B2 0RECV_B3 0B3\n"
-        "rank 1: 1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3B0 3SEND_B0 "
-        "3RECV_F1 3F1 3B1 3SEND_B1 1RECV_B0 1RECV_F2 1F2 1SEND_F2 1B0 1SEND_B0 1RECV_B1 "
-        "1RECV_F3 1F3 1SEND_F3 1B1 1SEND_B1 3RECV_F2 3F2 3B2 3SEND_B2 3RECV_F3 3F3 3B3 "
-        "3SEND_B3 1RECV_B2 1B2 1SEND_B2 1RECV_B3 1B3 1SEND_B3"
+        "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 2RECV_F0 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1 0F2 0SEND_F2 "
+        "2RECV_B0 2B0 2SEND_B0 0F3 0SEND_F3 2RECV_B1 2B1 2SEND_B1 2RECV_F2 2F2 2SEND_F2 0RECV_B0 0B0 "
+        "2RECV_F3 2F3 2SEND_F3 0RECV_B1 0B1 2RECV_B2 2B2 2SEND_B2 2RECV_B3 2B3 2SEND_B3 0RECV_B2 0B2 "
+        "0RECV_B3 0B3\n"
+        "rank 1: 1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3B0 3SEND_B0 3RECV_F1 3F1 3B1 "
+        "3SEND_B1 1RECV_F2 1F2 1SEND_F2 1RECV_B0 1B0 1SEND_B0 1RECV_F3 1F3 1SEND_F3 1RECV_B1 1B1 1SEND_B1 "
+        "3RECV_F2 3F2 3B2 3SEND_B2 3RECV_F3 3F3 3B3 3SEND_B3 1RECV_B2 1B2 1SEND_B2 1RECV_B3 1B3 1SEND_B3"
     )
 
 

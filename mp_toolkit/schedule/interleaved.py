@@ -30,8 +30,9 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, num_chunks: int = 2)
     ``s % num_ranks``. Megatron needs the micro-batch count to be a multiple of the pipeline
     degree when ``v > 1`` (micro-batches move in groups of ``p``); ``v == 1`` is plain 1F1B
     and takes any ``m``. Bubble ``(p-1)/(v*m + p-1)``; rank ``r`` holds at most
-    ``(p-r-1) + (v-1)*p + 1`` chunk micro-batches of activations (capped at ``m*v``): with a
-    chunk being 1/v of the rank's layers, rank 0 holds ``p`` rank-shares, as in 1F1B.
+    ``2*(p-r-1) + (v-1)*p + 1`` chunk micro-batches of activations (capped at ``m*v``): with a
+    chunk being 1/v of the rank's layers, rank 0 holds ``p + (p-1)/v`` rank-shares, against
+    1F1B's ``p`` (Megatron's and torch's order; ``_rank_compute_order`` says why).
     """
     p, m, v = num_ranks, num_microbatches, num_chunks
     for value, what in ((p, "num_ranks (--pp)"), (m, "num_microbatches"), (v, "num_chunks")):
@@ -63,16 +64,19 @@ def _chunk_microbatch(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:
 def _rank_compute_order(rank: int, p: int, m: int, v: int) -> list[Action]:
     """The F/B actions of one rank, in three phases (1F1B when ``v == 1``).
 
-    * warm-up: ``(p-rank-1) + (v-1)*p`` forwards (capped at ``m*v``). The first ``(v-1)*p``
-      push a whole group of micro-batches through the first ``v-1`` chunks; the rest fill
-      the pipe below this rank as in 1F1B. Megatron uses ``2*(p-rank-1) + (v-1)*p`` because
-      its paired send/recv calls block; with async sends the 1F1B count suffices (one fewer
-      micro-batch in flight per stage of depth below, same bubble);
+    * warm-up: ``2*(p-rank-1) + (v-1)*p`` forwards (capped at ``m*v``; 1F1B's ``p-rank-1`` when
+      ``v == 1``), Megatron's and torch's count. The first ``(v-1)*p`` push a whole group of
+      micro-batches through the first ``v-1`` chunks; the rest fill the pipe below this rank.
+      With equal chunks and async sends ``(p-rank-1) + (v-1)*p`` would give the same bubble with
+      one chunk micro-batch less in flight per stage of depth below; with unequal ones (a chunk
+      that holds the LM head) the extra forwards are the slack that keeps a rank from waiting
+      on its neighbour (issue-8 workload, this machine's layer times, simulated: 1,684 ms against
+      1,766 ms a step);
     * steady: each remaining forward is followed by the oldest backward (one F, one B);
     * cool-down: the backwards still in flight.
     """
     total = m * v
-    num_warmup = min((p - rank - 1) + (v - 1) * p, total)
+    num_warmup = min((p - rank - 1) * (2 if v > 1 else 1) + (v - 1) * p, total)
 
     def act(k: int, kind: Kind) -> Action:
         chunk, mb = _chunk_microbatch(k, p, v, forward=kind is Kind.F)
