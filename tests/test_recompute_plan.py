@@ -16,7 +16,8 @@ from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.partition.recompute import RecomputeCosts, min_max_recompute, stage_options
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.config import TrainConfig
-from mp_toolkit.run.recompute_plan import auto_request, default_schedule, resolve_auto_schedule
+from mp_toolkit.run.checks import validate
+from mp_toolkit.run.recompute_plan import auto_request, default_candidates, default_schedule, resolve_auto_schedule
 from mp_toolkit.schedule import split_share
 
 from tests.mpt_command import run_mpt
@@ -178,6 +179,25 @@ def test_a_run_naming_no_schedule_takes_the_planners_pick_of_1f1b_and_the_zero_b
     for kept in (dataclasses.replace(cfg, engine="deepspeed"), dataclasses.replace(cfg, pp=1),
                  dataclasses.replace(cfg, schedule="gpipe")):
         assert default_schedule(kept) == (kept, None)
+
+
+def test_a_run_naming_no_schedule_weighs_interleaved_where_the_cut_is_the_planners():
+    """bert-base at pp 2 (its heads a light last chunk) gets interleaved x2 by default, re-cut into 4 stages
+    by --partition; a run that fixes the cut, counts recomputed layers per stage or names --chunks keeps
+    the one-stage-per-rank candidates."""
+    cfg = TrainConfig(model="bert-base", pp=2, micro_batch=8, seq_len=128, microbatches=8)
+    picked, line = default_schedule(cfg)
+    times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) ms", line)}
+    assert default_candidates(cfg) == DEFAULT_CANDIDATES and set(times) == set(DEFAULT_CANDIDATES)
+    assert (picked.schedule, picked.chunks) == ("interleaved", 2) and min(times, key=times.get) == "interleaved"
+    assert validate(picked)[-1] == 14 and len(validate(picked)) == 5  # pp x chunks stages over bert-base's 14 layers
+    one_per_rank = tuple(c for c in DEFAULT_CANDIDATES if c != "interleaved")
+    for fixed in (dataclasses.replace(cfg, partition="0,7,14"), dataclasses.replace(cfg, recompute="full",
+                                                                                    recompute_layers=(1, 2)),
+                  dataclasses.replace(cfg, chunks=3)):
+        assert default_candidates(fixed) == one_per_rank
+        assert default_schedule(fixed)[0].schedule in one_per_rank + ("1f1b",)
+    assert default_candidates(dataclasses.replace(cfg, recompute="full", recompute_layers=(1,))) == DEFAULT_CANDIDATES
 
 
 def test_auto_takes_selective_where_it_pays_and_only_the_modes_allowed():

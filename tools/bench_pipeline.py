@@ -91,8 +91,9 @@ def planner_cut(w: Workload, method: str, chunks: int = 1) -> list[int]:
     return list(plan.boundaries)
 
 
-def default_schedule_of(w: Workload) -> str:
-    """The schedule ``mpt train`` runs on this workload when none is named (`run.recompute_plan.default_schedule`)."""
+def default_schedule_of(w: Workload) -> tuple[str, int]:
+    """The schedule and model chunks per rank ``mpt train`` runs on this workload when none is named
+    (`run.recompute_plan.default_schedule`)."""
     from mp_toolkit.run.config import TrainConfig
     from mp_toolkit.run.recompute_plan import default_schedule
 
@@ -102,7 +103,7 @@ def default_schedule_of(w: Workload) -> str:
         cfg, _ = default_schedule(TrainConfig(model=str(path), pp=w.pp, microbatches=w.microbatches,
                                               micro_batch=w.micro_batch, seq_len=w.seq_len, optimizer="adamw",
                                               precision=w.precision, threads=w.threads))
-    return cfg.schedule
+    return cfg.schedule, cfg.chunks
 
 
 def default_cut(w: Workload, chunks: int = 1) -> list[int]:
@@ -146,9 +147,9 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
     default heap, so those compare engines alone. "deepspeed uniform, heap kept" and "single
     process, heap kept" give DeepSpeed and the single process the heap ``mpt train`` keeps."""
     pcut = default_cut(w)
-    schedule = default_schedule_of(w)  # the planner's pick, as `mpt train` without --schedule takes it
-    runs = [(f"mpt defaults ({schedule}, flops cut, fused AdamW)",
-             {"peer": "mpt", "schedule": schedule, **as_train(fcut)}, w.pp),
+    schedule, chunks = default_schedule_of(w)  # the planner's pick, as `mpt train` without --schedule takes it
+    runs = [(f"mpt defaults ({schedule}{f' x{chunks}' if chunks > 1 else ''}, flops cut, fused AdamW)",
+             {"peer": "mpt", "schedule": schedule, "chunks": chunks, **as_train(planner_cut(w, "flops", chunks) if chunks > 1 else fcut)}, w.pp),
             ("mpt 1F1B flops cut, as mpt train", {"peer": "mpt", "schedule": "1f1b", **as_train(fcut)}, w.pp),
             ("mpt ZBH1 flops cut, as mpt train", {"peer": "mpt", "schedule": "zbh1", **as_train(fcut)}, w.pp),
             ("mpt ZBDrain flops cut, as mpt train", {"peer": "mpt", "schedule": "zbdrain", **as_train(fcut)}, w.pp),

@@ -16,9 +16,10 @@ from .planner import GB, Plan, PlanRequest, make_plan
 from .solvers import PartitionError
 
 CANDIDATES = ("gpipe", "1f1b", "interleaved", "zbdrain", "zbh1")
-DEFAULT_CANDIDATES = ("1f1b", "zbdrain", "zbh1")
-"""What `mpt train` weighs when no schedule is named (issue 23): schedules on the cut ``--partition``
-makes (interleaved would re-cut into pp x chunks stages), 1F1B first so a tie keeps it."""
+DEFAULT_CANDIDATES = ("1f1b", "zbdrain", "zbh1", "interleaved")
+"""What `mpt train` weighs when no schedule is named (issue 23), 1F1B first so a tie keeps it and
+interleaved last (it re-cuts the model into pp x chunks stages: `run.recompute_plan.default_schedule`
+leaves it out where the run fixes the cut or per-stage counts)."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ from mp_toolkit.partition.auto_schedule import DEFAULT_CANDIDATES, fastest_sched
 from mp_toolkit.partition.cost import CostModelError
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.recompute import RecomputeError, StageRecompute, apply_recompute, stage_blocks, stage_choices
-from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.config import ConfigError, TrainConfig, parse_boundaries
 from mp_toolkit.run.cut import CutWorkload, plan_boundaries
 from mp_toolkit.run.predict import plan_request
 
@@ -81,17 +81,26 @@ def resolve_auto_schedule(cfg: TrainConfig, chunks_given: bool = False,
 
 def default_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     """The schedule of a run that names none (no ``--schedule``, no DeepSpeed ``pipeline.schedule``):
-    with our engine at pp > 1, ZB-H1 where the planner predicts it faster than 1F1B on the run's cut
-    (`DEFAULT_CANDIDATES`; ZB-H1 fills 1F1B's bubble with weight gradients and holds them until
-    then: more memory, capped by ``--memory-gb`` when given), else 1F1B. Returns ``cfg`` and the
-    line saying so (None when 1F1B stays, or when the planner cannot describe the model)."""
+    with our engine at pp > 1, the one the planner predicts fastest of `default_candidates` (ZB-drain
+    and ZB-H1 hold what their deferred weight gradients need, interleaved one more chunk micro-batch
+    per stage below: more memory, capped by ``--memory-gb`` when given), 1F1B on a tie. Returns
+    ``cfg`` and the line saying so (None when 1F1B stays, or when the planner cannot describe the model)."""
     if cfg.engine != "mp_toolkit" or cfg.pp < 2 or cfg.schedule != "1f1b":
         return cfg, None
     try:
-        picked, line = resolve_auto_schedule(cfg, candidates=DEFAULT_CANDIDATES)
+        picked, line = resolve_auto_schedule(cfg, candidates=default_candidates(cfg))
     except ConfigError:  # e.g. a model the cost model does not describe: 1F1B, as before the planner
         return cfg, None
     if picked.schedule == cfg.schedule:
         return cfg, None
     return picked, line.replace("--schedule auto:", "schedule (default, the planner's pick):", 1) + \
         "; --schedule 1f1b to keep 1F1B"
+
+
+def default_candidates(cfg: TrainConfig) -> tuple[str, ...]:
+    """`DEFAULT_CANDIDATES`, less interleaved where the run fixes what it would change: boundaries named
+    by ``--partition`` (pp + 1 of them), ``--recompute-layers`` counted per stage (pp of them), or
+    ``--chunks`` (given without ``--schedule interleaved``: the check that refuses it stays)."""
+    fixed = (parse_boundaries(cfg.partition) is not None or cfg.chunks != 1
+             or (cfg.recompute_layers is not None and len(cfg.recompute_layers) > 1))
+    return tuple(c for c in DEFAULT_CANDIDATES if not (fixed and c == "interleaved"))
