@@ -69,6 +69,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import Workload  # noqa: E402
+from side_by_side import side_by_side  # noqa: E402
 from ranks import RunError, run_ranks  # noqa: E402
 
 FIRST_LOSS_TOL = 1e-5  # the first loss depends only on the weights and the batch: every peer's is the same
@@ -312,65 +313,6 @@ def bench(args, w: Workload) -> dict:
             "errors": errors}
 
 
-SIDE_BY_SIDE = ("^(mpt defaults|mpt 1F1B flops cut, as mpt train|mpt ZBH1 flops cut, as mpt train|"
-                "mpt Interleaved1F1B x2 flops cut, as mpt train|deepspeed parameters|torch |single process, heap kept)")
-"""Issue 23's rows: our defaults, 1F1B, ZB-H1 and interleaved as mpt train runs them, DeepSpeed's defaults,
-every torch schedule (`peers.TORCH_SCHEDULES`, the several-stages-per-rank ones on our chunk cut or `v_cut`)."""
-
-
-def ceiling_ratios(r: dict, w: Workload, ours: dict, ds: dict, torch_best: dict) -> dict:
-    """The no-bubble ceiling of one side-by-side run, ``pp`` x the single process on the heap our
-    defaults run on (T1, heap kept): what a pipeline reaches when every rank computes the whole step
-    with the kernels the single process uses, so no schedule of any peer passes it but through
-    kernels of its own or less contention between ranks. Each peer's share of it, and the
-    ratios over DeepSpeed and the best torch schedule no schedule could exceed in this run."""
-    ceiling = w.pp * r["t1_heap_kept_tokens_per_s"]
-    return {"ceiling_tokens_per_s": ceiling, "defaults_of_ceiling": ours["tokens_per_s"] / ceiling,
-            "torch_best_of_ceiling": torch_best["tokens_per_s"] / ceiling,
-            "deepspeed_of_ceiling": ds["tokens_per_s"] / ceiling,
-            "ceiling_vs_deepspeed": ceiling / ds["tokens_per_s"],
-            "ceiling_vs_torch_best": ceiling / torch_best["tokens_per_s"]}
-
-
-def side_by_side(args, w: Workload, n: int) -> dict:
-    """``n`` separate runs of the issue-23 rows (each its own `bench`), and per run the ratios the
-    issue sets goals for: defaults / DeepSpeed's defaults (1.25x), defaults / the best torch row
-    (1.1x), and 1F1B as ``mpt train`` runs it against its bound on the same heap (0.95)."""
-    args.only = SIDE_BY_SIDE
-    runs = []
-    for i in range(n):
-        print(f"\n=== side-by-side run {i + 1} of {n} ===", flush=True)
-        r = bench(args, w)
-        rows = {row["label"]: row for row in r["peers"]}
-        ours = next(row for label, row in rows.items() if label.startswith("mpt defaults"))
-        torch_best = max((row for label, row in rows.items() if label.startswith("torch")),
-                         key=lambda row: row["tokens_per_s"])
-        ds = rows["deepspeed parameters"]
-        runs.append({"defaults": ours["label"], "defaults_tokens_per_s": ours["tokens_per_s"],
-                     "deepspeed_defaults_tokens_per_s": ds["tokens_per_s"],
-                     "torch_best": torch_best["label"], "torch_best_tokens_per_s": torch_best["tokens_per_s"],
-                     "vs_deepspeed": ours["tokens_per_s"] / ds["tokens_per_s"],
-                     "vs_torch_best": ours["tokens_per_s"] / torch_best["tokens_per_s"],
-                     "one_f_one_b_efficiency": rows["mpt 1F1B flops cut, as mpt train"]["efficiency"],
-                     "defaults_efficiency": ours["efficiency"], "load_avg": os.getloadavg()[0], "bench": r,
-                     **ceiling_ratios(r, w, ours, ds, torch_best)})
-    print("\n| run | defaults tokens/s | DeepSpeed defaults | best torch | defaults / DeepSpeed (goal 1.25) | "
-          "defaults / torch (goal 1.1) | 1F1B of its bound (goal 0.95) | no-bubble ceiling | defaults / "
-          "torch / DeepSpeed of it | ceiling / DeepSpeed | ceiling / torch | load avg |\n"
-          "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
-    for i, r in enumerate(runs, 1):
-        print(f"| {i} | {r['defaults_tokens_per_s']:,.0f} | {r['deepspeed_defaults_tokens_per_s']:,.0f} | "
-              f"{r['torch_best']} {r['torch_best_tokens_per_s']:,.0f} | {r['vs_deepspeed']:.2f}x | "
-              f"{r['vs_torch_best']:.2f}x | {r['one_f_one_b_efficiency']:.2f} | {r['ceiling_tokens_per_s']:,.0f} | "
-              f"{r['defaults_of_ceiling']:.2f} / {r['torch_best_of_ceiling']:.2f} / {r['deepspeed_of_ceiling']:.2f} | "
-              f"{r['ceiling_vs_deepspeed']:.2f}x | {r['ceiling_vs_torch_best']:.2f}x | {r['load_avg']:.1f} |")
-    print("no-bubble ceiling: pp x the single process's tokens/s on the same heap (T1, heap kept): every rank "
-          "busy all step with the same kernels; ceiling / x: the largest ratio over x any pp-stage schedule "
-          "could show in this run")
-    checks = [r["bench"]["check"] for r in runs if r["bench"]["check"] is not None]
-    return {"side_by_side": runs, "check": {"ok": all(c["ok"] for c in checks)} if checks else None}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
@@ -391,7 +333,7 @@ def main() -> None:
     w = Workload(precision=args.precision, threads=args.threads)
     if args.side_by_side:
         args.no_time_cut = True
-        result = side_by_side(args, w, args.side_by_side)
+        result = side_by_side(args, w, args.side_by_side, bench)
         bench_name = "pipeline_side_by_side"
     elif args.profile:
         import pipeline_profile

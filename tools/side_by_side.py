@@ -1,0 +1,81 @@
+"""``tools/bench_pipeline.py --side-by-side N`` (issue 23): N separate runs of our defaults, 1F1B, ZB-H1
+and interleaved as ``mpt train`` runs them, DeepSpeed's defaults and every torch.distributed.pipelining
+schedule, and per run the ratios the issue sets goals for, beside the no-bubble ceiling of that run
+(`ceiling_ratios`): how far any schedule of any peer could go with the kernels the single process uses.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from peers import Workload
+
+SIDE_BY_SIDE = ("^(mpt defaults|mpt 1F1B flops cut, as mpt train|mpt ZBH1 flops cut, as mpt train|"
+                "mpt Interleaved1F1B x2 flops cut, as mpt train|deepspeed parameters|torch |single process, heap kept)")
+"""Issue 23's rows: our defaults, 1F1B, ZB-H1 and interleaved as mpt train runs them, DeepSpeed's defaults,
+every torch schedule (`peers.TORCH_SCHEDULES`, the several-stages-per-rank ones on our chunk cut or `v_cut`)."""
+
+
+def ceiling_ratios(r: dict, w: Workload, ours: dict, ds: dict, torch_best: dict) -> dict:
+    """The no-bubble ceiling of one side-by-side run, ``pp`` x the single process on the heap our
+    defaults run on (T1, heap kept): what a pipeline reaches when every rank computes the whole step
+    with the kernels the single process uses, so no schedule of any peer passes it but through
+    kernels of its own or less contention between ranks. Each peer's share of it, and the
+    ratios over DeepSpeed and the best torch schedule no schedule could exceed in this run.
+
+    Two ranks on one machine slow each other, so a tighter floor is the work of a rank: the step
+    each goal asks for (``*_goal_step_ms``) beside the least CPU time per step of the busiest rank
+    of any pipelined row (``least_busiest_rank_ms``), the step that row would take with no waiting."""
+    ceiling = w.pp * r["t1_heap_kept_tokens_per_s"]
+    piped = [row for row in r["peers"] if len(row["cpu_ms_per_rank"]) > 1]
+    least_busy = min(piped, key=lambda row: max(row["cpu_ms_per_rank"]))
+    return {"ceiling_tokens_per_s": ceiling,
+            "deepspeed_goal_step_ms": ds["step_ms"] / 1.25, "torch_goal_step_ms": torch_best["step_ms"] / 1.1,
+            "least_busiest_rank_ms": max(least_busy["cpu_ms_per_rank"]), "least_busiest_rank_row": least_busy["label"], "defaults_of_ceiling": ours["tokens_per_s"] / ceiling,
+            "torch_best_of_ceiling": torch_best["tokens_per_s"] / ceiling,
+            "deepspeed_of_ceiling": ds["tokens_per_s"] / ceiling,
+            "ceiling_vs_deepspeed": ceiling / ds["tokens_per_s"],
+            "ceiling_vs_torch_best": ceiling / torch_best["tokens_per_s"]}
+
+
+def side_by_side(args, w: Workload, n: int, bench: Callable[..., dict]) -> dict:
+    """``n`` separate runs of the issue-23 rows (each its own ``bench(args, w)``: `bench_pipeline.bench`),
+    and per run the ratios the issue sets goals for: defaults / DeepSpeed's defaults (1.25x), defaults / the best torch row
+    (1.1x), and 1F1B as ``mpt train`` runs it against its bound on the same heap (0.95)."""
+    args.only = SIDE_BY_SIDE
+    runs = []
+    for i in range(n):
+        print(f"\n=== side-by-side run {i + 1} of {n} ===", flush=True)
+        r = bench(args, w)
+        rows = {row["label"]: row for row in r["peers"]}
+        ours = next(row for label, row in rows.items() if label.startswith("mpt defaults"))
+        torch_best = max((row for label, row in rows.items() if label.startswith("torch")),
+                         key=lambda row: row["tokens_per_s"])
+        ds = rows["deepspeed parameters"]
+        runs.append({"defaults": ours["label"], "defaults_tokens_per_s": ours["tokens_per_s"],
+                     "deepspeed_defaults_tokens_per_s": ds["tokens_per_s"],
+                     "torch_best": torch_best["label"], "torch_best_tokens_per_s": torch_best["tokens_per_s"],
+                     "vs_deepspeed": ours["tokens_per_s"] / ds["tokens_per_s"],
+                     "vs_torch_best": ours["tokens_per_s"] / torch_best["tokens_per_s"],
+                     "one_f_one_b_efficiency": rows["mpt 1F1B flops cut, as mpt train"]["efficiency"],
+                     "defaults_efficiency": ours["efficiency"], "load_avg": os.getloadavg()[0], "bench": r,
+                     **ceiling_ratios(r, w, ours, ds, torch_best)})
+    print("\n| run | defaults tokens/s | DeepSpeed defaults | best torch | defaults / DeepSpeed (goal 1.25) | "
+          "defaults / torch (goal 1.1) | 1F1B of its bound (goal 0.95) | no-bubble ceiling | defaults / "
+          "torch / DeepSpeed of it | ceiling / DeepSpeed | ceiling / torch | load avg |\n"
+          "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
+    for i, r in enumerate(runs, 1):
+        print(f"| {i} | {r['defaults_tokens_per_s']:,.0f} | {r['deepspeed_defaults_tokens_per_s']:,.0f} | "
+              f"{r['torch_best']} {r['torch_best_tokens_per_s']:,.0f} | {r['vs_deepspeed']:.2f}x | "
+              f"{r['vs_torch_best']:.2f}x | {r['one_f_one_b_efficiency']:.2f} | {r['ceiling_tokens_per_s']:,.0f} | "
+              f"{r['defaults_of_ceiling']:.2f} / {r['torch_best_of_ceiling']:.2f} / {r['deepspeed_of_ceiling']:.2f} | "
+              f"{r['ceiling_vs_deepspeed']:.2f}x | {r['ceiling_vs_torch_best']:.2f}x | {r['load_avg']:.1f} |")
+    print("no-bubble ceiling: pp x the single process's tokens/s on the same heap (T1, heap kept): every rank "
+          "busy all step with the same kernels; ceiling / x: the largest ratio over x any pp-stage schedule "
+          "could show in this run")
+    for i, r in enumerate(runs, 1):
+        print(f"run {i}: 1.25x DeepSpeed needs a step of {r['deepspeed_goal_step_ms']:,.0f} ms, 1.1x "
+              f"{r['torch_best']} one of {r['torch_goal_step_ms']:,.0f} ms; the least busy busiest rank of any "
+              f"row works {r['least_busiest_rank_ms']:,.0f} ms a step ({r['least_busiest_rank_row']})")
+    checks = [r["bench"]["check"] for r in runs if r["bench"]["check"] is not None]
+    return {"side_by_side": runs, "check": {"ok": all(c["ok"] for c in checks)} if checks else None}
