@@ -9,6 +9,7 @@ their measured tokens/s compared.
 
     python tools/bench_plan_accuracy.py            # prints two tables and a JSON line
     python tools/bench_plan_accuracy.py --quick    # fewer steps, for a smoke run
+    python tools/bench_plan_accuracy.py --only accuracy --rows v8192   # the issue-8 workload's rows
 
 Nothing else should run on the machine meanwhile (two ranks use both cores here).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -38,6 +40,8 @@ ACCURACY = [
     ("small zbh1", "gpt-small-cpu", "zbh1", 8, 4, 128),
     ("8x256 v8192 1f1b", "workload", "1f1b", 4, 8, 128),
     ("8x256 v8192 interleaved", "workload", "interleaved", 4, 8, 128),
+    ("8x256 v8192 zbh1", "workload", "zbh1", 4, 8, 128),
+    ("8x256 v8192 zbdrain", "workload", "zbdrain", 4, 8, 128),
 ]
 
 
@@ -95,9 +99,11 @@ def rank_memory(plan: dict, pp: int = 2) -> list[int]:
     return out
 
 
-def accuracy(tmp: Path, steps: int) -> list[dict]:
+def accuracy(tmp: Path, steps: int, rows_re: str = "") -> list[dict]:
     rows = []
     for label, model, schedule, mb, m, seq in ACCURACY:
+        if not re.search(rows_re, label):
+            continue
         args = common(model, schedule, mb, m, seq)
         plan = predict(tmp, args)
         got = measure(tmp, args, boundaries_of(plan), steps)
@@ -137,6 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 steps per run instead of 10")
     ap.add_argument("--only", choices=("accuracy", "win"), help="run one of the two parts")
+    ap.add_argument("--rows", default="", help="regex over the accuracy rows' labels (e.g. 'v8192')")
     args = ap.parse_args()
     steps = 4 if args.quick else 10
     with tempfile.TemporaryDirectory() as d:
@@ -149,7 +156,7 @@ def main() -> None:
         acc = win = None
         if args.only != "win":
             print("predicted (mpt plan --method time) vs measured (mpt train, 2 gloo ranks, 1 thread each)")
-            acc = accuracy(tmp, steps)
+            acc = accuracy(tmp, steps, args.rows)
         if args.only != "accuracy":
             print("\nthe cut that wins: GPT 8 x 256, vocabulary 16384, 8 micro-batches of 4 x 128, 1F1B")
             win = winning_cut(tmp, steps)
