@@ -272,6 +272,21 @@ def test_zbh1s_recorded_gradients_count_on_every_stage_but_the_first():
     assert mem.of_rank([(0, 0, 1), (1, 1, 2)]) == 2 * 10 + 1 * 15
 
 
+def test_a_split_schedule_holds_recorded_gradients_only_between_i_and_w():
+    """With `StageMemory.held` (what `simulate` gives a split schedule) recorded gradients count
+    per micro-batch pending W, not per micro-batch in flight; the running I records its own inside
+    the workspace. ZB-drain's one split on the last of two stages then costs 1F1B's peak (as
+    `tools/bench_plan_accuracy.py` measures); ZB-H1 holds one deferred W's gradients."""
+    args = dict(static=[0, 0, 0, 0], activation=[10, 10, 10, 10], recorded=[5, 5, 5, 5], workspace=[7, 7, 7, 7])
+    drain = StageMemory(inflight=[2, 1], held=[((2, 0),), ((1, 0),)], **args)
+    one_f_one_b = StageMemory(inflight=[2, 1], **{**args, "recorded": ()})
+    zbh1 = StageMemory(inflight=[2, 2], held=[((2, 0),), ((2, 1),)], **args)
+    assert drain(1, 2, 4) == one_f_one_b(1, 2, 4) == 1 * 20 + 7
+    assert zbh1(1, 2, 4) == 2 * 20 + 1 * 10 + 7 < StageMemory(inflight=[2, 2], **args)(1, 2, 4)
+    assert zbh1.kept(1, 2, 4, saved=4) == 2 * 16 + 1 * 10  # recomputation drops activations, not gradients
+    assert zbh1.of_rank([(0, 0, 2), (1, 2, 4)]) == 2 * 20 + (2 * 20 + 10) + 7
+
+
 def test_a_given_cut_is_planned_as_the_method_that_picks_it():
     """``boundaries`` (what `mpt train` asks for its own cut) gives the plan a method choosing that
     cut gives, stage for stage; a cut of the wrong length is refused."""

@@ -35,7 +35,7 @@ def _stage(memory: StageMemory, rc: RecomputeCosts, times, j, a, b, choice: Stag
         act[i] -= rc.full_saved[i] if full else rc.selective_saved[i]
         ws[i] = max(ws[i], rc.full_workspace[i]) if full else ws[i]
         extra += rc.full_s[i] if full else rc.selective_s[i]
-    adjusted = StageMemory(memory.static, act, memory.inflight, ws, memory.fixed, memory.step_transient)
+    adjusted = dataclasses.replace(memory, activation=act, workspace=ws)
     runs = 1 + (split[j] if split else 0)
     return adjusted(j, a, b), sum(times[a:b]) + round(runs * extra)
 
@@ -67,6 +67,10 @@ def _instance(rng: random.Random):
                          inflight=[rng.randint(1, 3) for _ in range(p)],
                          workspace=[rng.randint(0, 30) for _ in range(n)], fixed=rng.randint(0, 10),
                          step_transient=[rng.randint(0, 40) for _ in range(n)])
+    if rng.random() < 0.5:  # a split schedule: recorded gradients held between I and W (`StageMemory.held`)
+        held = [tuple({(a, rng.randint(0, a - 1)) for a in (rng.randint(1, 3) for _ in range(rng.randint(1, 3)))})
+                for _ in range(p)]
+        memory = dataclasses.replace(memory, recorded=[rng.randint(0, 30) for _ in range(n)], held=held)
     full_saved = [rng.randint(0, a) if b else 0 for a, b in zip(act, block)]
     sel_saved = [rng.randint(0, s) if b else 0 for s, b in zip(full_saved, block)]
     rc = RecomputeCosts(block, full_saved, [a if b else 0 for a, b in zip(act, block)],

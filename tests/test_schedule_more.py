@@ -158,6 +158,25 @@ def test_zb_drain_memory(p, m):
     assert all(a <= b for a, b in zip(t.peak_inflight_w, simulate(zbh1(p, m)).peak_inflight_w))
 
 
+@pytest.mark.parametrize("p,m", ZB_SIZES)
+def test_held_pairs_count_recorded_gradients_only_between_i_and_w(p, m):
+    """What a split stage holds at its peaks (`held_pairs`): the most activations is the in-flight
+    peak; recorded gradients of a W still to come, never the running action's own. ZB-drain's
+    stage s splits its last min(s, m) backwards, so holds at most min(s, m) - 1 beside a running
+    one; without splits nothing is recorded."""
+    for schedule in (zbh1(p, m), zb_drain(p, m), one_f_one_b(p, m), gpipe(p, m)):
+        t = simulate(schedule)
+        for s, pairs in enumerate(t.peak_held_w):
+            assert max(a for a, _ in pairs) == t.peak_inflight_w[s]
+            assert all(r < a for a, r in pairs)  # a recorded gradient's activations are still held
+            if schedule.name in ("1F1B", "GPipe"):
+                assert pairs == ((t.peak_inflight[s], 0),)
+            if schedule.name == "ZBDrain":
+                assert max(r for _, r in pairs) == max(min(s, m) - 1, 0)
+    assert simulate(zb_drain(2, 8)).peak_held_w == (((2, 0),), ((1, 0),))  # the drain's one split: inside its B
+    assert simulate(zbh1(2, 8)).peak_held_w == (((2, 0),), ((2, 1),))  # W deferred by one micro-batch
+
+
 def test_zb_drain_two_stages_takes_the_drain_with_one_split():
     """p = 2, F = I = W = 1: 1F1B 3m+3, ZB-drain 3m+2 (stage 1 sends its last input gradient before
     its last W), ZB-H1 3m+1 at m splits. When a split costs 10% of B more (the planner's

@@ -44,6 +44,9 @@ class StageMemory:
         sum(static[a:b]) + max(inflight[j] * sum(activation[a:b] (+ recorded[a:b] if j > 0))
                                + max(workspace[a:b]),
                                sum(step_transient[a:b])) + fixed
+
+    where a schedule that splits backwards counts activations and recorded gradients by ``held``
+    (`kept`) instead of ``inflight[j]`` times both.
     """
 
     static: Sequence[int]
@@ -61,6 +64,11 @@ class StageMemory:
     recorded: Sequence[int] = ()
     """Per layer: ZB-H1's gradients recorded by I for W, held per micro-batch in flight beside the
     activations on every stage but the first (its inputs are token ids: it does not split)."""
+    held: Sequence[Sequence[tuple[int, int]]] = ()
+    """Per stage of a schedule that splits backwards: the (activations, recorded) micro-batch counts
+    it holds at its candidate peaks (`mp_toolkit.schedule.simulator.held_pairs`): recorded gradients
+    count only for micro-batches between their I and W, and not for the running I or W, whose
+    workspace holds them. Empty: every micro-batch in flight holds both (``inflight``)."""
 
     def __post_init__(self):
         object.__setattr__(self, "_ps", _prefix(self.static))
@@ -68,12 +76,19 @@ class StageMemory:
         object.__setattr__(self, "_pr", _prefix(self.recorded or [0] * len(self.static)))
         object.__setattr__(self, "_pt", _prefix(self.step_transient or [0] * len(self.static)))
 
-    def _per_microbatch(self, stage: int, a: int, b: int) -> int:
-        return self._pa[b] - self._pa[a] + (self._pr[b] - self._pr[a] if stage > 0 else 0)
+    def kept(self, stage: int, a: int, b: int, saved: int = 0) -> int:
+        """Bytes of activations and recorded gradients stage ``stage`` holds over layers ``[a, b)``
+        at its peak, beside the running layer's workspace; ``saved``: activation bytes per
+        micro-batch that recomputation does not keep."""
+        act = self._pa[b] - self._pa[a] - saved
+        rec = self._pr[b] - self._pr[a] if stage > 0 else 0
+        if self.held:
+            return max(n_act * act + n_rec * rec for n_act, n_rec in self.held[stage])
+        return self.inflight[stage] * (act + rec)
 
     def __call__(self, stage: int, a: int, b: int) -> int:
         ws = max(self.workspace[a:b], default=0) if self.workspace else 0
-        schedule_peak = self.inflight[stage] * self._per_microbatch(stage, a, b) + ws
+        schedule_peak = self.kept(stage, a, b) + ws
         return (self._ps[b] - self._ps[a]) + max(schedule_peak, self._pt[b] - self._pt[a]) + self.fixed
 
     def of_rank(self, spans: Sequence[tuple[int, int, int]]) -> int:
@@ -86,7 +101,7 @@ class StageMemory:
         if not spans:
             return 0
         static = sum(self._ps[b] - self._ps[a] for _, a, b in spans)
-        kept = sum(self.inflight[j] * self._per_microbatch(j, a, b) for j, a, b in spans)
+        kept = sum(self.kept(j, a, b) for j, a, b in spans)
         ws = max((max(self.workspace[a:b], default=0) for _, a, b in spans), default=0) if self.workspace else 0
         step = sum(self._pt[b] - self._pt[a] for _, a, b in spans)
         return static + max(kept + ws, step) + self.fixed

@@ -254,11 +254,14 @@ def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float
 
 
 def _inflight(req: PlanRequest):
-    """Per stage peak in-flight micro-batches of the schedule the run would execute, and the
-    unit-cost schedule itself (a split backward keeps a micro-batch's activations until its W)."""
+    """The unit-cost schedule the run would execute, its per stage peak in-flight micro-batches (a
+    split backward keeps a micro-batch's activations until its W), and for a split schedule what
+    each stage holds at its peaks (`StageMemory.held`; empty otherwise)."""
     schedule = get_schedule(req.schedule, req.pp, req.microbatches, num_chunks=req.chunks)
     tl = simulate(schedule)
-    return schedule, list(tl.peak_inflight_w if req.schedule in SPLIT_SCHEDULES else tl.peak_inflight)
+    if req.schedule in SPLIT_SCHEDULES:
+        return schedule, list(tl.peak_inflight_w), list(tl.peak_held_w)
+    return schedule, list(tl.peak_inflight), []
 
 
 def _split_backward_ms(stage: StagePlan, bounds: list[int],
@@ -289,14 +292,15 @@ def make_plan(req: PlanRequest) -> Plan:
     costs = layer_costs(shape, req.micro_batch, req.seq_len, req.dtype, req.tp)
     lt = layer_times(req, shape, costs)
     times, opt_s, step_bytes, residue, costs, source = lt.times, lt.opt_s, lt.step_bytes, lt.residue, lt.costs, lt.source
-    schedule, inflight = _inflight(req)
+    schedule, inflight, held = _inflight(req)
     num_stages = schedule.num_stages
     zero_dp = req.dp if req.zero else 1
     bpp = bytes_per_param(req.dtype, req.optimizer, zero_dp=zero_dp)
     msg_in = max(c.output_bytes for c in costs[:-1]) if len(costs) > 1 else 0
     memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], fixed=2 * msg_in + residue,
-                         step_transient=step_bytes, recorded=lt.recorded)
+                         step_transient=step_bytes, recorded=lt.recorded,
+                         held=held)
     try:
         bounds, choices = choose_recompute(req, shape, costs, times, memory, num_stages, lambda: cut(
             req, costs, times, memory, num_stages))

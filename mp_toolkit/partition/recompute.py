@@ -109,8 +109,6 @@ class _Segments:
         w = exact_weights(list(times) + list(rc.full_s) + list(rc.selective_s))
         self.time, self.full_t, self.sel_t = w[:n], w[n:2 * n], w[2 * n:]
         self._pt = _prefix(self.time)
-        self._pa = _prefix(memory.activation)
-        self._pr = _prefix(memory.recorded or [0] * n)
         self._ps = _prefix(memory.step_transient or [0] * n)
         self.blocks = [i for i in range(n) if rc.block[i]]
 
@@ -126,11 +124,10 @@ class _Segments:
         times_run = 1 + (self.split[j] if j < len(self.split) else 0)  # a split backward's I and W each rebuild
         m = self.memory
         ws = max(m.workspace[a:b], default=0) if m.workspace else 0
-        kept = self._pa[b] - self._pa[a] + (self._pr[b] - self._pr[a] if j > 0 else 0)
-        peak = m.inflight[j] * kept + ws
+        peak = m.kept(j, a, b) + ws
         step = self._ps[b] - self._ps[a]
         new_ws = max([ws] + ([self.rc.full_workspace[i] for i in chosen] if full else []))
-        new_peak = m.inflight[j] * (kept - saved) + new_ws
+        new_peak = m.kept(j, a, b, saved) + new_ws
         nbytes = m(j, a, b) - max(peak, step) + max(new_peak, step)
         return nbytes, self._pt[b] - self._pt[a] + round(times_run * extra)
 

@@ -65,6 +65,9 @@ class Timeline:
     """Per rank: the same count summed over the rank's stages."""
     peak_inflight_w: tuple[int, ...]
     """Per stage: max over time of forwards done minus B/W done (what ZB keeps until W)."""
+    peak_held_w: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per stage: the (activations, recorded) pairs a split backward's stage holds at its candidate
+    peaks (`held_pairs`), the pairs no other pair covers."""
 
     @property
     def num_ranks(self) -> int:
@@ -171,7 +174,7 @@ def simulate(
     step_time = max((e.end for evs in per_rank for e in evs), default=0.0)
     inflight, inflight_rank, inflight_w = _peak_inflight(schedule)
     return Timeline(schedule, per_rank, step_time, tuple(busy), inflight, inflight_rank,
-                    inflight_w)
+                    inflight_w, held_pairs(schedule))
 
 
 def _transfer_function(latency, bandwidth, message_bytes):
@@ -200,3 +203,32 @@ def _peak_inflight(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]
             stage_peak_w[s] = max(stage_peak_w[s], live_w[s])
             rank_peak[rank] = max(rank_peak[rank], sum(live.values()))
     return tuple(stage_peak), tuple(rank_peak), tuple(stage_peak_w)
+
+
+def held_pairs(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, what it holds while each of its compute actions runs, as micro-batch counts
+    ``(activations, recorded)``: activations of the micro-batches forwarded and not yet through
+    ``B`` or ``W`` (the running one's included), and the gradients an ``I`` recorded for a ``W``
+    still to come -- not the running action's own: an ``I`` records them inside its backward's
+    workspace, and a ``W`` consumes them inside its own. Only the pairs that no other pair covers
+    in both counts are kept, so a stage's peak is the largest of ``a * A + r * R + workspace``
+    over them for any per-micro-batch bytes ``A`` and ``R``."""
+    pairs: list[set[tuple[int, int]]] = [set() for _ in range(schedule.num_stages)]
+    for acts in schedule.actions:
+        live: dict[int, int] = {}
+        pending: dict[int, int] = {}
+        for a in acts:
+            s, kind = a.stage, a.kind
+            if not kind.is_compute:
+                continue
+            if kind is Kind.F:
+                live[s] = live.get(s, 0) + 1
+            if kind is Kind.W:
+                pending[s] -= 1
+            pairs[s].add((live.get(s, 0), pending.get(s, 0)))
+            if kind is Kind.I:
+                pending[s] = pending.get(s, 0) + 1
+            if kind in (Kind.B, Kind.W):
+                live[s] -= 1
+    return tuple(tuple(sorted(p for p in ps if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in ps)))
+                 for ps in pairs)
