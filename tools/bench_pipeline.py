@@ -34,7 +34,8 @@ the same heap.
 All build the same weights from the same seed and see the same batches. After the first round
 the program prints the check that they train the same model (parameter count, first loss within
 1e-5 of the single process's, and the loss after the last step) and exits 1 at the end if it
-failed. Runs alternate between peers (round 1: A B C ..., round 2: A B C ...);
+failed. Runs alternate between peers, the order reversed every other round (round 1: A B C ...,
+round 2: ... C B A; the first run of a round measured 1-3% slow, and no row should always be it);
 each run is a fresh set of processes, timing ``--steps`` steps after ``--warmup`` warm-up steps;
 a step's time runs from a barrier to the end of its slowest rank. A peer's figure is the median
 over all its timed steps. pp=2 efficiency = tokens/s / (2 * T1 * m / (m + p - 1)), the 1F1B bound.
@@ -254,7 +255,7 @@ def bench(args, w: Workload) -> dict:
     errors: dict[str, str] = {}
     check = None
     for rnd in range(args.rounds):
-        for label, spec, nprocs in runs:
+        for label, spec, nprocs in (runs if rnd % 2 == 0 else runs[::-1]):
             if label in errors:
                 continue
             full = {**spec, "workload": w.__dict__, "warmup": args.warmup, "steps": args.steps}
@@ -316,7 +317,7 @@ def bench(args, w: Workload) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--rounds", type=int, default=2, help="runs of every peer, alternating (A B ... A B ...)")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of every peer, alternating (A B ..., then ... B A)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     ap.add_argument("--threads", type=int, default=1, help="threads per rank (and for the single process)")
