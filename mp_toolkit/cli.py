@@ -35,7 +35,8 @@ from mp_toolkit.parallel.context import GridError, check_grid
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.cost import CostModelError
 from mp_toolkit.partition.auto_schedule import fastest_schedule
-from mp_toolkit.partition.planner import MAX_MICROBATCHES, PlanRequest, make_plan
+from mp_toolkit.partition.planner import PlanRequest, make_plan
+from mp_toolkit.partition.request import MAX_MICROBATCHES
 from mp_toolkit.partition.report import draw_plan_gantt, format_plan, write_json
 from mp_toolkit.run.checks import validate
 from mp_toolkit.run.config import ConfigError, TrainConfig

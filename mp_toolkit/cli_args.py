@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from mp_toolkit.partition.planner import PLAN_METHODS, PlanRequest
+from mp_toolkit.partition.request import PLAN_METHODS, PlanRequest
 from mp_toolkit.optim import master
 from mp_toolkit.optim.lamb import LAMB_RULES
 from mp_toolkit.data.buckets import BucketError, parse_buckets

@@ -90,15 +90,20 @@ def test_a_rank_of_interleaved_chunks_shares_one_workspace_and_fixed_part():
 
 
 def test_interleaved_plan_counts_the_fixed_part_once_per_rank():
-    """A rank's second chunk adds only its own weights, states and kept activations: the receive
-    buffers (the fixed part) and the largest workspace are the first chunk's, in one process."""
+    """A rank's second chunk adds only its own weights, states and the activations it adds to the
+    rank's peak (the two chunks' counts at once, `rank_held`): the receive buffers (the fixed part)
+    and the largest workspace are the first chunk's, in one process."""
     from mp_toolkit.schedule import get_schedule, simulate
 
     inter = plan(method="uniform", schedule="interleaved", chunks=2, microbatches=4)
-    inflight = simulate(get_schedule("interleaved", 2, 4, num_chunks=2)).peak_inflight
-    second = inter.stages[2]  # rank 0's second chunk; no workspace (only the LM head has one)
-    kept = sum(c.activation_bytes for c in inter.layers[second.first_layer:second.last_layer + 1])
-    assert second.memory_bytes == second.params * 16 + inflight[2] * kept  # fp32 AdamW: 16 bytes per parameter
+    t = simulate(get_schedule("interleaved", 2, 4, num_chunks=2))
+    first, second = inter.stages[0], inter.stages[2]  # rank 0's chunks; no workspace (only the LM head has one)
+    kept = [sum(c.activation_bytes for c in inter.layers[st.first_layer:st.last_layer + 1]) for st in (first, second)]
+    (stages, counts), = [h for h in t.rank_held if h[0] == (0, 2)]
+    together = max(c0 * kept[0] + c2 * kept[1] for c0, c2 in counts)
+    assert together < t.peak_inflight[0] * kept[0] + t.peak_inflight[2] * kept[1]  # the two peaks come apart
+    # fp32 AdamW: 16 bytes per parameter
+    assert second.memory_bytes == second.params * 16 + together - t.peak_inflight[0] * kept[0]
     fixed = 2 * max(c.output_bytes for c in inter.layers[:-1])
     assert inter.stages[0].memory_bytes > fixed  # the first chunk carries it
 
@@ -285,6 +290,22 @@ def test_a_split_schedule_holds_recorded_gradients_only_between_i_and_w():
     assert zbh1(1, 2, 4) == 2 * 20 + 1 * 10 + 7 < StageMemory(inflight=[2, 2], **args)(1, 2, 4)
     assert zbh1.kept(1, 2, 4, saved=4) == 2 * 16 + 1 * 10  # recomputation drops activations, not gradients
     assert zbh1.of_rank([(0, 0, 2), (1, 2, 4)]) == 2 * 20 + (2 * 20 + 10) + 7
+
+
+def test_a_rank_of_several_chunks_holds_them_at_its_own_peak():
+    """With `StageMemory.rank_held` a rank's chunks count at the rank's peaks, not each at its own:
+    interleaved rank 1 of p 2 x v 2, m 8, holds (2, 1) or (3, 0) micro-batches of its chunks, never
+    (3, 1). Per-stage shares (`memory_shares`) still add up to the rank."""
+    rank_held = [((0, 2), ((3, 2), (4, 1))), ((1, 3), ((2, 1), (3, 0)))]
+    args = dict(static=[1] * 4, activation=[10, 20, 30, 40], inflight=[4, 3, 2, 1], workspace=[5, 5, 5, 5])
+    alone, together = StageMemory(**args), StageMemory(**args, rank_held=rank_held)
+    spans = [(1, 1, 2), (3, 3, 4)]
+    assert alone.of_rank(spans) == 2 + 3 * 20 + 1 * 40 + 5
+    assert together.of_rank(spans) == 2 + max(2 * 20 + 1 * 40, 3 * 20) + 5
+    assert together.of_rank([(1, 1, 2)]) == alone.of_rank([(1, 1, 2)])  # one chunk: its own peak
+    shares = memory_shares(together, [0, 1, 2, 3, 4], (0, 1, 0, 1))
+    assert shares[1] + shares[3] == together.of_rank(spans)
+    assert shares[0] + shares[2] == 2 + max(3 * 10 + 2 * 30, 4 * 10 + 1 * 30) + 5
 
 
 def test_a_given_cut_is_planned_as_the_method_that_picks_it():

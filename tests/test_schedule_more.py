@@ -60,6 +60,23 @@ def test_interleaved_peak_memory_per_rank(p, v, m):
                                          for r in range(p))
 
 
+@pytest.mark.parametrize("p,v,m", INTERLEAVED_SIZES)
+def test_a_ranks_chunks_peak_at_different_times(p, v, m):
+    """`rank_held_counts`: what each chunk of a rank holds at once. Every chunk's own peak shows in
+    some vector, the largest total is the rank's peak, and the total of the chunks' peaks (what the
+    planner added up before) is never below it."""
+    t = simulate(interleaved_1f1b(p, m, v))
+    if v == 1:
+        assert t.rank_held == ()
+        return
+    assert [stages for stages, _ in t.rank_held] == [tuple(range(r, p * v, p)) for r in range(p)]
+    for r, (stages, counts) in enumerate(t.rank_held):
+        assert max(sum(c) for c in counts) == t.peak_inflight_rank[r]
+        assert [max(c[i] for c in counts) for i in range(v)] == [t.peak_inflight[s] for s in stages]
+        assert sum(t.peak_inflight[s] for s in stages) >= t.peak_inflight_rank[r]
+    assert simulate(interleaved_1f1b(2, 8, 2)).rank_held == (((0, 2), ((3, 2), (4, 1))), ((1, 3), ((2, 1), (3, 0))))
+
+
 def test_interleaved_p2_v2_m4_actions():
     # Rank 0 holds stages 0 and 2, rank 1 stages 1 and 3. Rank 0 warms up with Megatron's and torch's
     # 2(p-r-1) + (v-1)p = 4 forwards (0F0 0F1 2F0 2F1), rank 1 with 2; each rank's receives follow

@@ -69,6 +69,11 @@ class StageMemory:
     it holds at its candidate peaks (`mp_toolkit.schedule.simulator.held_pairs`): recorded gradients
     count only for micro-batches between their I and W, and not for the running I or W, whose
     workspace holds them. Empty: every micro-batch in flight holds both (``inflight``)."""
+    rank_held: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]] = ()
+    """Per rank holding several stages (interleaved chunks): ``(its stages, count vectors)``, the
+    micro-batches each stage holds at once at the rank's candidate peaks
+    (`mp_toolkit.schedule.simulator.rank_held_counts`): `of_rank` takes the largest total over them
+    instead of adding up each stage's own peak. Empty: the stages' peaks add up."""
 
     def __post_init__(self):
         object.__setattr__(self, "_ps", _prefix(self.static))
@@ -86,6 +91,21 @@ class StageMemory:
             return max(n_act * act + n_rec * rec for n_act, n_rec in self.held[stage])
         return self.inflight[stage] * (act + rec)
 
+    def _per_microbatch(self, stage: int, a: int, b: int) -> int:
+        """Activations and recorded gradients of one micro-batch on stage ``stage`` over ``[a, b)``."""
+        return self._pa[b] - self._pa[a] + (self._pr[b] - self._pr[a] if stage > 0 else 0)
+
+    def _kept_together(self, spans: Sequence[tuple[int, int, int]]) -> int:
+        """`kept` of the stages ``spans`` of one rank at once: by the rank's count vectors where
+        ``rank_held`` names all of them, else each stage at its own peak."""
+        mine = {j for j, _, _ in spans}
+        for stages, counts in self.rank_held:
+            if mine <= set(stages):
+                at = {s: i for i, s in enumerate(stages)}
+                per_mb = [(at[j], self._per_microbatch(j, a, b)) for j, a, b in spans]
+                return max(sum(c[i] * nbytes for i, nbytes in per_mb) for c in counts)
+        return sum(self.kept(j, a, b) for j, a, b in spans)
+
     def __call__(self, stage: int, a: int, b: int) -> int:
         ws = max(self.workspace[a:b], default=0) if self.workspace else 0
         schedule_peak = self.kept(stage, a, b) + ws
@@ -97,11 +117,13 @@ class StageMemory:
         largest workspace among all its layers and the fixed part count once::
 
             sum(static) + max(sum(inflight[j] * activation[a:b]) + max(workspace), sum(step_transient)) + fixed
+
+        where the kept sum is taken at the rank's peaks (``rank_held``) when the schedule gives them.
         """
         if not spans:
             return 0
         static = sum(self._ps[b] - self._ps[a] for _, a, b in spans)
-        kept = sum(self.kept(j, a, b) for j, a, b in spans)
+        kept = self._kept_together(spans)
         ws = max((max(self.workspace[a:b], default=0) for _, a, b in spans), default=0) if self.workspace else 0
         step = sum(self._pt[b] - self._pt[a] for _, a, b in spans)
         return static + max(kept + ws, step) + self.fixed

@@ -30,74 +30,16 @@ from .build import measure_model
 from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape, step_bytes_per_param
 from .memory import MemoryCapError, StageMemory, min_max_memory
 from .recompute import apply_to_plan, choose_recompute
+from .request import PLAN_METHODS, PlanRequest, check_request
 from .solvers import PartitionError, explicit, min_max, uniform
 
-PLAN_METHODS = ("uniform", "parameters", "flops", "time", "type:REGEX", "memory")
-PLAN_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain")
 SPLIT_OVERHEAD = 0.10
 """What a backward run as ``I`` then ``W`` costs beyond the backward it replaces, as a share of it,
 charged to each ``W``: ``W`` re-reads operands that other work has since evicted from cache. Measured
 on the issue-8 workload in the pipeline (stage 1's CPU time per step, ZB-H1 against 1F1B): 10-19% on
 an AVX-512 Xeon, 10% on an AMD EPYC; 6.5% in one process. The timed split of ``--measure`` times a
 layer's I and W back to back and does not see it."""
-MAX_MICROBATCHES = 65536
-"""The simulator keeps every action of a step; beyond this a plan would take minutes."""
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What ``mpt plan`` is asked."""
-
-    model: str
-    """Preset name or a HuggingFace config.json (GPT-2, BERT, Llama families)."""
-    pp: int = 2
-    tp: int = 1
-    dp: int = 1
-    micro_batch: int = 8
-    microbatches: int = 4
-    seq_len: int = 128
-    method: str = "parameters"
-    """uniform, parameters, flops, time, type:REGEX (DeepSpeed's) or memory."""
-    memory_gb: float | None = None
-    """Per-device cap; required by ``memory``, a warning threshold otherwise."""
-    dtype: str = "fp32"
-    optimizer: str = "adamw"
-    schedule: str = "1f1b"
-    chunks: int = 1
-    """Model chunks per rank (interleaved)."""
-    tflops: float | None = None
-    """Throughput turning FLOPs into time; None measures a GEMM on this machine."""
-    measure: bool = False
-    """Time each layer here even when the method does not need it."""
-    threads: int | None = None
-    """Torch threads per rank while timing layers; None: as ``mpt train`` picks them (this
-    machine's cores shared out over the pp x tp x dp ranks)."""
-    load: bool = True
-    """Time layers beside helper processes standing in for the run's other ranks on this machine
-    (`contention.concurrent_load`); False: on an otherwise idle machine."""
-    p2p_latency_us: float = 150.0
-    """Per message (gloo on one host; NCCL across NVLink is ~10)."""
-    p2p_gbps: float = 3.0
-    """Point-to-point and collective bandwidth, GB/s."""
-    mem_gbps: float = 8.0
-    """Memory bandwidth for the FLOP-free optimizer step estimate, GB/s."""
-    hf: bool = False
-    """The model is a HuggingFace config trained from transformers' own modules (``mpt train --hf``):
-    count what they keep (`ModelShape.hf_modules`); formula times only."""
-    recompute: str = "none"
-    """Activation recomputation: none, full, selective (`mp_toolkit.recompute`), or auto: per stage,
-    chosen jointly with the cut (``method`` memory), the fastest that fits ``memory_gb``."""
-    recompute_layers: tuple[int, ...] | None = None
-    """full / selective: the first N block layers of every stage (one count), or of each stage (one
-    count per stage); None: every block layer."""
-    recompute_modes: tuple[str, ...] = ("full", "selective")
-    """The modes ``recompute`` auto may choose (selective only where the family has it)."""
-    boundaries: tuple[int, ...] | None = None
-    """A given cut (``mpt train``'s own, to predict what its ranks hold): ``method`` is not consulted."""
-    zero: int = 0
-    """ZeRO stage 0 or 1: masters and optimizer state partitioned over the dp replicas
-    (`bytes_per_param`'s ``zero_dp``); each replica's optimizer step touches 1/dp of them."""
 
 
 @dataclass(frozen=True)
@@ -255,13 +197,14 @@ def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float
 
 def _inflight(req: PlanRequest):
     """The unit-cost schedule the run would execute, its per stage peak in-flight micro-batches (a
-    split backward keeps a micro-batch's activations until its W), and for a split schedule what
-    each stage holds at its peaks (`StageMemory.held`; empty otherwise)."""
+    split backward keeps a micro-batch's activations until its W), for a split schedule what each
+    stage holds at its peaks (`StageMemory.held`; empty otherwise), and for ranks of several stages
+    what they hold at once (`StageMemory.rank_held`)."""
     schedule = get_schedule(req.schedule, req.pp, req.microbatches, num_chunks=req.chunks)
     tl = simulate(schedule)
     if req.schedule in SPLIT_SCHEDULES:
-        return schedule, list(tl.peak_inflight_w), list(tl.peak_held_w)
-    return schedule, list(tl.peak_inflight), []
+        return schedule, list(tl.peak_inflight_w), list(tl.peak_held_w), list(tl.rank_held)
+    return schedule, list(tl.peak_inflight), [], list(tl.rank_held)
 
 
 def _split_backward_ms(stage: StagePlan, bounds: list[int],
@@ -292,7 +235,7 @@ def make_plan(req: PlanRequest) -> Plan:
     costs = layer_costs(shape, req.micro_batch, req.seq_len, req.dtype, req.tp)
     lt = layer_times(req, shape, costs)
     times, opt_s, step_bytes, residue, costs, source = lt.times, lt.opt_s, lt.step_bytes, lt.residue, lt.costs, lt.source
-    schedule, inflight, held = _inflight(req)
+    schedule, inflight, held, rank_held = _inflight(req)
     num_stages = schedule.num_stages
     zero_dp = req.dp if req.zero else 1
     bpp = bytes_per_param(req.dtype, req.optimizer, zero_dp=zero_dp)
@@ -300,7 +243,7 @@ def make_plan(req: PlanRequest) -> Plan:
     memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], fixed=2 * msg_in + residue,
                          step_transient=step_bytes, recorded=lt.recorded,
-                         held=held)
+                         held=held, rank_held=rank_held)
     try:
         bounds, choices = choose_recompute(req, shape, costs, times, memory, num_stages, lambda: cut(
             req, costs, times, memory, num_stages))
@@ -378,51 +321,3 @@ def _round_up(gb: float) -> str:
     digits = 2 - int(math.floor(math.log10(gb))) - 1 if gb > 0 else 2
     step = 10.0 ** -digits
     return f"{math.ceil(gb / step - 1e-9) * step:.{max(digits, 0)}f}"
-
-
-def check_request(req: PlanRequest, shape: ModelShape) -> None:
-    """Every bad combination as one line."""
-
-    for name in ("pp", "tp", "dp", "micro_batch", "microbatches", "seq_len", "chunks"):
-        v = getattr(req, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PartitionError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
-    if req.microbatches > MAX_MICROBATCHES:
-        raise PartitionError(f"--microbatches {req.microbatches} is more than the planner simulates "
-                             f"(at most {MAX_MICROBATCHES})")
-    if req.schedule not in PLAN_SCHEDULES:
-        raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of {', '.join(PLAN_SCHEDULES)}")
-    if not (req.method in PLAN_METHODS[:4] or req.method == "memory" or req.method.startswith("type:")):
-        raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
-    if req.zero not in (0, 1):
-        raise PartitionError(f"--zero {req.zero}: ZeRO stage 0 (off) or 1 (optimizer state partitioned over dp)")
-    if req.dtype not in ACT_BYTES:
-        raise PartitionError(f"unknown --dtype {req.dtype!r}: choose one of {', '.join(ACT_BYTES)}")
-    if req.memory_gb is not None and not (math.isfinite(req.memory_gb) and req.memory_gb > 0):
-        raise PartitionError(f"--memory-gb {req.memory_gb:g} must be a positive finite number")
-    n_layers = len(layer_costs(shape, 1, 1))
-    stages = req.pp * req.chunks
-    if stages > n_layers:
-        what = f"--pp {req.pp}" if req.chunks == 1 else f"--pp {req.pp} x --chunks {req.chunks} = {stages} stages"
-        raise PartitionError(f"{what} exceeds the model's {n_layers} layers: use at most {n_layers}")
-    if req.chunks > 1 and req.schedule != "interleaved":
-        raise PartitionError(f"--chunks {req.chunks} needs --schedule interleaved")
-    if req.schedule == "interleaved" and req.chunks > 1 and req.microbatches % req.pp:
-        raise PartitionError(f"--schedule interleaved needs --microbatches a multiple of --pp {req.pp}, "
-                             f"got {req.microbatches}")
-    if req.tp > 1:
-        for what, value in (("attention heads", shape.heads), ("key/value heads", shape.kvh),
-                            ("MLP size", shape.ffn)):
-            if value % req.tp:
-                raise PartitionError(f"--tp {req.tp} does not divide the model's {what} ({value}): "
-                                     f"choose a tp that divides {value}")
-    if shape.positions and req.seq_len > shape.positions:
-        raise PartitionError(f"--seq-len {req.seq_len} exceeds the model's {shape.positions} positions")
-    if req.threads is not None and (isinstance(req.threads, bool) or not isinstance(req.threads, int)
-                                    or req.threads < 1):
-        raise PartitionError(f"--threads {req.threads!r} must be a positive integer")
-    for name in ("tflops", "p2p_gbps", "mem_gbps", "p2p_latency_us"):
-        v = getattr(req, name)
-        if v is not None and not (math.isfinite(v) and (v > 0 or (name == "p2p_latency_us" and v == 0))):
-            raise PartitionError(f"--{name.replace('_', '-')} {v:g} must be a positive finite number")
-

@@ -68,6 +68,9 @@ class Timeline:
     peak_held_w: tuple[tuple[tuple[int, int], ...], ...] = ()
     """Per stage: the (activations, recorded) pairs a split backward's stage holds at its candidate
     peaks (`held_pairs`), the pairs no other pair covers."""
+    rank_held: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] = ()
+    """Per rank holding several stages: ``(its stages, counts)``, the micro-batches of activations
+    each of its stages holds at once at the rank's candidate peaks (`rank_held_counts`)."""
 
     @property
     def num_ranks(self) -> int:
@@ -174,7 +177,7 @@ def simulate(
     step_time = max((e.end for evs in per_rank for e in evs), default=0.0)
     inflight, inflight_rank, inflight_w = _peak_inflight(schedule)
     return Timeline(schedule, per_rank, step_time, tuple(busy), inflight, inflight_rank,
-                    inflight_w, held_pairs(schedule))
+                    inflight_w, held_pairs(schedule), rank_held_counts(schedule))
 
 
 def _transfer_function(latency, bandwidth, message_bytes):
@@ -205,6 +208,38 @@ def _peak_inflight(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]
     return tuple(stage_peak), tuple(rank_peak), tuple(stage_peak_w)
 
 
+def _undominated(counts: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The count vectors no other vector covers in every position, sorted."""
+    return tuple(sorted(c for c in counts
+                        if not any(d != c and all(x >= y for x, y in zip(d, c)) for d in counts)))
+
+
+def rank_held_counts(schedule: Schedule) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...]:
+    """Per rank holding several stages (interleaved chunks): ``(stages, counts)``, where each count
+    vector gives, per stage in ``stages`` order, the micro-batches whose forward ran there and whose
+    ``B`` (or ``W``) has not, while one of the rank's compute actions runs. The chunks' own peaks
+    come at different times (the first chunk's in the warm-up, the last's in the steady state), so
+    a rank's peak is the largest of ``sum(count[j] * A[j])`` over these vectors, below the sum of
+    the stages' peaks; vectors another covers are dropped."""
+    out = []
+    for rank, acts in enumerate(schedule.actions):
+        stages = schedule.stages_of(rank)
+        if len(stages) < 2:
+            continue
+        at = {s: i for i, s in enumerate(stages)}
+        live, seen = [0] * len(stages), set()
+        for a in acts:
+            if not a.kind.is_compute:
+                continue
+            if a.kind is Kind.F:
+                live[at[a.stage]] += 1
+            seen.add(tuple(live))
+            if a.kind in (Kind.B, Kind.W):
+                live[at[a.stage]] -= 1
+        out.append((stages, _undominated(seen)))
+    return tuple(out)
+
+
 def held_pairs(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per stage, what it holds while each of its compute actions runs, as micro-batch counts
     ``(activations, recorded)``: activations of the micro-batches forwarded and not yet through
@@ -230,5 +265,4 @@ def held_pairs(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
                 pending[s] = pending.get(s, 0) + 1
             if kind in (Kind.B, Kind.W):
                 live[s] -= 1
-    return tuple(tuple(sorted(p for p in ps if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in ps)))
-                 for ps in pairs)
+    return tuple(_undominated(ps) for ps in pairs)

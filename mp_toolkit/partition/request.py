@@ -1,0 +1,116 @@
+"""What ``mpt plan`` is asked (`PlanRequest`), and `check_request`: every bad combination of it
+as one line, before anything is measured or cut."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .cost import ACT_BYTES, ModelShape, layer_costs
+from .solvers import PartitionError
+
+PLAN_METHODS = ("uniform", "parameters", "flops", "time", "type:REGEX", "memory")
+PLAN_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain")
+MAX_MICROBATCHES = 65536
+"""The simulator keeps every action of a step; beyond this a plan would take minutes."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``mpt plan`` is asked."""
+
+    model: str
+    """Preset name or a HuggingFace config.json (GPT-2, BERT, Llama families)."""
+    pp: int = 2
+    tp: int = 1
+    dp: int = 1
+    micro_batch: int = 8
+    microbatches: int = 4
+    seq_len: int = 128
+    method: str = "parameters"
+    """uniform, parameters, flops, time, type:REGEX (DeepSpeed's) or memory."""
+    memory_gb: float | None = None
+    """Per-device cap; required by ``memory``, a warning threshold otherwise."""
+    dtype: str = "fp32"
+    optimizer: str = "adamw"
+    schedule: str = "1f1b"
+    chunks: int = 1
+    """Model chunks per rank (interleaved)."""
+    tflops: float | None = None
+    """Throughput turning FLOPs into time; None measures a GEMM on this machine."""
+    measure: bool = False
+    """Time each layer here even when the method does not need it."""
+    threads: int | None = None
+    """Torch threads per rank while timing layers; None: as ``mpt train`` picks them (this
+    machine's cores shared out over the pp x tp x dp ranks)."""
+    load: bool = True
+    """Time layers beside helper processes standing in for the run's other ranks on this machine
+    (`contention.concurrent_load`); False: on an otherwise idle machine."""
+    p2p_latency_us: float = 150.0
+    """Per message (gloo on one host; NCCL across NVLink is ~10)."""
+    p2p_gbps: float = 3.0
+    """Point-to-point and collective bandwidth, GB/s."""
+    mem_gbps: float = 8.0
+    """Memory bandwidth for the FLOP-free optimizer step estimate, GB/s."""
+    hf: bool = False
+    """The model is a HuggingFace config trained from transformers' own modules (``mpt train --hf``):
+    count what they keep (`ModelShape.hf_modules`); formula times only."""
+    recompute: str = "none"
+    """Activation recomputation: none, full, selective (`mp_toolkit.recompute`), or auto: per stage,
+    chosen jointly with the cut (``method`` memory), the fastest that fits ``memory_gb``."""
+    recompute_layers: tuple[int, ...] | None = None
+    """full / selective: the first N block layers of every stage (one count), or of each stage (one
+    count per stage); None: every block layer."""
+    recompute_modes: tuple[str, ...] = ("full", "selective")
+    """The modes ``recompute`` auto may choose (selective only where the family has it)."""
+    boundaries: tuple[int, ...] | None = None
+    """A given cut (``mpt train``'s own, to predict what its ranks hold): ``method`` is not consulted."""
+    zero: int = 0
+    """ZeRO stage 0 or 1: masters and optimizer state partitioned over the dp replicas
+    (`bytes_per_param`'s ``zero_dp``); each replica's optimizer step touches 1/dp of them."""
+
+
+def check_request(req: PlanRequest, shape: ModelShape) -> None:
+    """Every bad combination as one line."""
+
+    for name in ("pp", "tp", "dp", "micro_batch", "microbatches", "seq_len", "chunks"):
+        v = getattr(req, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PartitionError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+    if req.microbatches > MAX_MICROBATCHES:
+        raise PartitionError(f"--microbatches {req.microbatches} is more than the planner simulates "
+                             f"(at most {MAX_MICROBATCHES})")
+    if req.schedule not in PLAN_SCHEDULES:
+        raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of {', '.join(PLAN_SCHEDULES)}")
+    if not (req.method in PLAN_METHODS[:4] or req.method == "memory" or req.method.startswith("type:")):
+        raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
+    if req.zero not in (0, 1):
+        raise PartitionError(f"--zero {req.zero}: ZeRO stage 0 (off) or 1 (optimizer state partitioned over dp)")
+    if req.dtype not in ACT_BYTES:
+        raise PartitionError(f"unknown --dtype {req.dtype!r}: choose one of {', '.join(ACT_BYTES)}")
+    if req.memory_gb is not None and not (math.isfinite(req.memory_gb) and req.memory_gb > 0):
+        raise PartitionError(f"--memory-gb {req.memory_gb:g} must be a positive finite number")
+    n_layers = len(layer_costs(shape, 1, 1))
+    stages = req.pp * req.chunks
+    if stages > n_layers:
+        what = f"--pp {req.pp}" if req.chunks == 1 else f"--pp {req.pp} x --chunks {req.chunks} = {stages} stages"
+        raise PartitionError(f"{what} exceeds the model's {n_layers} layers: use at most {n_layers}")
+    if req.chunks > 1 and req.schedule != "interleaved":
+        raise PartitionError(f"--chunks {req.chunks} needs --schedule interleaved")
+    if req.schedule == "interleaved" and req.chunks > 1 and req.microbatches % req.pp:
+        raise PartitionError(f"--schedule interleaved needs --microbatches a multiple of --pp {req.pp}, "
+                             f"got {req.microbatches}")
+    if req.tp > 1:
+        for what, value in (("attention heads", shape.heads), ("key/value heads", shape.kvh),
+                            ("MLP size", shape.ffn)):
+            if value % req.tp:
+                raise PartitionError(f"--tp {req.tp} does not divide the model's {what} ({value}): "
+                                     f"choose a tp that divides {value}")
+    if shape.positions and req.seq_len > shape.positions:
+        raise PartitionError(f"--seq-len {req.seq_len} exceeds the model's {shape.positions} positions")
+    if req.threads is not None and (isinstance(req.threads, bool) or not isinstance(req.threads, int)
+                                    or req.threads < 1):
+        raise PartitionError(f"--threads {req.threads!r} must be a positive integer")
+    for name in ("tflops", "p2p_gbps", "mem_gbps", "p2p_latency_us"):
+        v = getattr(req, name)
+        if v is not None and not (math.isfinite(v) and (v > 0 or (name == "p2p_latency_us" and v == 0))):
+            raise PartitionError(f"--{name.replace('_', '-')} {v:g} must be a positive finite number")
