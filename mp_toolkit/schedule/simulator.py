@@ -209,9 +209,14 @@ def _peak_inflight(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]
 
 
 def _undominated(counts: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
-    """The count vectors no other vector covers in every position, sorted."""
-    return tuple(sorted(c for c in counts
-                        if not any(d != c and all(x >= y for x, y in zip(d, c)) for d in counts)))
+    """The count vectors no other vector covers in every position, sorted. A vector's coverers sort
+    before it in descending order, so one pass against those kept so far suffices (GPipe's m
+    distinct counts leave one)."""
+    kept: list[tuple[int, ...]] = []
+    for c in sorted(counts, reverse=True):
+        if not any(all(x >= y for x, y in zip(d, c)) for d in kept):
+            kept.append(c)
+    return tuple(sorted(kept))
 
 
 def rank_held_counts(schedule: Schedule) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...]:
