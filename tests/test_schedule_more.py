@@ -62,7 +62,7 @@ def test_interleaved_peak_memory_per_rank(p, v, m):
 
 @pytest.mark.parametrize("p,v,m", INTERLEAVED_SIZES)
 def test_a_ranks_chunks_peak_at_different_times(p, v, m):
-    """`rank_held_counts`: what each chunk of a rank holds at once. Every chunk's own peak shows in
+    """`Timeline.rank_held`: what each chunk of a rank holds at once. Every chunk's own peak shows in
     some vector, the largest total is the rank's peak, and the total of the chunks' peaks (what the
     planner added up before) is never below it."""
     t = simulate(interleaved_1f1b(p, m, v))
@@ -177,7 +177,7 @@ def test_zb_drain_memory(p, m):
 
 @pytest.mark.parametrize("p,m", ZB_SIZES)
 def test_held_pairs_count_recorded_gradients_only_between_i_and_w(p, m):
-    """What a split stage holds at its peaks (`held_pairs`): the most activations is the in-flight
+    """What a split stage holds at its peaks (`Timeline.peak_held_w`): the most activations is the in-flight
     peak; recorded gradients of a W still to come, never the running action's own. ZB-drain's
     stage s splits its last min(s, m) backwards, so holds at most min(s, m) - 1 beside a running
     one; without splits nothing is recorded."""

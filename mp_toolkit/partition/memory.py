@@ -66,13 +66,13 @@ class StageMemory:
     activations on every stage but the first (its inputs are token ids: it does not split)."""
     held: Sequence[Sequence[tuple[int, int]]] = ()
     """Per stage of a schedule that splits backwards: the (activations, recorded) micro-batch counts
-    it holds at its candidate peaks (`mp_toolkit.schedule.simulator.held_pairs`): recorded gradients
+    it holds at its candidate peaks (`mp_toolkit.schedule.simulator.Timeline.peak_held_w`): recorded gradients
     count only for micro-batches between their I and W, and not for the running I or W, whose
     workspace holds them. Empty: every micro-batch in flight holds both (``inflight``)."""
     rank_held: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]] = ()
     """Per rank holding several stages (interleaved chunks): ``(its stages, count vectors)``, the
     micro-batches each stage holds at once at the rank's candidate peaks
-    (`mp_toolkit.schedule.simulator.rank_held_counts`): `of_rank` takes the largest total over them
+    (`mp_toolkit.schedule.simulator.Timeline.rank_held`): `of_rank` takes the largest total over them
     instead of adding up each stage's own peak. Empty: the stages' peaks add up."""
 
     def __post_init__(self):
@@ -85,15 +85,15 @@ class StageMemory:
         """Bytes of activations and recorded gradients stage ``stage`` holds over layers ``[a, b)``
         at its peak, beside the running layer's workspace; ``saved``: activation bytes per
         micro-batch that recomputation does not keep."""
-        act = self._pa[b] - self._pa[a] - saved
-        rec = self._pr[b] - self._pr[a] if stage > 0 else 0
+        act, rec = self._per_microbatch(stage, a, b)
+        act -= saved
         if self.held:
             return max(n_act * act + n_rec * rec for n_act, n_rec in self.held[stage])
         return self.inflight[stage] * (act + rec)
 
-    def _per_microbatch(self, stage: int, a: int, b: int) -> int:
-        """Activations and recorded gradients of one micro-batch on stage ``stage`` over ``[a, b)``."""
-        return self._pa[b] - self._pa[a] + (self._pr[b] - self._pr[a] if stage > 0 else 0)
+    def _per_microbatch(self, stage: int, a: int, b: int) -> tuple[int, int]:
+        """Activations, and recorded gradients, of one micro-batch on stage ``stage`` over ``[a, b)``."""
+        return self._pa[b] - self._pa[a], (self._pr[b] - self._pr[a] if stage > 0 else 0)
 
     def _kept_together(self, spans: Sequence[tuple[int, int, int]]) -> int:
         """`kept` of the stages ``spans`` of one rank at once: by the rank's count vectors where
@@ -102,7 +102,7 @@ class StageMemory:
         for stages, counts in self.rank_held:
             if mine <= set(stages):
                 at = {s: i for i, s in enumerate(stages)}
-                per_mb = [(at[j], self._per_microbatch(j, a, b)) for j, a, b in spans]
+                per_mb = [(at[j], sum(self._per_microbatch(j, a, b))) for j, a, b in spans]
                 return max(sum(c[i] * nbytes for i, nbytes in per_mb) for c in counts)
         return sum(self.kept(j, a, b) for j, a, b in spans)
 

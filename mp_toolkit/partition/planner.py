@@ -202,9 +202,9 @@ def _inflight(req: PlanRequest):
     what they hold at once (`StageMemory.rank_held`)."""
     schedule = get_schedule(req.schedule, req.pp, req.microbatches, num_chunks=req.chunks)
     tl = simulate(schedule)
-    if req.schedule in SPLIT_SCHEDULES:
-        return schedule, list(tl.peak_inflight_w), list(tl.peak_held_w), list(tl.rank_held)
-    return schedule, list(tl.peak_inflight), [], list(tl.rank_held)
+    split = req.schedule in SPLIT_SCHEDULES
+    inflight = tl.peak_inflight_w if split else tl.peak_inflight
+    return schedule, list(inflight), list(tl.peak_held_w) if split else [], list(tl.rank_held)
 
 
 def _split_backward_ms(stage: StagePlan, bounds: list[int],

@@ -66,11 +66,13 @@ class Timeline:
     peak_inflight_w: tuple[int, ...]
     """Per stage: max over time of forwards done minus B/W done (what ZB keeps until W)."""
     peak_held_w: tuple[tuple[tuple[int, int], ...], ...] = ()
-    """Per stage: the (activations, recorded) pairs a split backward's stage holds at its candidate
-    peaks (`held_pairs`), the pairs no other pair covers."""
+    """Per stage: the (activations, recorded gradients) micro-batch counts it holds while each of its
+    compute actions runs (`_held_counts`), those no other pair covers in both: a stage's peak is the
+    largest ``a * A + r * R + workspace`` over them for any per-micro-batch bytes ``A``, ``R``."""
     rank_held: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] = ()
-    """Per rank holding several stages: ``(its stages, counts)``, the micro-batches of activations
-    each of its stages holds at once at the rank's candidate peaks (`rank_held_counts`)."""
+    """Per rank holding several stages: ``(its stages, count vectors)``, the micro-batches of
+    activations each of its stages holds at once while one of its compute actions runs, the vectors
+    no other covers: a rank's peak is the largest ``sum(count[j] * A[j])`` over them."""
 
     @property
     def num_ranks(self) -> int:
@@ -175,9 +177,7 @@ def simulate(
         events[rank][pos] = Event(a, start, clock[rank])
     per_rank = tuple(tuple(ev[i] for i in range(len(ev))) for ev in events)
     step_time = max((e.end for evs in per_rank for e in evs), default=0.0)
-    inflight, inflight_rank, inflight_w = _peak_inflight(schedule)
-    return Timeline(schedule, per_rank, step_time, tuple(busy), inflight, inflight_rank,
-                    inflight_w, held_pairs(schedule), rank_held_counts(schedule))
+    return Timeline(schedule, per_rank, step_time, tuple(busy), *_held_counts(schedule))
 
 
 def _transfer_function(latency, bandwidth, message_bytes):
@@ -188,24 +188,6 @@ def _transfer_function(latency, bandwidth, message_bytes):
         size = message_bytes(a) if callable(message_bytes) else message_bytes
         return latency, float(size) / bandwidth
     return transfer
-
-
-def _peak_inflight(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Peaks of live activations; a rank's list order is its time order, so no clock needed."""
-    stage_peak = [0] * schedule.num_stages
-    stage_peak_w = [0] * schedule.num_stages
-    rank_peak = [0] * schedule.num_ranks
-    for rank, acts in enumerate(schedule.actions):
-        live: dict[int, int] = {}
-        live_w: dict[int, int] = {}
-        for a in acts:
-            s = a.stage
-            live[s] = live.get(s, 0) + {Kind.F: 1, Kind.B: -1, Kind.I: -1}.get(a.kind, 0)
-            live_w[s] = live_w.get(s, 0) + {Kind.F: 1, Kind.B: -1, Kind.W: -1}.get(a.kind, 0)
-            stage_peak[s] = max(stage_peak[s], live[s])
-            stage_peak_w[s] = max(stage_peak_w[s], live_w[s])
-            rank_peak[rank] = max(rank_peak[rank], sum(live.values()))
-    return tuple(stage_peak), tuple(rank_peak), tuple(stage_peak_w)
 
 
 def _undominated(counts: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
@@ -219,55 +201,48 @@ def _undominated(counts: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted(kept))
 
 
-def rank_held_counts(schedule: Schedule) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...]:
-    """Per rank holding several stages (interleaved chunks): ``(stages, counts)``, where each count
-    vector gives, per stage in ``stages`` order, the micro-batches whose forward ran there and whose
-    ``B`` (or ``W``) has not, while one of the rank's compute actions runs. The chunks' own peaks
-    come at different times (the first chunk's in the warm-up, the last's in the steady state), so
-    a rank's peak is the largest of ``sum(count[j] * A[j])`` over these vectors, below the sum of
-    the stages' peaks; vectors another covers are dropped."""
-    out = []
+def _held_counts(schedule: Schedule):
+    """What the stages hold, from one walk over each rank's compute actions (a rank's list order is
+    its time order, so no clock is needed): per stage the peak of forwards done minus ``B``/``I``
+    done and of forwards done minus ``B``/``W`` done, per rank the peak of the first summed over its
+    stages, and the count pairs and vectors of `Timeline.peak_held_w` and `Timeline.rank_held`.
+
+    While an action runs, a stage holds the activations of the micro-batches forwarded and not yet
+    through ``B`` or ``W`` (the running one's included) and the gradients an ``I`` recorded for a
+    ``W`` still to come -- not the running action's own: an ``I`` records them inside its backward's
+    workspace, and a ``W`` consumes them inside its own. A rank of several stages (interleaved
+    chunks) holds each stage's count at once; the chunks peak at different times (the first in the
+    warm-up, the last in the steady state), so its peak is below the sum of theirs."""
+    n = schedule.num_stages
+    stage_peak, stage_peak_w, rank_peak = [0] * n, [0] * n, [0] * schedule.num_ranks
+    pairs: list[set[tuple[int, int]]] = [set() for _ in range(n)]
+    rank_held = []
     for rank, acts in enumerate(schedule.actions):
         stages = schedule.stages_of(rank)
-        if len(stages) < 2:
-            continue
-        at = {s: i for i, s in enumerate(stages)}
-        live, seen = [0] * len(stages), set()
-        for a in acts:
-            if not a.kind.is_compute:
-                continue
-            if a.kind is Kind.F:
-                live[at[a.stage]] += 1
-            seen.add(tuple(live))
-            if a.kind in (Kind.B, Kind.W):
-                live[at[a.stage]] -= 1
-        out.append((stages, _undominated(seen)))
-    return tuple(out)
-
-
-def held_pairs(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per stage, what it holds while each of its compute actions runs, as micro-batch counts
-    ``(activations, recorded)``: activations of the micro-batches forwarded and not yet through
-    ``B`` or ``W`` (the running one's included), and the gradients an ``I`` recorded for a ``W``
-    still to come -- not the running action's own: an ``I`` records them inside its backward's
-    workspace, and a ``W`` consumes them inside its own. Only the pairs that no other pair covers
-    in both counts are kept, so a stage's peak is the largest of ``a * A + r * R + workspace``
-    over them for any per-micro-batch bytes ``A`` and ``R``."""
-    pairs: list[set[tuple[int, int]]] = [set() for _ in range(schedule.num_stages)]
-    for acts in schedule.actions:
-        live: dict[int, int] = {}
-        pending: dict[int, int] = {}
+        live, live_w, pending = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
+        vectors: set[tuple[int, ...]] = set()
         for a in acts:
             s, kind = a.stage, a.kind
             if not kind.is_compute:
                 continue
             if kind is Kind.F:
-                live[s] = live.get(s, 0) + 1
-            if kind is Kind.W:
+                live[s] += 1
+                live_w[s] += 1
+                stage_peak[s] = max(stage_peak[s], live[s])
+                stage_peak_w[s] = max(stage_peak_w[s], live_w[s])
+                rank_peak[rank] = max(rank_peak[rank], sum(live.values()))
+            elif kind is Kind.W:
                 pending[s] -= 1
-            pairs[s].add((live.get(s, 0), pending.get(s, 0)))
+            pairs[s].add((live_w[s], pending[s]))
+            if len(stages) > 1:
+                vectors.add(tuple(live_w[t] for t in stages))
             if kind is Kind.I:
-                pending[s] = pending.get(s, 0) + 1
-            if kind in (Kind.B, Kind.W):
+                pending[s] += 1
+            if kind in (Kind.B, Kind.I):
                 live[s] -= 1
-    return tuple(_undominated(ps) for ps in pairs)
+            if kind in (Kind.B, Kind.W):
+                live_w[s] -= 1
+        if len(stages) > 1:
+            rank_held.append((stages, _undominated(vectors)))
+    return (tuple(stage_peak), tuple(rank_peak), tuple(stage_peak_w), tuple(_undominated(p) for p in pairs),
+            tuple(rank_held))
