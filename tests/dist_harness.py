@@ -20,7 +20,8 @@ from datetime import timedelta
 from mp_toolkit.run.launch import free_port
 
 PRELOAD = ["torch", "torch.distributed", "mp_toolkit.run.loop", "mp_toolkit.engine.pipeline",
-           "mp_toolkit.parallel.tensor_parallel", "mp_toolkit.cli", "tests.dist_harness", "tests.mpt_command"]
+           "mp_toolkit.parallel.tensor_parallel", "mp_toolkit.cli", "mp_toolkit.commands.train",
+           "mp_toolkit.commands.plan", "mp_toolkit.commands.simulate", "tests.dist_harness", "tests.mpt_command"]
 """What the fork server imports once, so that no rank imports it again."""
 
 _CONTEXT: list = []

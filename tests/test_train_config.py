@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from mp_toolkit.cli import build_parser, main, train_config
+from mp_toolkit.cli import build_parser, main
+from mp_toolkit.commands.train import train_config
 from mp_toolkit.ds.defaults import deepspeed_defaults
 from tests.cli_helpers import assert_one_line_exit_2
 from mp_toolkit.run.config import TrainConfig

@@ -23,6 +23,7 @@ from pathlib import Path
 import safetensors
 import safetensors.torch
 import torch
+from mp_toolkit.errors import CheckpointError
 
 FORMAT = "mp_toolkit.checkpoint"
 FORMAT_VERSION = 1
@@ -40,10 +41,6 @@ _MAX_HEADER = 100 << 20    # the limit safetensors itself puts on a header
 MAX_MANIFEST = 64 << 20   # a manifest is config and counters: anything larger is not ours
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
              "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or read; the one-line message names the file and fault."""
 
 
 def step_dir_name(step: int) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from model_zoo import bert, gpt
+from mp_toolkit.errors import CostModelError
 
 FAMILIES = ("gpt2", "bert", "llama")
 HF_MODEL_TYPES = {"gpt2": "gpt2", "bert": "bert", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
@@ -43,10 +44,6 @@ _KINDS = {
     "bert": (("embeddings", "BertEmbeddings"), ("encoder.layer.{i}", "BertLayer"), None, ("heads", "BertPreTrainingHeads")),
     "llama": (("embed_tokens", "Embedding"), ("layers.{i}", "LlamaDecoderLayer"), ("norm", "LlamaRMSNorm"), ("lm_head", "LMHead")),
 }
-
-
-class CostModelError(ValueError):
-    """A model description the cost model cannot read; one line for the user."""
 
 
 @dataclass(frozen=True)

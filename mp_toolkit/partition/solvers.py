@@ -12,6 +12,7 @@ import math
 from fractions import Fraction
 from numbers import Integral, Real
 from typing import Sequence
+from mp_toolkit.errors import PartitionError
 
 __all__ = [
     "PartitionError",
@@ -23,10 +24,6 @@ __all__ = [
     "stage_sums",
     "METHODS",
 ]
-
-
-class PartitionError(ValueError):
-    """An impossible or malformed partition; the message is one line meant for the user."""
 
 
 def check_num_stages(num_layers: int, num_stages: int) -> None:

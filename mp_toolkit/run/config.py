@@ -9,6 +9,7 @@ from mp_toolkit.data.buckets import with_seq_len
 from mp_toolkit.optim.factory import OPTIMIZERS
 from mp_toolkit.optim.lr import DECAYS as LR_DECAYS, DeepSpeedSchedule
 from mp_toolkit.optim import master
+from mp_toolkit.errors import ConfigError
 
 __all__ = ["ENGINES", "LR_DECAYS", "OPTIMIZERS", "PARTITION_METHODS", "PRECISIONS", "SCHEDULES", "ConfigError",
            "TrainConfig", "parse_boundaries"]
@@ -17,10 +18,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain")
 PRECISIONS = (*master.PRECISIONS, "auto")  # "auto": bf16 where it is fast, else fp32 (`optim.master.resolve_precision`)
 PARTITION_METHODS = ("flops", "parameters", "uniform", "time")
 ENGINES = ("mp_toolkit", "deepspeed")
-
-
-class ConfigError(ValueError):
-    """A value that cannot work, with the reason and what would (shown as one line, exit 2)."""
 
 
 @dataclass(frozen=True)

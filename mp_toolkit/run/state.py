@@ -55,14 +55,11 @@ from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import full_shape, gather_full, shard_full
 from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.errors import PeerFailed
 
 RUN_CONTROL = ("steps", "metrics", "plot", "progress", "threads", "timeout_s", "save_dir", "save_every", "keep",
                "resume", "cache_dir", "restarts", "max_skips", "overwrite")
 """TrainConfig fields that steer the run rather than the training: not reported as changed on resume."""
-
-
-class PeerFailed(Exception):
-    """Another rank failed and reports the error itself; this rank only exits (code 2)."""
 
 
 def agree(error: Exception | None, ctx: ParallelContext) -> None:

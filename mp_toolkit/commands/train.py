@@ -1,0 +1,121 @@
+"""`mpt train`: merge the flags with a DeepSpeed config, check the run, then start the ranks (or,
+under a launcher, train this one)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from mp_toolkit.cli_args import FIELDS, UNSET
+from mp_toolkit.ds.overrides import blame, ds_overrides, merge
+from mp_toolkit.errors import ConfigError
+from mp_toolkit.parallel.context import GridError, check_grid
+from mp_toolkit.run.checks import validate
+from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.run.launch import EXIT_DIVERGED, EXIT_PREEMPTED, LaunchEnv, PeerLost, launcher_env, local_faults
+from mp_toolkit.run.loop import Preempted, run_training
+from mp_toolkit.run.predict import dry_run_report
+from mp_toolkit.run.recompute_plan import default_schedule, resolve_auto_schedule
+from mp_toolkit.run.skips import Diverged
+from mp_toolkit.run.spawn import can_fork_ranks, spawn_local
+
+
+def train_config(args: argparse.Namespace, world_size: int | None = None) -> tuple[TrainConfig, list[str]]:
+    """(TrainConfig, log lines): TrainConfig's defaults, then the DeepSpeed config's values, then every
+    flag given on the command line. ``world_size`` (a launcher's) gives DeepSpeed's dp = world / (pp x tp)."""
+    given, from_file, notes = _sources(args, world_size)
+    return merge(given, from_file), notes
+
+
+def _sources(args: argparse.Namespace, world_size: int | None) -> tuple[dict, dict, list[str]]:
+    """(fields given on the command line, fields the DeepSpeed config sets and no flag overrides, log lines)."""
+    given = {k: v for k, v in vars(args).items() if k in FIELDS and v is not UNSET}
+    if "betas" in given:
+        given["betas"] = tuple(given["betas"])
+    if given.get("keep") == 0:
+        given["keep"] = None
+    if args.ds_config is UNSET:
+        return given, {}, []
+    return (given, *ds_overrides(args.ds_config, given, world_size))
+
+
+def run(args: argparse.Namespace, argv: list[str], main: Callable | None = None) -> int:
+    """``mpt train``; the exit code. ``main``: the ``mpt`` entry point when this process is the ``mpt``
+    command itself (a fresh interpreter that has run nothing else), so the ranks may be forked from it
+    (`run.spawn`); None: ranks start as interpreters of their own."""
+    env = launcher_env()
+    given, from_file, notes = _sources(args, env.world_size if env is not None else None)
+    cfg = merge(given, from_file)
+    if cfg.schedule == "auto":  # every rank resolves it alike (FLOP times: arithmetic)
+        cfg, line = resolve_auto_schedule(cfg, chunks_given="chunks" in given)
+        notes = [*notes, line]
+    elif "schedule" not in given and "schedule" not in from_file:  # no schedule named: the planner's default
+        cfg, line = default_schedule(cfg)
+        notes = [*notes, line] if line else notes
+    try:
+        boundaries = validate(cfg)  # no process group needed: every rank fails the same way before any talks
+    except ConfigError as e:
+        raise blame(e, from_file, args.ds_config) from None
+    dry_run = args.dry_run is not UNSET
+    if (env.rank == 0) if env is not None else cfg.world_size == 1:  # once, by the process that trains rank 0
+        for line in notes:
+            print(line, flush=True)
+    if env is None and dry_run:
+        print(dry_run_report(cfg, boundaries, "mpt train itself"), flush=True)
+        return 0
+    if env is None:  # no launcher: start the pp*tp*dp ranks ourselves
+        for path in (cfg.metrics, cfg.plot):
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+        if cfg.world_size == 1 and not cfg.restarts and cfg.engine == "mp_toolkit":  # DeepSpeed reads a launcher's env
+            return _run(cfg, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, faults=local_faults()))
+        fork_with = main if main is not None and can_fork_ranks() else None
+        return spawn_local(argv, cfg.world_size, restarts=cfg.restarts, save_dir=cfg.save_dir, fork_with=fork_with)
+    if cfg.restarts and not env.started_by_mpt:
+        raise ConfigError(f"--restarts {cfg.restarts} is for mpt train starting the ranks itself; under a launcher "
+                          "restart with it (torchrun --max-restarts N) and pass --resume auto")
+    try:
+        check_grid(env.world_size, cfg.pp, cfg.tp, cfg.dp)
+    except GridError as e:
+        raise ConfigError(f"the launcher started {env.world_size} processes: {e}") from None
+    if dry_run:
+        if env.rank == 0:
+            print(dry_run_report(cfg, boundaries, f"the launcher (world size {env.world_size})"), flush=True)
+        return 0
+    return _run(cfg, env)
+
+
+def _run(cfg: TrainConfig, env) -> int:
+    """Train this rank; a lost peer (exit 1) and a diverged run (exit 3, said once by rank 0) end in one line."""
+    try:
+        run_training(cfg, env)
+    except Diverged as e:
+        if env.rank == 0:
+            sys.stderr.write(f"mpt train: error: {e}\n")
+        return EXIT_DIVERGED
+    except Preempted as e:
+        if env.rank == 0:
+            sys.stderr.write(f"mpt train: {e}\n")
+        return EXIT_PREEMPTED
+    except PeerLost as e:
+        sys.stderr.write(f"mpt train: error: {e}\n")
+        _exit_without_finalizing(1)
+    return 0
+
+
+def _exit_without_finalizing(code: int) -> NoReturn:
+    """End a rank whose process group is broken, skipping interpreter finalization.
+
+    A peer died, so the gloo / NCCL group still has work and threads tied to it; finalizing the
+    interpreter runs their C++ destructors, which may abandon a joinable thread and abort the
+    process (SIGABRT, "terminate called without an active exception", seen on an Intel Xeon after
+    this rank had already named the lost peer). The rank has nothing left to write: its line is
+    out, its metrics rows and checkpoint files were closed by the ``with`` blocks the exception
+    left. Only reached when world size > 1, i.e. in a rank process of its own.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
