@@ -19,12 +19,34 @@ from mp_toolkit.recompute import MODES as RECOMPUTE_MODES, RecomputeError, parse
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
 
 
+DEPRECATED = "deprecated_flags"
+"""Where `_Deprecated` notes the deprecated flags given (removed from the parsed namespace)."""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line (exit 2) instead of usage + error."""
 
     def error(self, message: str):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        """Parse, then say once per deprecated flag given what to write instead (one line each)."""
+        parsed = super().parse_args(args, namespace)
+        for old, new in vars(parsed).pop(DEPRECATED, {}).items():
+            sys.stderr.write(f"{old} is deprecated: use {new}\n")
+        return parsed
+
+
+class _Deprecated(argparse.Action):
+    """A flag kept for old command lines: stores its value as its successor does and notes the flag,
+    so that `_Parser.parse_args` says once, after a parse that succeeded, what to write instead."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        notes = getattr(namespace, DEPRECATED, {})
+        notes[option_string] = "--" + self.dest.replace("_", "-")
+        setattr(namespace, DEPRECATED, notes)
 
 
 def _positive_float_or_none(text: str) -> float | None:
@@ -160,7 +182,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--method", default=d.method, help=", ".join(PLAN_METHODS))
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory cap")
-    p.add_argument("--dtype", default=d.dtype, type=str.lower, choices=tuple(master.PRECISIONS))
+    p.add_argument("--precision", default=d.precision, type=str.lower, choices=tuple(master.PRECISIONS),
+                   help="what the stages compute and communicate in (mpt train --precision)")
+    p.add_argument("--dtype", dest="precision", type=str.lower, choices=tuple(master.PRECISIONS),
+                   action=_Deprecated, help=argparse.SUPPRESS)
     p.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0 or 1: optimizer state and fp32 masters "
                    "partitioned over the dp replicas (static bytes per parameter)")

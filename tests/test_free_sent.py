@@ -169,7 +169,7 @@ def test_every_schedule_frees_each_send_before_its_backward(plan_of):
     for name, pp, chunks in [("gpipe", 2, 1), ("1f1b", 2, 1), ("zbh1", 2, 1), ("interleaved", 2, 2),
                              ("1f1b", 4, 1), ("interleaved", 4, 2), ("zbh1", 4, 1), ("zbdrain", 2, 1),
                              ("zbdrain", 4, 1)]:
-        schedule = get_schedule(name, pp, 8, num_chunks=chunks)
+        schedule = get_schedule(name, pp, 8, chunks=chunks)
         assert runs_with_waits(schedule, plan_of(schedule)), name
         for rank, plan in enumerate(plan_of(schedule)):
             acts = schedule.actions[rank]
@@ -185,7 +185,7 @@ def test_every_schedule_frees_each_send_before_its_backward(plan_of):
 def test_waits_that_would_deadlock_fall_back_to_the_clocks():
     """Interleaved 1F1B on 4 ranks deadlocks if every forward send is waited for at once (a rank
     waits for a peer that waits for it); `send_waits` then keeps to what the clocks prove."""
-    schedule = get_schedule("interleaved", 4, 8, num_chunks=2)
+    schedule = get_schedule("interleaved", 4, 8, chunks=2)
     eager = [{last: [p for p in range(first, last + 1) if acts[p].kind is Kind.SEND_F]
               for first, last in comm_batches(acts)} for acts in schedule.actions]
     assert not runs_with_waits(schedule, eager)

@@ -96,7 +96,7 @@ def _check_case(results, layout, case_index, case) -> float:
         for r, c in zip(results, cases):
             # every stage's buckets were posted during the schedule, right after its last backward
             # (the later chunk's first under interleaving), before the step waited for them
-            final = final_weight_grad_actions(get_schedule(schedule, pp, m, num_chunks=chunks).rank_actions(r["coords"][0]))
+            final = final_weight_grad_actions(get_schedule(schedule, pp, m, chunks=chunks).rank_actions(r["coords"][0]))
             assert c["dp_calls"] == [final[i] for i in sorted(final)] + ["finish"], c["dp_calls"]
             # gpt-tiny's stages are far below 25 MiB: one bucket each; ~1 KiB buckets: several each
             if bucket_mb == TINY_BUCKET_MB:
@@ -139,6 +139,6 @@ def test_final_weight_grad_action_of_each_stage():
     zb = get_schedule("zbh1", 2, 3).rank_actions(1)
     (index, stage), = final_weight_grad_actions(zb).items()
     assert stage == 1 and str(zb[index]) == "1W2"  # I actions leave weight gradients alone
-    inter = get_schedule("interleaved", 2, 2, num_chunks=2).rank_actions(0)
+    inter = get_schedule("interleaved", 2, 2, chunks=2).rank_actions(0)
     order = [inter[i] for i in sorted(final_weight_grad_actions(inter))]
     assert [a.stage for a in order] == [2, 0]  # the later chunk's backward ends first

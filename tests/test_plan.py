@@ -96,7 +96,7 @@ def test_interleaved_plan_counts_the_fixed_part_once_per_rank():
     from mp_toolkit.schedule import get_schedule, simulate
 
     inter = plan(method="uniform", schedule="interleaved", chunks=2, microbatches=4)
-    t = simulate(get_schedule("interleaved", 2, 4, num_chunks=2))
+    t = simulate(get_schedule("interleaved", 2, 4, chunks=2))
     first, second = inter.stages[0], inter.stages[2]  # rank 0's chunks; no workspace (only the LM head has one)
     kept = [sum(c.activation_bytes for c in inter.layers[st.first_layer:st.last_layer + 1]) for st in (first, second)]
     (stages, counts), = [h for h in t.rank_held if h[0] == (0, 2)]

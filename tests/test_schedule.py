@@ -22,11 +22,11 @@ GENERATORS = [gpipe, one_f_one_b]
 SIZES = [(p, m) for p in range(1, 6) for m in range(1, 10)]
 
 
-def make(actions, num_stages, num_microbatches, stage_to_rank=None):
+def make(actions, num_stages, microbatches, stage_to_rank=None):
     """A hand-written schedule from action strings, one list per rank."""
     stage_to_rank = stage_to_rank or tuple(range(num_stages))
     parsed = [[Action.parse(a) for a in row.split()] for row in actions]
-    return Schedule("hand", num_stages, num_microbatches, stage_to_rank, parsed)
+    return Schedule("hand", num_stages, microbatches, stage_to_rank, parsed)
 
 
 # ---- IR -------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def test_csv_round_trip(gen, tmp_path):
     assert Schedule.from_csv(path, name=sched.name) == sched
     # Metadata is inferred, and a file object works too.
     back = Schedule.from_csv(io.StringIO(sched.to_csv_string()))
-    assert (back.num_stages, back.num_microbatches, back.stage_to_rank) == (3, 4, (0, 1, 2))
+    assert (back.num_stages, back.microbatches, back.stage_to_rank) == (3, 4, (0, 1, 2))
     assert back.actions == sched.actions
 
 
@@ -151,7 +151,7 @@ def test_get_schedule_names():
     assert get_schedule("1F1B", 2, 3).name == "1F1B"
     with pytest.raises(ValueError, match="'zb': choose one of GPipe, 1F1B"):
         get_schedule("zb", 2, 3)
-    with pytest.raises(ValueError, match="num_microbatches"):
+    with pytest.raises(ValueError, match="microbatches"):
         gpipe(2, 0)
 
 

@@ -106,7 +106,7 @@ def test_interleaved_rejects_bad_sizes():
     with pytest.raises(ValueError, match=r"interleaved 1F1B needs --microbatches a multiple of "
                                          r"--pp \(got m=3, p=2\)"):
         interleaved_1f1b(2, 3, 2)
-    with pytest.raises(ValueError, match="num_chunks >= 1, got 0"):
+    with pytest.raises(ValueError, match="chunks >= 1, got 0"):
         interleaved_1f1b(2, 4, 0)
 
 
@@ -222,11 +222,11 @@ def test_csv_round_trip(sched, tmp_path):
 
 def test_get_schedule_new_names():
     assert get_schedule("Interleaved1F1B", 2, 4) == interleaved_1f1b(2, 4, 2)
-    assert get_schedule("interleaved", 2, 6, num_chunks=3) == interleaved_1f1b(2, 6, 3)
+    assert get_schedule("interleaved", 2, 6, chunks=3) == interleaved_1f1b(2, 6, 3)
     assert get_schedule("interleaved", 2, 6, chunks=3).num_stages == 6
     assert get_schedule("ZBH1", 3, 4) == zbh1(3, 4) == get_schedule("zbh1", 3, 4)
     assert get_schedule("ZBDrain", 3, 4) == zb_drain(3, 4) == get_schedule("zb-drain", 3, 4)
-    assert get_schedule("1F1B", 2, 3, num_chunks=1) == one_f_one_b(2, 3)
+    assert get_schedule("1F1B", 2, 3, chunks=1) == one_f_one_b(2, 3)
 
 
 def test_get_schedule_bad_input():
@@ -236,7 +236,7 @@ def test_get_schedule_bad_input():
     with pytest.raises(ValueError, match=r"multiple of --pp \(got m=5, p=2\)"):
         get_schedule("interleaved", 2, 5)
     with pytest.raises(ValueError, match="--chunks 2 applies only to Interleaved1F1B"):
-        get_schedule("1F1B", 2, 4, num_chunks=2)
+        get_schedule("1F1B", 2, 4, chunks=2)
 
 
 # ---- simulator: closed forms --------------------------------------------------------

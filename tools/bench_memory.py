@@ -58,7 +58,7 @@ def predict(w: Workload, config: Path, schedule: str, chunks: int, measure: bool
 
     torch.set_num_threads(w.threads)
     return make_plan(PlanRequest(model=str(config), pp=w.pp, micro_batch=w.micro_batch, microbatches=w.microbatches,
-                                 seq_len=w.seq_len, dtype=w.precision, optimizer="adamw",
+                                 seq_len=w.seq_len, precision=w.precision, optimizer="adamw",
                                  schedule=schedule, chunks=chunks, measure=measure,
                                  **{"method": "parameters", **request}))
 

@@ -87,7 +87,7 @@ def planner_cut(w: Workload, method: str, chunks: int = 1) -> list[int]:
         path = Path(d, "config.json")
         path.write_text(json.dumps(w.gpt_config().to_dict()))
         plan = make_plan(PlanRequest(model=str(path), pp=w.pp, micro_batch=w.micro_batch, microbatches=w.microbatches,
-                                     seq_len=w.seq_len, method=method, dtype=w.precision, optimizer="adamw",
+                                     seq_len=w.seq_len, method=method, precision=w.precision, optimizer="adamw",
                                      schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks,
                                      tflops=1.0 if method == "flops" else None))
     return list(plan.boundaries)

@@ -52,7 +52,7 @@ WORKLOAD = dict(micro_batch=1, microbatches=8, seq_len=128, optimizer="adamw")
 
 def plan(model: str, pp: int, tp: int, precision: str):
     """`mpt plan`'s cut and per-stage bytes for the workload (no timing: tflops given)."""
-    return make_plan(PlanRequest(model=model, pp=pp, tp=tp, method="flops", dtype=precision, tflops=1.0,
+    return make_plan(PlanRequest(model=model, pp=pp, tp=tp, method="flops", precision=precision, tflops=1.0,
                                  micro_batch=WORKLOAD["micro_batch"], microbatches=WORKLOAD["microbatches"],
                                  seq_len=WORKLOAD["seq_len"], optimizer=WORKLOAD["optimizer"], load=False))
 

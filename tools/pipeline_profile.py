@@ -240,7 +240,7 @@ def simulated_step_ms(schedule_name: str, pp: int, m: int, chunks: int,
     and free communication."""
     from mp_toolkit.schedule import get_schedule, simulate
 
-    sched = get_schedule(schedule_name, pp, m, num_chunks=chunks)
+    sched = get_schedule(schedule_name, pp, m, chunks=chunks)
     costs: dict[int, dict[str, float]] = defaultdict(dict)
     for key, ms in action_ms.items():
         kind, stage = key.split(" s")

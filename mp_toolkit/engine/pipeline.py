@@ -79,7 +79,7 @@ class PipelineEngine:
             tensor-parallel (this rank's shards) when ``ctx.tp > 1``.
         ctx: this rank's ParallelContext.
         boundaries: partition ``[0, b1, ..., len(layer_list)]`` with ``ctx.pp * chunks`` stages.
-        num_microbatches: m, micro-batches per global batch on each data-parallel replica.
+        microbatches: m, micro-batches per global batch on each data-parallel replica.
         schedule: schedule name ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain").
         optimizer: callable([(name, param), ...]) -> torch.optim.Optimizer over this stage's
             (fp32 master) parameters, named as in the unsplit LayerList (LAMB / LARS built with
@@ -104,20 +104,20 @@ class PipelineEngine:
     """
 
     def __init__(self, layer_list: LayerList, ctx: ParallelContext, boundaries: Sequence[int],
-                 num_microbatches: int, schedule: str, optimizer: Callable, loss_fn: Callable,
+                 microbatches: int, schedule: str, optimizer: Callable, loss_fn: Callable,
                  clip_grad: float | None = None, precision: str = "fp32",
                  loss_scaler: DynamicLossScaler | None = None, chunks: int = 1,
                  dp_bucket_bytes: int = BUCKET_BYTES, free_sent_outputs: bool = True, zero: int = 0):
         if ctx.tp > 1 and not any(is_tensor_parallel(p) for p in layer_list.parameters()):
             raise ValueError(f"tp={ctx.tp} but no parameter of the layer list is tensor-parallel: "
                              "apply_tensor_parallel(layer_list, ctx, plan) before building the engine")
-        self.schedule = get_schedule(schedule, ctx.pp, num_microbatches, num_chunks=chunks)
+        self.schedule = get_schedule(schedule, ctx.pp, microbatches, chunks=chunks)
         validate(self.schedule)
         n_stages = self.schedule.num_stages
         if len(boundaries) != n_stages + 1:
             raise ValueError(f"partition {list(boundaries)} has {len(boundaries) - 1} stages, expected {n_stages}"
                              f" (--pp {ctx.pp} x --chunks {chunks})")
-        self.ctx, self.boundaries, self.m = ctx, list(boundaries), num_microbatches
+        self.ctx, self.boundaries, self.m = ctx, list(boundaries), microbatches
         dtype = precision_dtype(precision)
         self.stages = {s: layer_list.slice(boundaries[s], boundaries[s + 1], s).to(ctx.device, dtype)
                        for s in self.schedule.stages_of(ctx.pp_rank)}

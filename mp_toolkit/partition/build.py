@@ -72,12 +72,12 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
         warm_runtime()
         torch.manual_seed(0)
         layers, batch, loss_fn = build_layer_list(req.model, shape)
-        layers = layers.to(PRECISIONS[req.dtype])
+        layers = layers.to(PRECISIONS[req.precision])
         inputs, labels = batch(req.micro_batch, req.seq_len)
         named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in layers.named_parameters()]
         build = lambda nps: build_optimizer(req.optimizer, nps, 1e-3, 0.01)  # noqa: E731
         rounds = min(req.microbatches, TIMED_MICROBATCHES)  # per timing round: gradients accumulate as in a step
-        with concurrent_load(req.model, req.micro_batch, req.seq_len, req.dtype, threads, helpers):
+        with concurrent_load(req.model, req.micro_batch, req.seq_len, req.precision, threads, helpers):
             release_free_memory()
             before = rss_bytes()
             timings = measure_layers(layers, inputs, loss_fn, labels, microbatches=rounds,  # default allocator

@@ -148,15 +148,15 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> 
         source = ("measured on this machine (per micro-batch inside rounds of accumulating micro-batches, "
                   f"median of 3 rounds after 1 warm-up; {how})")
     else:
-        tflops = req.tflops or gemm_tflops(req.dtype)
+        tflops = req.tflops or gemm_tflops(req.precision)
         times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
-        bpp_touched = bytes_per_param(req.dtype, req.optimizer) + 8  # read + write of weights/states
+        bpp_touched = bytes_per_param(req.precision, req.optimizer) + 8  # read + write of weights/states
         opt_s = [c.params * bpp_touched / (req.mem_gbps * GB) for c in costs]
-        step_bytes = [c.params * step_bytes_per_param(req.dtype, req.optimizer) for c in costs]
+        step_bytes = [c.params * step_bytes_per_param(req.precision, req.optimizer) for c in costs]
         residue = 0
         source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None else "")
     if req.tp > 1:  # two all-reduces of the block's activations forward, two backward (Megatron)
-        msg = req.micro_batch * req.seq_len * shape.hidden * ACT_BYTES[req.dtype]
+        msg = req.micro_batch * req.seq_len * shape.hidden * ACT_BYTES[req.precision]
         ar = 2 * _allreduce_s(msg, req.tp, req)
         times = [(f + ar, b + ar) if c.kind.endswith(("Block", "Layer")) else (f, b) for (f, b), c in zip(times, costs)]
     return LayerTimes(times, opt_s, step_bytes, residue, costs, source, split, recorded)
@@ -200,7 +200,7 @@ def _inflight(req: PlanRequest):
     split backward keeps a micro-batch's activations until its W), for a split schedule what each
     stage holds at its peaks (`StageMemory.held`; empty otherwise), and for ranks of several stages
     what they hold at once (`StageMemory.rank_held`)."""
-    schedule = get_schedule(req.schedule, req.pp, req.microbatches, num_chunks=req.chunks)
+    schedule = get_schedule(req.schedule, req.pp, req.microbatches, chunks=req.chunks)
     tl = simulate(schedule)
     split = req.schedule in SPLIT_SCHEDULES
     inflight = tl.peak_inflight_w if split else tl.peak_inflight
@@ -232,13 +232,13 @@ def make_plan(req: PlanRequest) -> Plan:
     if req.hf and (req.method == "time" or req.measure):
         raise PartitionError("--hf plans from the cost model: measuring layers (--method time, --measure) builds "
                              "model_zoo's modules; drop --hf or the measurement")
-    costs = layer_costs(shape, req.micro_batch, req.seq_len, req.dtype, req.tp)
+    costs = layer_costs(shape, req.micro_batch, req.seq_len, req.precision, req.tp)
     lt = layer_times(req, shape, costs)
     times, opt_s, step_bytes, residue, costs, source = lt.times, lt.opt_s, lt.step_bytes, lt.residue, lt.costs, lt.source
     schedule, inflight, held, rank_held = _inflight(req)
     num_stages = schedule.num_stages
     zero_dp = req.dp if req.zero else 1
-    bpp = bytes_per_param(req.dtype, req.optimizer, zero_dp=zero_dp)
+    bpp = bytes_per_param(req.precision, req.optimizer, zero_dp=zero_dp)
     msg_in = max(c.output_bytes for c in costs[:-1]) if len(costs) > 1 else 0
     memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], fixed=2 * msg_in + residue,
@@ -279,7 +279,7 @@ def make_plan(req: PlanRequest) -> Plan:
         per_rank_opt[r] += st.optimizer_ms / zero_dp + 1e3 * _allreduce_s(grad_bytes, req.dp, req)
     ends = {schedule.stage_to_rank[0], schedule.stage_to_rank[len(stages) - 1]}
     if shape.tied and len(ends) == 2:  # the tied embedding / LM head gradient, summed over its two ranks
-        tie_ms = 1e3 * _allreduce_s(shape.vocab_size * shape.hidden // req.tp * ACT_BYTES[req.dtype], 2, req)
+        tie_ms = 1e3 * _allreduce_s(shape.vocab_size * shape.hidden // req.tp * ACT_BYTES[req.precision], 2, req)
         for r in ends:
             per_rank_opt[r] += tie_ms
     step_ms = timeline.step_time + max(per_rank_opt)

@@ -23,7 +23,7 @@ def format_plan(plan: Plan) -> str:
     head = (f"{r.model}: pp={r.pp} tp={r.tp} dp={r.dp}, {r.schedule}"
             + (f" x{r.chunks} chunks" if r.chunks > 1 else "")
             + (" ZeRO-1" if r.zero and r.dp > 1 else "")
-            + f", {r.microbatches} micro-batches of {r.micro_batch} x {r.seq_len} tokens, {r.dtype}, {r.optimizer}, "
+            + f", {r.microbatches} micro-batches of {r.micro_batch} x {r.seq_len} tokens, {r.precision}, {r.optimizer}, "
             f"method {r.method}; times {plan.time_source}")
     rows = [("stage", "layers", "params", "fwd+bwd ms", "peak memory")]
     for s in plan.stages:

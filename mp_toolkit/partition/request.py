@@ -30,7 +30,7 @@ class PlanRequest:
     """uniform, parameters, flops, time, type:REGEX (DeepSpeed's) or memory."""
     memory_gb: float | None = None
     """Per-device cap; required by ``memory``, a warning threshold otherwise."""
-    dtype: str = "fp32"
+    precision: str = "fp32"
     optimizer: str = "adamw"
     schedule: str = "1f1b"
     chunks: int = 1
@@ -85,8 +85,8 @@ def check_request(req: PlanRequest, shape: ModelShape) -> None:
         raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
     if req.zero not in (0, 1):
         raise PartitionError(f"--zero {req.zero}: ZeRO stage 0 (off) or 1 (optimizer state partitioned over dp)")
-    if req.dtype not in ACT_BYTES:
-        raise PartitionError(f"unknown --dtype {req.dtype!r}: choose one of {', '.join(ACT_BYTES)}")
+    if req.precision not in ACT_BYTES:
+        raise PartitionError(f"unknown --precision {req.precision!r}: choose one of {', '.join(ACT_BYTES)}")
     if req.memory_gb is not None and not (math.isfinite(req.memory_gb) and req.memory_gb > 0):
         raise PartitionError(f"--memory-gb {req.memory_gb:g} must be a positive finite number")
     n_layers = len(layer_costs(shape, 1, 1))

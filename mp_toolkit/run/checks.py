@@ -112,7 +112,7 @@ def validate(cfg: TrainConfig) -> list[int]:
     boundaries, choices = cut_and_recompute(cfg, layers, spec.config)
     apply_choices(layers, boundaries, choices)  # refuses selective where unsupported
     try:
-        get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks)
+        get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, chunks=cfg.chunks)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return boundaries

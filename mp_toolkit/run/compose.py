@@ -59,7 +59,7 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
     apply_choices(layers, boundaries, recompute)
     if cfg.recompute != "none" and ctx.rank == 0:
         print(f"--recompute {cfg.recompute}: {describe(layers, boundaries, recompute)}", flush=True)
-    stages = get_schedule(cfg.schedule, ctx.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(ctx.pp_rank)
+    stages = get_schedule(cfg.schedule, ctx.pp, cfg.microbatches, chunks=cfg.chunks).stages_of(ctx.pp_rank)
     own_layers(model, layers, rank_layers(boundaries, stages), ctx, values)  # 3
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
     options = OptimizerOptions.of(cfg)

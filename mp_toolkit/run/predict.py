@@ -20,7 +20,7 @@ def plan_request(cfg: TrainConfig, **fields) -> PlanRequest:
     """The ``mpt plan`` request describing ``cfg``'s run (``fields`` override it)."""
     base = dict(model=cfg.hf or cfg.model, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp, micro_batch=cfg.micro_batch,
                 microbatches=cfg.microbatches, seq_len=cfg.seq_len, memory_gb=cfg.memory_gb,
-                dtype=cfg.precision if cfg.precision in ACT_BYTES else "fp32", optimizer=cfg.optimizer,
+                precision=cfg.precision if cfg.precision in ACT_BYTES else "fp32", optimizer=cfg.optimizer,
                 schedule=cfg.schedule, chunks=cfg.chunks, tflops=PLAN_TFLOPS, load=False, hf=cfg.hf is not None,
                 recompute=cfg.recompute, recompute_layers=cfg.recompute_layers, zero=cfg.zero)
     return PlanRequest(**{**base, **fields})
@@ -44,7 +44,7 @@ def predicted_rank_bytes(cfg: TrainConfig, boundaries: list[int], pp_rank: int) 
     plan = run_plan(cfg, boundaries)
     if plan is None:
         return None
-    mine = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, num_chunks=cfg.chunks).stages_of(pp_rank)
+    mine = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, chunks=cfg.chunks).stages_of(pp_rank)
     return sum(plan.stages[s].memory_bytes for s in mine)
 
 

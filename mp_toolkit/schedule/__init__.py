@@ -1,7 +1,7 @@
 """Pipeline schedules as data: action IR, generators, validator, text views, simulator, Gantt.
 
 >>> from mp_toolkit.schedule import get_schedule, validate, format_schedule
->>> s = get_schedule("1F1B", num_stages=2, num_microbatches=3)
+>>> s = get_schedule("1F1B", num_stages=2, microbatches=3)
 >>> validate(s)
 >>> print(format_schedule(s))
 time    0  1  2  3  4  5  6  7

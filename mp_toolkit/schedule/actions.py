@@ -141,17 +141,17 @@ class Schedule:
 
     name: str
     num_stages: int
-    num_microbatches: int
+    microbatches: int
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", tuple(int(r) for r in self.stage_to_rank))
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
-        if self.num_stages < 1 or self.num_microbatches < 1:
+        if self.num_stages < 1 or self.microbatches < 1:
             raise ValueError(
-                f"schedule {self.name!r} needs num_stages >= 1 and num_microbatches >= 1, "
-                f"got {self.num_stages} and {self.num_microbatches}"
+                f"schedule {self.name!r} needs num_stages >= 1 and microbatches >= 1, "
+                f"got {self.num_stages} and {self.microbatches}"
             )
         if len(self.stage_to_rank) != self.num_stages:
             raise ValueError(
@@ -196,13 +196,13 @@ class Schedule:
         path_or_file: str | os.PathLike | IO[str],
         name: str = "csv",
         num_stages: int | None = None,
-        num_microbatches: int | None = None,
+        microbatches: int | None = None,
         stage_to_rank: Sequence[int] | None = None,
     ) -> "Schedule":
         """Read a CSV written by :meth:`to_csv` or torch's ``_dump_csv``.
 
         Row ``r`` is rank ``r``; empty cells (torch writes them for idle steps) are skipped.
-        When not given: ``num_stages`` and ``num_microbatches`` are one more than the largest
+        When not given: ``num_stages`` and ``microbatches`` are one more than the largest
         stage / micro-batch seen, and ``stage_to_rank`` maps each stage to the row holding
         its actions.
         """
@@ -219,11 +219,11 @@ class Schedule:
             raise ValueError("CSV schedule holds no actions")
         if num_stages is None:
             num_stages = max(a.stage for a in every) + 1
-        if num_microbatches is None:
-            num_microbatches = max(a.microbatch for a in every) + 1
+        if microbatches is None:
+            microbatches = max(a.microbatch for a in every) + 1
         if stage_to_rank is None:
             stage_to_rank = _infer_stage_to_rank(actions, num_stages)
-        return cls(name, num_stages, num_microbatches, tuple(stage_to_rank), tuple(actions))
+        return cls(name, num_stages, microbatches, tuple(stage_to_rank), tuple(actions))
 
     def to_csv_string(self) -> str:
         buf = io.StringIO()

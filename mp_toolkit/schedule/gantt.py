@@ -50,7 +50,7 @@ def draw_gantt(timeline: Timeline, path: str | os.PathLike, title: str | None = 
               loc="upper center", bbox_to_anchor=(0.5, -0.35 if ranks < 3 else -0.2),
               ncol=len(used), frameon=False)
     ax.set_title(title or (
-        f"{schedule.name}: {ranks} ranks, {schedule.num_microbatches} micro-batches, "
+        f"{schedule.name}: {ranks} ranks, {schedule.microbatches} micro-batches, "
         f"step {timeline.step_time:.3g}, bubble {timeline.bubble_fraction:.1%}"
     ))
     fig.tight_layout()

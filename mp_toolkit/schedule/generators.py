@@ -45,14 +45,14 @@ def _backward(stage: int, mb: int, num_stages: int) -> list[Action]:
     return acts
 
 
-def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+def _check_sizes(num_stages: int, microbatches: int) -> None:
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be at least 1, got {microbatches}")
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+def gpipe(num_stages: int, microbatches: int) -> Schedule:
     """GPipe: all forwards, then all backwards (Huang et al. 2019, "GPipe: Efficient
     Training of Giant Neural Networks using Pipeline Parallelism").
 
@@ -60,32 +60,32 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     micro-batches alive until its first backward. Backwards run in ascending micro-batch
     order (as torch's ``ScheduleGPipe`` does) so accumulation order matches one process.
     """
-    _check_sizes(num_stages, num_microbatches)
+    _check_sizes(num_stages, microbatches)
     per_rank = []
     for s in range(num_stages):
         acts: list[Action] = []
-        for k in range(num_microbatches):
+        for k in range(microbatches):
             acts += _forward(s, k, num_stages)
-        for k in range(num_microbatches):
+        for k in range(microbatches):
             acts += _backward(s, k, num_stages)
         per_rank.append(tuple(acts))
     stage_to_rank = tuple(range(num_stages))
-    return Schedule("GPipe", num_stages, num_microbatches, stage_to_rank, tuple(per_rank))
+    return Schedule("GPipe", num_stages, microbatches, stage_to_rank, tuple(per_rank))
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, microbatches: int) -> Schedule:
     """1F1B, the PipeDream-Flush schedule (Narayanan et al. 2021, "Memory-Efficient
     Pipeline-Parallel DNN Training"), written in picotron's three phases.
 
     Bubble fraction ``(p-1)/(m+p-1)``, the same as GPipe, but stage ``s`` holds at most
     ``min(p-s, m)`` micro-batches of activations.
     """
-    _check_sizes(num_stages, num_microbatches)
+    _check_sizes(num_stages, microbatches)
     per_rank = [
-        tuple(_one_f_one_b_stage(s, num_stages, num_microbatches)) for s in range(num_stages)
+        tuple(_one_f_one_b_stage(s, num_stages, microbatches)) for s in range(num_stages)
     ]
     stage_to_rank = tuple(range(num_stages))
-    return Schedule("1F1B", num_stages, num_microbatches, stage_to_rank, tuple(per_rank))
+    return Schedule("1F1B", num_stages, microbatches, stage_to_rank, tuple(per_rank))
 
 
 def _one_f_one_b_stage(stage: int, p: int, m: int) -> list[Action]:
@@ -118,27 +118,20 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "zbh1": zbh1,
     "zbdrain": zb_drain,
 }
-"""Generators by lower-case torch name; each takes ``(num_stages, num_microbatches)``."""
+"""Generators by lower-case torch name; each takes ``(num_stages, microbatches)``."""
 _DISPLAY_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
                   "zbh1": "ZBH1", "zbdrain": "ZBDrain"}
 _ALIASES = {"interleaved": "interleaved1f1b", "zb-h1": "zbh1", "zb-drain": "zbdrain"}
 
 
-def get_schedule(
-    name: str,
-    num_stages: int,
-    num_microbatches: int,
-    *,
-    num_chunks: int | None = None,
-    chunks: int | None = None,
-) -> Schedule:
+def get_schedule(name: str, num_stages: int, microbatches: int, *, chunks: int | None = None) -> Schedule:
     """Build a schedule by torch's name (case-insensitive): ``GPipe``, ``1F1B``,
     ``Interleaved1F1B`` (alias ``interleaved``), ``ZBH1`` or ``ZBDrain``.
 
     ``num_stages`` is the pipeline degree ``p`` (ranks). For ``Interleaved1F1B`` each rank
-    holds ``num_chunks`` (or ``chunks``; default 2) model chunks, so the Schedule has
-    ``p * num_chunks`` stages with stage ``s`` on rank ``s % p``; every other schedule has
-    ``p`` stages, one per rank, and accepts only ``num_chunks`` of None or 1.
+    holds ``chunks`` (default 2) model chunks, so the Schedule has ``p * chunks`` stages with
+    stage ``s`` on rank ``s % p``; every other schedule has ``p`` stages, one per rank, and
+    accepts only ``chunks`` of None or 1.
     """
     key = _ALIASES.get(name.lower(), name.lower())
     try:
@@ -146,14 +139,11 @@ def get_schedule(
     except KeyError:
         choices = ", ".join(_DISPLAY_NAMES[k] for k in SCHEDULES)
         raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {choices}") from None
-    if num_chunks is not None and chunks is not None and num_chunks != chunks:
-        raise ValueError(f"num_chunks={num_chunks} and chunks={chunks} disagree; pass one")
-    v = num_chunks if num_chunks is not None else chunks
     if key == "interleaved1f1b":
-        return generator(num_stages, num_microbatches, 2 if v is None else v)
-    if v not in (None, 1):
+        return generator(num_stages, microbatches, 2 if chunks is None else chunks)
+    if chunks not in (None, 1):
         raise ValueError(
-            f"--chunks {v} applies only to Interleaved1F1B; {_DISPLAY_NAMES[key]} runs one "
+            f"--chunks {chunks} applies only to Interleaved1F1B; {_DISPLAY_NAMES[key]} runs one "
             f"stage per rank (drop --chunks or use --schedule interleaved)"
         )
-    return generator(num_stages, num_microbatches)
+    return generator(num_stages, microbatches)

@@ -23,10 +23,10 @@ from .actions import Action, Kind, Schedule
 __all__ = ["interleaved_1f1b", "insert_comms"]
 
 
-def interleaved_1f1b(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
-    """Interleaved 1F1B over ``num_ranks`` ranks with ``num_chunks`` chunks each.
+def interleaved_1f1b(num_ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """Interleaved 1F1B over ``num_ranks`` ranks with ``chunks`` chunks each.
 
-    Returns a Schedule with ``num_ranks * num_chunks`` stages, stage ``s`` on rank
+    Returns a Schedule with ``num_ranks * chunks`` stages, stage ``s`` on rank
     ``s % num_ranks``. Megatron needs the micro-batch count to be a multiple of the pipeline
     degree when ``v > 1`` (micro-batches move in groups of ``p``); ``v == 1`` is plain 1F1B
     and takes any ``m``. Bubble ``(p-1)/(v*m + p-1)``; rank ``r`` holds at most
@@ -34,8 +34,8 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, num_chunks: int = 2)
     chunk being 1/v of the rank's layers, rank 0 holds ``p + (p-1)/v`` rank-shares, against
     1F1B's ``p`` (Megatron's and torch's order; ``_rank_compute_order`` says why).
     """
-    p, m, v = num_ranks, num_microbatches, num_chunks
-    for value, what in ((p, "num_ranks (--pp)"), (m, "num_microbatches"), (v, "num_chunks")):
+    p, m, v = num_ranks, microbatches, chunks
+    for value, what in ((p, "num_ranks (--pp)"), (m, "microbatches"), (v, "chunks")):
         if value < 1:
             raise ValueError(f"interleaved 1F1B needs {what} >= 1, got {value}")
     if v > 1 and m % p != 0:

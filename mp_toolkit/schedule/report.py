@@ -12,7 +12,7 @@ __all__ = ["simulate_report"]
 def simulate_report(
     schedule_name: str,
     pp: int,
-    m: int,
+    microbatches: int,
     chunks: int | None = None,
     costs: CostSpec | None = None,
     *,
@@ -27,7 +27,7 @@ def simulate_report(
     also draws the timeline. Returns ``schedule, pp, microbatches, chunks, step_time,
     bubble_fraction, peak_inflight`` (per stage). Bad names or sizes raise ``ValueError``.
     """
-    schedule = get_schedule(schedule_name, pp, m, num_chunks=chunks)
+    schedule = get_schedule(schedule_name, pp, microbatches, chunks=chunks)
     v = schedule.num_stages // schedule.num_ranks
     if callable(costs):
         raise ValueError("simulate_report takes costs as a dict like {'F': 1.0, 'B': 2.0}")
@@ -41,7 +41,7 @@ def simulate_report(
     return {
         "schedule": schedule.name,
         "pp": pp,
-        "microbatches": m,
+        "microbatches": microbatches,
         "chunks": v,
         "step_time": timeline.step_time,
         "bubble_fraction": timeline.bubble_fraction,

@@ -42,7 +42,7 @@ def validate(schedule: Schedule) -> None:
 
 def _check_placement(schedule: Schedule) -> None:
     """Stages and micro-batches in range, each action on its stage's rank, sane comm peers."""
-    p, m, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
+    p, m, owner = schedule.num_stages, schedule.microbatches, schedule.stage_to_rank
     for rank, acts in enumerate(schedule.actions):
         for pos, a in enumerate(acts):
             here = _where(rank, pos, a)
@@ -84,7 +84,7 @@ def _check_complete(schedule: Schedule, where: dict[Key, tuple[int, int]]) -> No
     """Each (stage, micro-batch) has one F and either one B or one I and one W."""
     for s in range(schedule.num_stages):
         rank = schedule.stage_to_rank[s]
-        for k in range(schedule.num_microbatches):
+        for k in range(schedule.microbatches):
             has = {kind for kind in (Kind.F, Kind.B, Kind.I, Kind.W) if (s, kind, k) in where}
             what = f"rank {rank}: stage {s} micro-batch {k}"
             if Kind.F not in has:

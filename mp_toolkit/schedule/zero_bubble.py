@@ -37,13 +37,13 @@ SPLIT_SCHEDULES = ("zbh1", "zbdrain")
 """The schedules (`run.config` names) that run backwards as ``I`` then ``W``."""
 
 
-def zbh1(num_stages: int, num_microbatches: int) -> Schedule:
+def zbh1(num_stages: int, microbatches: int) -> Schedule:
     """ZB-H1 with stage ``s`` on rank ``s``; comm actions as in :func:`insert_comms`
     (``RECV_B`` before ``I``, ``SEND_B`` right after it)."""
-    return _one_stage_per_rank("ZBH1", num_stages, num_microbatches, _stage_compute_order)
+    return _one_stage_per_rank("ZBH1", num_stages, microbatches, _stage_compute_order)
 
 
-def zb_drain(num_stages: int, num_microbatches: int) -> Schedule:
+def zb_drain(num_stages: int, microbatches: int) -> Schedule:
     """1F1B in which stage ``s`` runs its last ``min(s, m)`` backwards as ``I`` (``SEND_B`` right
     after it) and their ``W`` after its last ``I``; comm actions as in :func:`insert_comms`.
 
@@ -52,7 +52,7 @@ def zb_drain(num_stages: int, num_microbatches: int) -> Schedule:
     stage ``s``); counting what the deferred ``W`` keep, stage ``s`` holds at most
     ``max(p-s, s)`` micro-batches' worth, never more than ZB-H1's ``p``.
     """
-    return _one_stage_per_rank("ZBDrain", num_stages, num_microbatches, _drain_compute_order)
+    return _one_stage_per_rank("ZBDrain", num_stages, microbatches, _drain_compute_order)
 
 
 def _one_stage_per_rank(name: str, p: int, m: int, compute_order) -> Schedule:
@@ -60,12 +60,12 @@ def _one_stage_per_rank(name: str, p: int, m: int, compute_order) -> Schedule:
     if p < 1:
         raise ValueError(f"num_stages must be at least 1, got {p}")
     if m < 1:
-        raise ValueError(f"num_microbatches must be at least 1, got {m}")
+        raise ValueError(f"microbatches must be at least 1, got {m}")
     compute = [compute_order(s, p, m) for s in range(p)]
     return Schedule(name, p, m, tuple(range(p)), insert_comms(tuple(range(p)), compute))
 
 
-def split_share(schedule: str, stage: int, num_microbatches: int) -> float:
+def split_share(schedule: str, stage: int, microbatches: int) -> float:
     """The share of stage ``stage``'s backwards that ``schedule`` (a `run.config` name) runs as
     ``I`` then ``W``: the engine then records what ``W`` needs, and a recomputed layer is rebuilt
     in each of the two. The first stage never splits (its input is token ids: ``I`` has nothing
@@ -74,7 +74,7 @@ def split_share(schedule: str, stage: int, num_microbatches: int) -> float:
         return 0.0
     if schedule == "zbh1":
         return 1.0
-    return min(stage, num_microbatches) / num_microbatches  # zbdrain
+    return min(stage, microbatches) / microbatches  # zbdrain
 
 
 def _drain_compute_order(stage: int, p: int, m: int) -> list[Action]:
