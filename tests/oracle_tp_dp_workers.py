@@ -140,19 +140,20 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", le
     ``--recompute`` (the reference never recomputes). ``lengths``: `make_batches`'s sequence lengths
     (micro-batches of mixed lengths, different on each replica)."""
     from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
+    from mp_toolkit.run.plan import resolve_run
 
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
     *batches, held_out = make_batches(STEPS + 1, dp * m, cfg.vocab_size, lengths=lengths)
     ref32 = reference(cfg, batches, held_out)
     ref64 = reference(cfg, batches, held_out, torch.float64)
-    train_cfg = TrainConfig(model="gpt-tiny", pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,
+    train_cfg = TrainConfig(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,
                             partition="uniform", optimizer="lamb", lr=LR, weight_decay=WD, clip_grad=CLIP,
                             precision="fp32", dp_bucket_mb=bucket_mb,
                             chunks=2 if schedule == "interleaved" else 1, recompute=recompute)
     torch.manual_seed(0)
     with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers and shards
         model = GPT(cfg)
-    engine = build_engine(train_cfg, ctx, model)
+    engine = build_engine(resolve_run(train_cfg), ctx, model)
     named = engine.named_parameters()
     replicated = [p for _, p in named if not is_tensor_parallel(p)]
     calls = _log_dp_calls(engine)

@@ -104,13 +104,14 @@ def test_rank_layers_of_interleaved_stages():
 def grid_rank(rank, world, pp, tp, schedule, tied):
     """build_engine over a meta-built gpt-tiny: what this rank allocated, and its full tensors."""
     from mp_toolkit.run.compose import build_engine
+    from mp_toolkit.run.plan import resolve_run
 
     ctx = build_context(pp, tp, 1)
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
     model = _meta(lambda: GPT(cfg))
-    train_cfg = TrainConfig(model="gpt-tiny", pp=pp, tp=tp, schedule=schedule, microbatches=2 * pp,
+    train_cfg = TrainConfig(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, schedule=schedule, microbatches=2 * pp,
                             partition="uniform", chunks=2 if schedule == "interleaved" else 1)
-    engine = build_engine(train_cfg, ctx, model)
+    engine = build_engine(resolve_run(train_cfg), ctx, model)
     held = {n: p for n, p in engine.named_parameters()}
     return {
         "coords": (ctx.pp_rank, ctx.tp_rank),

@@ -194,7 +194,7 @@ def test_a_run_naming_no_schedule_weighs_interleaved_where_the_cut_is_the_planne
     times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) ms", line)}
     assert default_candidates(cfg) == DEFAULT_CANDIDATES and set(times) == set(DEFAULT_CANDIDATES)
     assert (picked.schedule, picked.chunks) == ("interleaved", 2) and min(times, key=times.get) == "interleaved"
-    assert validate(picked)[-1] == 14 and len(validate(picked)) == 5  # pp x chunks stages over bert-base's 14 layers
+    assert validate(picked).boundaries[-1] == 14 and len(validate(picked).boundaries) == 5  # pp x chunks stages over bert-base's 14 layers
     one_per_rank = tuple(c for c in DEFAULT_CANDIDATES if c != "interleaved")
     for fixed in (dataclasses.replace(cfg, partition="0,7,14"), dataclasses.replace(cfg, recompute="full",
                                                                                     recompute_layers=(1, 2)),

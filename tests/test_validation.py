@@ -210,6 +210,7 @@ def bert_eval_rank(rank, world, pp, tp, cache):
     from model_zoo import bert
     from mp_toolkit.parallel.context import build_context
     from mp_toolkit.run.compose import build_engine
+    from mp_toolkit.run.plan import resolve_run
     from mp_toolkit.run.config import TrainConfig
     from mp_toolkit.run.validation import MLM_METRICS, mlm_metrics
 
@@ -224,7 +225,7 @@ def bert_eval_rank(rank, world, pp, tp, cache):
     torch.manual_seed(0)
     with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers
         model = bert.BertForPreTraining(config)
-    engine = build_engine(cfg, ctx, model)
+    engine = build_engine(resolve_run(cfg), ctx, model)
     metrics = mlm_metrics(engine.loss_fn, ctx.tp_group)
     held = data.held_out()
     got = [engine.eval_metrics(held, metrics, len(MLM_METRICS)) for _ in range(2)]

@@ -7,6 +7,9 @@ At tp = 2 the vocabulary is padded to 1024 (a multiple of 128 x 2): rank 0 holds
 from __future__ import annotations
 
 import dataclasses
+import json
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -44,16 +47,19 @@ def padded_oracle(rank, world, optimizer: str, tied: bool) -> dict:
     and trust ratios as (err, floor) pairs, and the padded rows of the parameters and of the
     optimizer state (which must be exactly zero)."""
     from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
+    from mp_toolkit.run.plan import resolve_run
 
     ctx = build_context(1, 2, 1)
     *batches, held_out = make_batches(STEPS + 1, M, VOCAB)
     config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
     ref32 = reference(config, batches, held_out, optimizer=optimizer)
     ref64 = reference(config, batches, held_out, torch.float64, optimizer=optimizer)
-    cfg = TrainConfig(model="gpt-tiny", pp=1, tp=2, dp=1, microbatches=M, partition="uniform", optimizer=optimizer, lr=LR,
-                      weight_decay=WD, clip_grad=CLIP, precision="fp32")
+    model_file = Path(tempfile.mkdtemp(prefix="vocab-padding-")) / "config.json"  # the run names its model
+    model_file.write_text(json.dumps(config.to_dict()))
+    cfg = TrainConfig(model=str(model_file), seq_len=SEQ, pp=1, tp=2, dp=1, microbatches=M, partition="uniform",
+                      optimizer=optimizer, lr=LR, weight_decay=WD, clip_grad=CLIP, precision="fp32")
     torch.manual_seed(0)
-    engine = build_engine(cfg, ctx, GPT(config))
+    engine = build_engine(resolve_run(cfg), ctx, GPT(config))
     named = engine.named_parameters()
     padded = {n: p for n, p in named if hasattr(p, "unpadded_size")}
     pad_max = {"init": largest_in_padding(padded.values(), ctx.tp_rank)}

@@ -4,21 +4,25 @@ under a launcher, train this one)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+import torch
+
 from mp_toolkit.cli_args import FIELDS, UNSET
 from mp_toolkit.ds.overrides import blame, ds_overrides, merge
 from mp_toolkit.errors import ConfigError
 from mp_toolkit.parallel.context import GridError, check_grid
-from mp_toolkit.run.checks import validate
 from mp_toolkit.run.config import TrainConfig
-from mp_toolkit.run.launch import EXIT_DIVERGED, EXIT_PREEMPTED, LaunchEnv, PeerLost, launcher_env, local_faults
+from mp_toolkit.run.launch import (
+    EXIT_DIVERGED, EXIT_PREEMPTED, LaunchEnv, PeerLost, device_and_backend, launcher_env, local_faults,
+)
 from mp_toolkit.run.loop import Preempted, run_training
+from mp_toolkit.run.plan import RunPlan, resolve_run
 from mp_toolkit.run.predict import dry_run_report
-from mp_toolkit.run.recompute_plan import default_schedule, resolve_auto_schedule
 from mp_toolkit.run.skips import Diverged
 from mp_toolkit.run.spawn import can_fork_ranks, spawn_local
 
@@ -42,38 +46,45 @@ def _sources(args: argparse.Namespace, world_size: int | None) -> tuple[dict, di
     return (given, *ds_overrides(args.ds_config, given, world_size))
 
 
+def plan_run(args: argparse.Namespace, env: LaunchEnv | None = None) -> RunPlan:
+    """The run ``mpt train ARGS`` trains, decided once (`run.plan`): the DeepSpeed config and the flags
+    merged (`train_config`), then resolved here, or, in a rank that ``mpt train`` started, received from
+    it. A value that cannot work raises `ConfigError`, naming the DeepSpeed key it came from."""
+    given, from_file, notes = _sources(args, env.world_size if env is not None else None)
+    cfg = merge(given, from_file)
+    try:
+        if env is not None and env.run_plan is not None:
+            return RunPlan.received(cfg, json.loads(env.run_plan))
+        device = None if env is None else device_and_backend(env.local_rank, env.local_world_size,
+                                                             torch.cuda.device_count())[0]
+        return resolve_run(cfg, schedule_named="schedule" in given or "schedule" in from_file,
+                           chunks_given="chunks" in given, device=device, notes=tuple(notes))
+    except ConfigError as e:
+        raise blame(e, from_file, args.ds_config) from None
+
+
 def run(args: argparse.Namespace, argv: list[str], main: Callable | None = None) -> int:
     """``mpt train``; the exit code. ``main``: the ``mpt`` entry point when this process is the ``mpt``
     command itself (a fresh interpreter that has run nothing else), so the ranks may be forked from it
     (`run.spawn`); None: ranks start as interpreters of their own."""
     env = launcher_env()
-    given, from_file, notes = _sources(args, env.world_size if env is not None else None)
-    cfg = merge(given, from_file)
-    if cfg.schedule == "auto":  # every rank resolves it alike (FLOP times: arithmetic)
-        cfg, line = resolve_auto_schedule(cfg, chunks_given="chunks" in given)
-        notes = [*notes, line]
-    elif "schedule" not in given and "schedule" not in from_file:  # no schedule named: the planner's default
-        cfg, line = default_schedule(cfg)
-        notes = [*notes, line] if line else notes
-    try:
-        boundaries = validate(cfg)  # no process group needed: every rank fails the same way before any talks
-    except ConfigError as e:
-        raise blame(e, from_file, args.ds_config) from None
-    dry_run = args.dry_run is not UNSET
-    if (env.rank == 0) if env is not None else cfg.world_size == 1:  # once, by the process that trains rank 0
-        for line in notes:
+    plan = plan_run(args, env)  # no process group needed: every rank fails the same way before any talks
+    cfg, dry_run = plan.cfg, args.dry_run is not UNSET
+    if env is None or (env.rank == 0 and env.run_plan is None):  # once: the process the user started, or rank 0
+        for line in plan.notes:
             print(line, flush=True)
     if env is None and dry_run:
-        print(dry_run_report(cfg, boundaries, "mpt train itself"), flush=True)
+        print(dry_run_report(cfg, plan.boundaries, plan.prediction, "mpt train itself"), flush=True)
         return 0
     if env is None:  # no launcher: start the pp*tp*dp ranks ourselves
         for path in (cfg.metrics, cfg.plot):
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.world_size == 1 and not cfg.restarts and cfg.engine == "mp_toolkit":  # DeepSpeed reads a launcher's env
-            return _run(cfg, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, faults=local_faults()))
+            return _run(plan, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, faults=local_faults()))
         fork_with = main if main is not None and can_fork_ranks() else None
-        return spawn_local(argv, cfg.world_size, restarts=cfg.restarts, save_dir=cfg.save_dir, fork_with=fork_with)
+        return spawn_local(argv, cfg.world_size, restarts=cfg.restarts, save_dir=cfg.save_dir, fork_with=fork_with,
+                           run_env={"MPT_RUN_PLAN": json.dumps(plan.to_json())})
     if cfg.restarts and not env.started_by_mpt:
         raise ConfigError(f"--restarts {cfg.restarts} is for mpt train starting the ranks itself; under a launcher "
                           "restart with it (torchrun --max-restarts N) and pass --resume auto")
@@ -83,15 +94,16 @@ def run(args: argparse.Namespace, argv: list[str], main: Callable | None = None)
         raise ConfigError(f"the launcher started {env.world_size} processes: {e}") from None
     if dry_run:
         if env.rank == 0:
-            print(dry_run_report(cfg, boundaries, f"the launcher (world size {env.world_size})"), flush=True)
+            print(dry_run_report(cfg, plan.boundaries, plan.prediction,
+                                 f"the launcher (world size {env.world_size})"), flush=True)
         return 0
-    return _run(cfg, env)
+    return _run(plan, env)
 
 
-def _run(cfg: TrainConfig, env) -> int:
+def _run(plan: RunPlan, env: LaunchEnv) -> int:
     """Train this rank; a lost peer (exit 1) and a diverged run (exit 3, said once by rank 0) end in one line."""
     try:
-        run_training(cfg, env)
+        run_training(plan, env)
     except Diverged as e:
         if env.rank == 0:
             sys.stderr.write(f"mpt train: error: {e}\n")

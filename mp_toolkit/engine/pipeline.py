@@ -80,7 +80,8 @@ class PipelineEngine:
         ctx: this rank's ParallelContext.
         boundaries: partition ``[0, b1, ..., len(layer_list)]`` with ``ctx.pp * chunks`` stages.
         microbatches: m, micro-batches per global batch on each data-parallel replica.
-        schedule: schedule name ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain").
+        schedule: schedule name ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain"), or the `Schedule`
+            itself (``microbatches`` and ``chunks`` must be its own).
         optimizer: callable([(name, param), ...]) -> torch.optim.Optimizer over this stage's
             (fp32 master) parameters, named as in the unsplit LayerList (LAMB / LARS built with
             ``tp_group=ctx.tp_group``, so their trust ratios use whole-tensor norms).
@@ -104,14 +105,15 @@ class PipelineEngine:
     """
 
     def __init__(self, layer_list: LayerList, ctx: ParallelContext, boundaries: Sequence[int],
-                 microbatches: int, schedule: str, optimizer: Callable, loss_fn: Callable,
+                 microbatches: int, schedule: str | Schedule, optimizer: Callable, loss_fn: Callable,
                  clip_grad: float | None = None, precision: str = "fp32",
                  loss_scaler: DynamicLossScaler | None = None, chunks: int = 1,
                  dp_bucket_bytes: int = BUCKET_BYTES, free_sent_outputs: bool = True, zero: int = 0):
         if ctx.tp > 1 and not any(is_tensor_parallel(p) for p in layer_list.parameters()):
             raise ValueError(f"tp={ctx.tp} but no parameter of the layer list is tensor-parallel: "
                              "apply_tensor_parallel(layer_list, ctx, plan) before building the engine")
-        self.schedule = get_schedule(schedule, ctx.pp, microbatches, chunks=chunks)
+        self.schedule = (schedule if isinstance(schedule, Schedule)  # built once by the caller (`run.plan`)
+                         else get_schedule(schedule, ctx.pp, microbatches, chunks=chunks))
         validate(self.schedule)
         n_stages = self.schedule.num_stages
         if len(boundaries) != n_stages + 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +20,8 @@ from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute
 from mp_toolkit.run.families import ModelSpec, resolve_hf, resolve_model
 from mp_toolkit.run.loggers import check_loggers
 from mp_toolkit.run.save_dir import check_fresh
-from mp_toolkit.schedule import get_schedule
+from mp_toolkit.recompute import StageRecompute
+from mp_toolkit.schedule import Schedule, get_schedule
 
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
@@ -90,9 +92,21 @@ def _validate_paths(cfg: TrainConfig) -> None:
                           "the latest checkpoint, and without one it would start over")
 
 
-def validate(cfg: TrainConfig) -> list[int]:
-    """Every check that needs no process group: fail before any rank starts. Returns the cut checked
-    (a ``--partition time`` cut is measured when the ranks start; here it is the FLOPs cut)."""
+@dataclass(frozen=True)
+class Checked:
+    """What the checks decided on the way: the model, the cut, each stage's recomputation, the schedule."""
+
+    spec: ModelSpec
+    boundaries: tuple[int, ...]
+    recompute: tuple[StageRecompute, ...]
+    schedule: Schedule
+
+
+def validate(cfg: TrainConfig, planned=None) -> Checked:
+    """Every check that needs no process group: fail before any rank starts. Returns what the checks
+    decided (a ``--partition time`` cut is measured when the ranks start; here it is the FLOPs cut).
+    ``planned``: the schedule candidate's plan (`run.recompute_plan.choose_schedule`), whose cut
+    ``--recompute auto`` takes instead of planning it again."""
     _validate_numbers(cfg)
     _validate_paths(cfg)
     check_engine(cfg)  # --engine deepspeed's limits (imports no DeepSpeed)
@@ -109,10 +123,19 @@ def validate(cfg: TrainConfig) -> list[int]:
                           "(use --engine mp_toolkit, or --recompute none)")
     if cfg.memory_gb is not None and not (cfg.memory_gb > 0 and math.isfinite(cfg.memory_gb)):
         raise ConfigError(f"--memory-gb {cfg.memory_gb} must be a positive finite number")
-    boundaries, choices = cut_and_recompute(cfg, layers, spec.config)
+    boundaries, choices = cut_and_recompute(cfg, layers, spec.config, planned=planned)
     apply_choices(layers, boundaries, choices)  # refuses selective where unsupported
+    return Checked(spec, tuple(boundaries), tuple(choices), _schedule(cfg))
+
+
+def check_received(cfg: TrainConfig, boundaries: tuple[int, ...], recompute: tuple[StageRecompute, ...]) -> Checked:
+    """What a rank needs of a run whose checks and cut the process that started it made
+    (`run.plan.RunPlan.received`): this rank's model spec and the schedule, nothing planned."""
+    return Checked(model_spec(cfg), tuple(boundaries), tuple(recompute), _schedule(cfg))
+
+
+def _schedule(cfg: TrainConfig) -> Schedule:
     try:
-        get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, chunks=cfg.chunks)
+        return get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, chunks=cfg.chunks)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return boundaries

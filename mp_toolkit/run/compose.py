@@ -18,17 +18,18 @@ from mp_toolkit.parallel.materialize import is_meta, materialize, rank_layers
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.cut import CutWorkload, config_of, plan_boundaries
 from mp_toolkit.run.families import loss_function, tensor_parallel
-from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute, describe
-from mp_toolkit.schedule import get_schedule
+from mp_toolkit.run.plan import RunPlan
+from mp_toolkit.run.recompute_plan import apply_choices, describe
 
 
-def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module, values: bool = True) -> PipelineEngine:
+def build_engine(run: RunPlan, ctx: ParallelContext, model: torch.nn.Module, values: bool = True) -> PipelineEngine:
     """Compose the parallelisms over a plain single-device GPT, BERT or HF model, for this rank.
     The order matters:
 
-    1. Plan the pipeline cut on the *unsplit* layer list (boundaries are data), so every tp degree
-       cuts the model at the same layers; with it, which block layers of each stage recompute their
-       activations (``--recompute``; auto: chosen with the cut by the planner).
+    1. The pipeline cut of the *unsplit* layer list (boundaries are data, planned once in ``run``,
+       `run.plan`), so every tp degree cuts the model at the same layers; with it, which block layers
+       of each stage recompute their activations (``--recompute``; auto: chosen with the cut by the
+       planner). A ``--partition time`` cut is measured here, on rank 0, and broadcast.
     2. Tensor parallelism: `apply_tensor_parallel` (an HF model: `apply_hf_tensor_parallel`) swaps
        the modules the model's TP plan names for this rank's shards over the whole list at once,
        so the tied embedding and LM head (MLM decoder), which may land on different stages, are
@@ -51,20 +52,21 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
     ``model`` must be built identically on every rank (same seed): each keeps its own slice.
     ``values=False`` (a run that resumes): step 3 gives storage only, the checkpoint fills it.
     """
+    cfg = run.cfg
     layers = LayerList.from_model(model)
-    boundaries, recompute = cut_and_recompute(cfg, layers, config_of(model), ctx)  # 1
+    boundaries = cut_of(run, layers, model, ctx)  # 1
+    recompute = list(run.recompute)
     on_meta = is_meta(model)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         layers = tensor_parallel(model, layers, ctx)  # 2: shapes only on meta
     apply_choices(layers, boundaries, recompute)
     if cfg.recompute != "none" and ctx.rank == 0:
         print(f"--recompute {cfg.recompute}: {describe(layers, boundaries, recompute)}", flush=True)
-    stages = get_schedule(cfg.schedule, ctx.pp, cfg.microbatches, chunks=cfg.chunks).stages_of(ctx.pp_rank)
-    own_layers(model, layers, rank_layers(boundaries, stages), ctx, values)  # 3
+    own_layers(model, layers, rank_layers(boundaries, run.stages_of(ctx.pp_rank)), ctx, values)  # 3
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
     options = OptimizerOptions.of(cfg)
     return PipelineEngine(  # 4 and 5
-        layers, ctx, boundaries, cfg.microbatches, cfg.schedule,
+        layers, ctx, boundaries, cfg.microbatches, run.schedule,
         optimizer=lambda named: build_optimizer(cfg.optimizer, named, cfg.lr, cfg.weight_decay, tp_group=tp_group,
                                                 options=options),
         loss_fn=loss_function(model, ctx), clip_grad=cfg.clip_grad, precision=cfg.precision,
@@ -73,13 +75,14 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
     )
 
 
-def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module,
+def deepspeed_engine(run: RunPlan, ctx: ParallelContext, model: torch.nn.Module,
                      values: bool = True) -> DeepSpeedPipeline:
     """``--engine deepspeed``: DeepSpeed's PipelineEngine handed the cut `build_engine` plans for ours (a
     "time" cut is measured on rank 0 and broadcast over ``ctx``), the same loss and optimizer
     (`mp_toolkit.ds.engine`; DeepSpeed is imported only then). No tensor parallelism (`check_engine`)."""
+    cfg = run.cfg
     layers = LayerList.from_model(model)
-    boundaries = plan_boundaries(layers, cfg.pp, cfg.partition, 1, CutWorkload.of(cfg, config_of(model), ctx))
+    boundaries = cut_of(run, layers, model, ctx)
     keep = rank_layers(boundaries, [ctx.pp_rank])  # its PipelineModule's stage, and whole tie groups (TiedLayers)
     held = {layers.names[i] for i in keep}
     tied = [layers.names.index(name) for group in layers.tie_groups if any(m in held for m, _ in group)
@@ -88,11 +91,22 @@ def deepspeed_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Mod
     return DeepSpeedPipeline(cfg, ctx, layers, boundaries, loss_function(model, ctx))
 
 
-def make_engine(cfg: TrainConfig, ctx: ParallelContext, model: torch.nn.Module, values: bool = True) -> TrainEngine:
-    """The engine ``cfg.engine`` names, over ``model`` (built alike on every rank); ``values=False``
+def make_engine(run: RunPlan, ctx: ParallelContext, model: torch.nn.Module, values: bool = True) -> TrainEngine:
+    """The engine ``run.cfg.engine`` names, over ``model`` (built alike on every rank); ``values=False``
     when a checkpoint will fill every parameter (`own_layers`)."""
-    make = build_engine if cfg.engine == "mp_toolkit" else deepspeed_engine
-    return make(cfg, ctx, model, values)
+    make = build_engine if run.cfg.engine == "mp_toolkit" else deepspeed_engine
+    return make(run, ctx, model, values)
+
+
+def cut_of(run: RunPlan, layers: LayerList, model: torch.nn.Module, ctx: ParallelContext) -> list[int]:
+    """The run's cut: the plan's, or under ``--partition time`` the one rank 0 measures now and broadcasts."""
+    if run.boundaries[-1] != len(layers):
+        raise ValueError(f"the run plan cuts {run.boundaries[-1]} layers but the model has {len(layers)}: "
+                         "plan the run for the model it trains")
+    if not run.measured_cut:
+        return list(run.boundaries)
+    cfg = run.cfg
+    return plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks, CutWorkload.of(cfg, config_of(model), ctx))
 
 
 def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: ParallelContext,

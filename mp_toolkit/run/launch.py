@@ -75,6 +75,9 @@ class LaunchEnv:
     """spawn_local: rank 0's rendezvous store serves this listening socket (bound to 127.0.0.1)."""
     faults: Faults = field(default_factory=Faults)
     """Test-only fault injection (``MPT_FAULTS``)."""
+    run_plan: str | None = None
+    """spawn_local: the run plan its process resolved, as JSON (``MPT_RUN_PLAN``, `run.plan.RunPlan.to_json`);
+    None under another launcher: each rank resolves the run itself."""
 
     @property
     def started_by_mpt(self) -> bool:
@@ -94,6 +97,7 @@ def launcher_env() -> LaunchEnv | None:
         attempt=int(os.environ.get("MPT_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))),
         status_fd=int(fd) if fd else None, faults=Faults.parse(os.environ.get("MPT_FAULTS")),
         store_fd=int(os.environ["MPT_STORE_FD"]) if os.environ.get("MPT_STORE_FD") else None,
+        run_plan=os.environ.get("MPT_RUN_PLAN") if fd else None,
     )
 
 

@@ -21,7 +21,6 @@ every rank after the same step, saved (`run.preempt`, exit 5).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import time
 
@@ -31,13 +30,12 @@ import torch.distributed as dist
 from mp_toolkit.checkpoint import CheckpointError
 from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.optim.lr import WarmupDecay, set_lr
-from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.parallel.context import ParallelContext, build_context
 from mp_toolkit.parallel.tensor_parallel import padded_vocab_size
 from mp_toolkit.partition.memstats import DeviceMemory, peak_rss_bytes, reset_peak, warm_runtime
-from mp_toolkit.run.checks import model_spec
 from mp_toolkit.run.compose import make_engine
-from mp_toolkit.run.predict import predicted_rank_bytes
+from mp_toolkit.run.plan import RunPlan
+from mp_toolkit.run.predict import run_plan
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.families import micro_batches
 from mp_toolkit.run.launch import (
@@ -62,10 +60,11 @@ def lr_at(cfg: TrainConfig, progress: Progress, step: int) -> float:
     return WarmupDecay(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.lr_decay, cfg.min_lr)(step)
 
 
-def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
-    """Train on this rank; returns the per-step rows on rank 0 (empty elsewhere). A collective or
+def run_training(run: RunPlan, env: LaunchEnv) -> list[dict]:
+    """Train ``run`` (decided once, `run.plan`) on this rank; returns the per-step rows on rank 0 (empty elsewhere). A collective or
     point-to-point call that fails because a peer died or stopped answering (bounded by
     --timeout) becomes `PeerLost`, whose line names the lost rank when it ran on this host."""
+    cfg = run.cfg
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     status = RankStatus(env)  # under spawn_local: the watchdog hears each step
     peers, lost, lock, heartbeat = None, False, SaveDirLock(), None
@@ -78,7 +77,7 @@ def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
             peers = Peers.exchange(env.rank, env.world_size, device)
             if heartbeat is not None:
                 heartbeat.arm()
-        return _train(cfg, env, device, status, lock, signals)
+        return _train(run, env, device, status, lock, signals)
     except RuntimeError as e:
         if isinstance(e, PeerLost) or not is_comm_failure(e):
             raise
@@ -91,6 +90,15 @@ def run_training(cfg: TrainConfig, env: LaunchEnv) -> list[dict]:
         lock.release()
         if dist.is_initialized() and not lost:
             dist.destroy_process_group()
+
+
+def predicted_bytes(run: RunPlan, boundaries: list[int], pp_rank: int) -> int | None:
+    """``mpt plan``'s bytes for this pipeline rank's steps: the run plan's, or for a cut rank 0 measured
+    when the ranks started (``--partition time``) a plan of that cut, made now."""
+    if list(run.boundaries) == list(boundaries):
+        return run.predicted_rank_bytes(pp_rank)
+    plan = run_plan(run.cfg, boundaries)
+    return None if plan is None else sum(plan.stages[s].memory_bytes for s in run.stages_of(pp_rank))
 
 
 def _resume(cfg: TrainConfig, path, engine, ctx, names, data, spec, log_rank0: bool) -> tuple[Progress, str]:
@@ -141,11 +149,9 @@ def _preempted_line(cfg: TrainConfig, signal_name: str, step: int, saved: bool) 
     return f"{signal_name}: every rank stopped after step {step} ({where})"
 
 
-def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankStatus, lock: SaveDirLock,
+def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatus, lock: SaveDirLock,
            signals: PreemptSignals) -> list[dict]:
-    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))
-    rank0 = env.rank == 0
-    spec = model_spec(cfg)
+    cfg, spec, rank0 = run.cfg, run.spec, env.rank == 0
     if rank0:
         padded = padded_vocab_size(spec.vocab_size, cfg.tp)  # the vocab shards' rows (vocab_parallel)
         pad = f" (vocab {spec.vocab_size} padded to {padded})" if padded != spec.vocab_size else ""
@@ -176,9 +182,9 @@ def _train(cfg: TrainConfig, env: LaunchEnv, device: torch.device, status: RankS
                 error = e
         agree(error, ctx)
     resume_from = find_checkpoint(cfg) if cfg.resume else None
-    engine = make_engine(cfg, ctx, model, values=resume_from is None)  # resuming: the checkpoint fills them
+    engine = make_engine(run, ctx, model, values=resume_from is None)  # resuming: the checkpoint fills them
     del model
-    planned = predicted_rank_bytes(cfg, engine.boundaries, ctx.pp_rank)  # mpt plan's figure for this rank
+    planned = predicted_bytes(run, engine.boundaries, ctx.pp_rank)  # mpt plan's figure for this rank
     progress, run_id = _resume(cfg, resume_from, engine, ctx, names, data, spec, rank0)
     if progress.step >= cfg.steps:
         if rank0:

@@ -9,7 +9,6 @@ from mp_toolkit.partition.cost import ACT_BYTES, CostModelError
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.partition.report import format_plan
 from mp_toolkit.run.config import TrainConfig
-from mp_toolkit.schedule import get_schedule
 
 PLAN_TFLOPS = 1.0
 """The rate turning FLOPs into seconds when `mpt train` plans (no layer is timed; memory and the
@@ -37,28 +36,17 @@ def run_plan(cfg: TrainConfig, boundaries: list[int]):
     return plan if plan.boundaries == list(boundaries) else None
 
 
-def predicted_rank_bytes(cfg: TrainConfig, boundaries: list[int], pp_rank: int) -> int | None:
-    """The bytes ``mpt plan`` predicts this pipeline rank's steps hold above the post-import
-    baseline, for the run's own cut (``boundaries``) and recomputation; None where the cost model
-    does not describe the model (or the run's optimizer)."""
-    plan = run_plan(cfg, boundaries)
-    if plan is None:
-        return None
-    mine = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, chunks=cfg.chunks).stages_of(pp_rank)
-    return sum(plan.stages[s].memory_bytes for s in mine)
-
-
-def dry_run_report(cfg: TrainConfig, boundaries: list[int], launcher: str) -> str:
-    """What ``mpt train --dry-run`` prints: the run every check accepted, and ``mpt plan``'s
-    prediction for its cut (per stage: layers, parameters, time, peak memory), nothing started."""
+def dry_run_report(cfg: TrainConfig, boundaries: list[int], plan, launcher: str) -> str:
+    """What ``mpt train --dry-run`` prints: the run every check accepted (``cfg`` with its choices
+    resolved, its cut ``boundaries``), and ``plan``, ``mpt plan``'s prediction for that cut (per stage:
+    layers, parameters, time, peak memory; None where the cost model cannot describe it), nothing started."""
     data = "synthetic tokens" if cfg.data == "synthetic" else f"data {cfg.data}"
     head = (f"dry run: every check passed; {cfg.world_size} rank(s) (pp {cfg.pp} x tp {cfg.tp} x dp {cfg.dp}) "
             f"would be started by {launcher}, {cfg.steps} steps of {cfg.tokens_per_step:,} tokens on {data}, "
-            f"cut {','.join(map(str, boundaries))}")
-    plan = run_plan(cfg, boundaries)
+            f"precision {cfg.precision}, schedule {cfg.schedule}, cut {','.join(map(str, boundaries))}")
     if plan is None:
         return f"{head}\n(no memory plan: the cost model does not describe this model or optimizer)"
     return f"{head}\n{format_plan(plan)}"
 
 
-__all__ = ["PLAN_TFLOPS", "dry_run_report", "plan_request", "predicted_rank_bytes", "run_plan"]
+__all__ = ["PLAN_TFLOPS", "dry_run_report", "plan_request", "run_plan"]

@@ -13,9 +13,9 @@ import dataclasses
 
 from mp_toolkit.layers import LayerList
 from mp_toolkit.partition import PartitionError
-from mp_toolkit.partition.auto_schedule import DEFAULT_CANDIDATES, fastest_schedule
+from mp_toolkit.partition.auto_schedule import DEFAULT_CANDIDATES, ScheduleChoice, fastest_schedule
 from mp_toolkit.partition.cost import CostModelError
-from mp_toolkit.partition.planner import PlanRequest, make_plan
+from mp_toolkit.partition.planner import Plan, PlanRequest, make_plan
 from mp_toolkit.recompute import RecomputeError, StageRecompute, apply_recompute, stage_blocks, stage_choices
 from mp_toolkit.run.config import ConfigError, TrainConfig, parse_boundaries
 from mp_toolkit.run.cut import CutWorkload, plan_boundaries
@@ -28,8 +28,11 @@ def auto_request(cfg: TrainConfig) -> PlanRequest:
                         recompute_modes=("full",) if cfg.hf is not None else ("full", "selective"))  # HF: full only
 
 
-def cut_and_recompute(cfg: TrainConfig, layers: LayerList, config, ctx=None) -> tuple[list[int], list[StageRecompute]]:
-    """(boundaries, one `StageRecompute` per stage) for ``cfg`` over the unsplit ``layers``."""
+def cut_and_recompute(cfg: TrainConfig, layers: LayerList, config, ctx=None,
+                      planned: Plan | None = None) -> tuple[list[int], list[StageRecompute]]:
+    """(boundaries, one `StageRecompute` per stage) for ``cfg`` over the unsplit ``layers``.
+    ``planned``: a plan of ``cfg``'s own ``--recompute auto`` request already made (the schedule
+    candidate `choose_schedule` kept), taken instead of planning it again."""
     if cfg.recompute != "auto":
         bounds = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks, CutWorkload.of(cfg, config, ctx))
         try:
@@ -38,8 +41,9 @@ def cut_and_recompute(cfg: TrainConfig, layers: LayerList, config, ctx=None) -> 
             raise ConfigError(str(e)) from None
     if cfg.memory_gb is None:
         raise ConfigError("--recompute auto plans for a memory cap: give --memory-gb GB (per rank)")
+    request = auto_request(cfg)
     try:
-        plan = make_plan(auto_request(cfg))
+        plan = planned if planned is not None and planned.request == request else make_plan(request)
     except (PartitionError, CostModelError) as e:
         raise ConfigError(f"--recompute auto: {str(e).splitlines()[0]}") from None
     if plan.boundaries[-1] != len(layers):
@@ -62,21 +66,58 @@ def describe(layers: LayerList, boundaries: list[int], choices: list[StageRecomp
     return "; ".join(f"stage {j}: {c.describe(len(b))}" for j, (c, b) in enumerate(zip(choices, blocks)))
 
 
-def resolve_auto_schedule(cfg: TrainConfig, chunks_given: bool = False,
-                          candidates: tuple[str, ...] | None = None) -> tuple[TrainConfig, str]:
-    """``--schedule auto``: ``cfg`` with the fastest schedule the planner predicts (FLOP times at
+def choose_schedule(cfg: TrainConfig, named: bool = True,
+                    chunks_given: bool = False) -> tuple[TrainConfig, str | None, Plan | None]:
+    """The run's schedule, decided once: (``cfg`` with it, the line saying so or None, the winning
+    candidate's plan or None). ``--schedule auto`` takes the planner's fastest (`resolve_auto_schedule`);
+    a run that names none (``named`` False) the planner's default pick (`default_schedule`); a named
+    schedule stays, and nothing is planned."""
+    if cfg.schedule == "auto":
+        choice = _auto_choice(cfg, chunks_given, None)
+        return _with_choice(cfg, choice), choice.describe(), choice.plan
+    if named or not _default_applies(cfg):
+        return cfg, None, None
+    try:
+        choice = _auto_choice(cfg, False, default_candidates(cfg))
+    except ConfigError:  # e.g. a model the cost model does not describe: 1F1B, as before the planner
+        return cfg, None, None
+    picked = _with_choice(cfg, choice)
+    if picked.schedule == cfg.schedule:
+        return cfg, None, choice.plan
+    line = choice.describe().replace("--schedule auto:", "schedule (default, the planner's pick):", 1)
+    return picked, line + "; --schedule 1f1b to keep 1F1B", choice.plan
+
+
+def _auto_choice(cfg: TrainConfig, chunks_given: bool, candidates: tuple[str, ...] | None) -> ScheduleChoice:
+    """The planner's fastest schedule for ``cfg`` among ``candidates`` (default: all): FLOP times at
     `PLAN_TFLOPS`, the cut ``--recompute auto`` or ``--partition flops`` would make, fitting
-    ``--memory-gb`` when given) among ``candidates`` (default: all), and the line saying so."""
+    ``--memory-gb`` when given."""
     request = dataclasses.replace(auto_request(cfg), chunks=cfg.chunks if chunks_given else 1)
     if cfg.recompute != "auto":
         request = dataclasses.replace(request, method="flops", recompute=cfg.recompute,
                                       recompute_layers=cfg.recompute_layers)
     try:
-        choice = fastest_schedule(request, *(() if candidates is None else (candidates,)))
+        return fastest_schedule(request, *(() if candidates is None else (candidates,)))
     except (PartitionError, CostModelError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _with_choice(cfg: TrainConfig, choice: ScheduleChoice) -> TrainConfig:
     r = choice.plan.request
-    return dataclasses.replace(cfg, schedule=r.schedule, chunks=r.chunks), choice.describe()
+    return dataclasses.replace(cfg, schedule=r.schedule, chunks=r.chunks)
+
+
+def _default_applies(cfg: TrainConfig) -> bool:
+    """The planner picks the schedule of a run naming none with our engine at pp > 1."""
+    return cfg.engine == "mp_toolkit" and cfg.pp >= 2 and cfg.schedule == "1f1b"
+
+
+def resolve_auto_schedule(cfg: TrainConfig, chunks_given: bool = False,
+                          candidates: tuple[str, ...] | None = None) -> tuple[TrainConfig, str]:
+    """``--schedule auto``: ``cfg`` with the fastest schedule the planner predicts among ``candidates``
+    (default: all), and the line saying so (`_auto_choice`)."""
+    choice = _auto_choice(cfg, chunks_given, candidates)
+    return _with_choice(cfg, choice), choice.describe()
 
 
 def default_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
@@ -85,16 +126,8 @@ def default_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     and ZB-H1 hold what their deferred weight gradients need, interleaved one more chunk micro-batch
     per stage below: more memory, capped by ``--memory-gb`` when given), 1F1B on a tie. Returns
     ``cfg`` and the line saying so (None when 1F1B stays, or when the planner cannot describe the model)."""
-    if cfg.engine != "mp_toolkit" or cfg.pp < 2 or cfg.schedule != "1f1b":
-        return cfg, None
-    try:
-        picked, line = resolve_auto_schedule(cfg, candidates=default_candidates(cfg))
-    except ConfigError:  # e.g. a model the cost model does not describe: 1F1B, as before the planner
-        return cfg, None
-    if picked.schedule == cfg.schedule:
-        return cfg, None
-    return picked, line.replace("--schedule auto:", "schedule (default, the planner's pick):", 1) + \
-        "; --schedule 1f1b to keep 1F1B"
+    picked, line, _ = choose_schedule(cfg, named=False)
+    return picked, line
 
 
 def default_candidates(cfg: TrainConfig) -> tuple[str, ...]:

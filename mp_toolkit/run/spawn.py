@@ -171,7 +171,8 @@ class _Rank:
 
 
 def spawn_local(argv: list[str], nprocs: int, restarts: int = 0, save_dir: Path | None = None,
-                poll_s: float = 0.1, grace_s: float = 5.0, fork_with: Entry | None = None) -> int:
+                poll_s: float = 0.1, grace_s: float = 5.0, fork_with: Entry | None = None,
+                run_env: dict[str, str] | None = None) -> int:
     """Run ``nprocs`` ranks of ``mpt <argv>`` on this machine; restart them up to ``restarts`` times
     after a rank dies, resuming from ``save_dir``'s latest checkpoint (--resume auto).
 
@@ -183,9 +184,10 @@ def spawn_local(argv: list[str], nprocs: int, restarts: int = 0, save_dir: Path 
     process is left behind; Ctrl-C stops them all. A failure that a restart would repeat (a refused
     value or checkpoint, exit 2; --max-skips, exit 3) is not restarted, nor is a preempted run
     (SIGTERM or SIGUSR1 to this process is forwarded to every rank, which save and exit 5).
+    ``run_env``: more variables for every rank (``MPT_RUN_PLAN``: the run plan resolved here).
     """
     for attempt in range(restarts + 1):
-        code, line = _run_ranks(argv, nprocs, attempt, poll_s, grace_s, fork_with)
+        code, line = _run_ranks(argv, nprocs, attempt, poll_s, grace_s, fork_with, run_env or {})
         if code == 0:
             return 0
         if line:
@@ -206,7 +208,7 @@ def spawn_local(argv: list[str], nprocs: int, restarts: int = 0, save_dir: Path 
 
 
 def _run_ranks(argv: list[str], nprocs: int, attempt: int, poll_s: float, grace_s: float,
-               fork_with: Entry | None) -> tuple[int, str | None]:
+               fork_with: Entry | None, run_env: dict[str, str]) -> tuple[int, str | None]:
     """One attempt: (exit code, the watchdog's line or None)."""
     listener = loopback_listener()
     port = listener.getsockname()[1]
@@ -224,7 +226,7 @@ def _run_ranks(argv: list[str], nprocs: int, attempt: int, poll_s: float, grace_
             env = dict(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        MPT_STATUS_FD=str(write), MPT_RESTART_COUNT=str(attempt),
-                       MPT_STORE_FD=str(listener.fileno()), **loopback_env())
+                       MPT_STORE_FD=str(listener.fileno()), **loopback_env(), **run_env)
             try:
                 fds = (write, listener.fileno()) if rank == 0 else (write,)
                 if fork_with is not None:
