@@ -1,23 +1,24 @@
 """`mpt`'s flags: the parser of ``mpt train``, ``plan``, ``simulate`` and ``export`` (`build_parser`).
 
 Every ``train`` flag defaults to `UNSET`, so a flag given on the command line (which overrides the
-DeepSpeed config) can be told from one left out; `FIELDS` are the flags that are `TrainConfig` fields.
+DeepSpeed config) can be told from one left out; `FIELDS` are the flags that are `TrainConfig` fields,
+and each of those takes its help from the field's docstring (`field_docs`). Nothing here imports
+torch: ``mpt --help`` is the parser alone, and each command imports its code when it runs (`mp_toolkit.cli`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
-from mp_toolkit.partition.request import PLAN_METHODS, PlanRequest
-from mp_toolkit.optim import master
-from mp_toolkit.optim.lamb import LAMB_RULES
-from mp_toolkit.data.buckets import BucketError, parse_buckets
-from mp_toolkit.recompute import MODES as RECOMPUTE_MODES, RecomputeError, parse_layer_counts
+from mp_toolkit.flag_values import BucketError, RecomputeError, parse_buckets, parse_layer_counts
+from mp_toolkit.names import LAMB_RULES, PLAN_METHODS, PRECISIONS as COMPUTE_PRECISIONS, RECOMPUTE_MODES
+from mp_toolkit.partition.request import PlanRequest
 from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
-
 
 DEPRECATED = "deprecated_flags"
 """Where `_Deprecated` notes the deprecated flags given (removed from the parsed namespace)."""
@@ -66,6 +67,30 @@ class _Unset:
 UNSET = _Unset()
 RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
 FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def field_docs(cls: type = TrainConfig) -> dict[str, str]:
+    """Each field of dataclass ``cls`` with a docstring (the string literal under it), on one line.
+
+    Read from the class's source with `ast`, once per parser: cheap and torch-free, and the help of
+    ``mpt train``'s flags can only say what the fields' documentation says.
+    """
+    tree = ast.parse(Path(sys.modules[cls.__module__].__file__).read_text(encoding="utf-8"))
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls.__name__).body
+    return {node.target.id: " ".join(after.value.value.split())
+            for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)}
+
+
+def flag_help(doc: str, extra: str = "", negates: bool = False) -> str:
+    """A field flag's help: its docstring without reST quoting (``x`` and `x` read x), "off: " before
+    it for a flag that sets the field False, then ``extra`` (what only the command line has)."""
+    text = ("off: " if negates else "") + re.sub(r"`+([^`]*)`+", r"\1", doc) + (f" {extra}" if extra else "")
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mpt", description="Pipeline model-parallel training for Transformers.")
     # the deepspeed launcher passes --local_rank=N first; LOCAL_RANK in the environment says the same
@@ -79,94 +104,86 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_parser(sub) -> None:
-    d = TrainConfig()
+    d, docs = TrainConfig(), field_docs()
     t = sub.add_parser("train", help="train a model over a pp x tp x dp grid of ranks")
 
     def opt(*flags, **kw):
         t.add_argument(*flags, default=UNSET, **kw)
 
+    def field(*flags, extra: str = "", show_default: bool = False, **kw):
+        """A flag that sets the TrainConfig field of its dest: help from the field's docstring."""
+        action = t.add_argument(*flags, default=UNSET, **kw)
+        if show_default:
+            extra = f"{extra} (default {getattr(d, action.dest)})".lstrip()
+        action.help = flag_help(docs[action.dest], extra, negates=kw.get("const") is False)
+
     opt("--config", "--deepspeed_config", "--deepspeed-config", dest="ds_config", type=Path,
         help="a DeepSpeed JSON config (batch, fp16/bf16, optimizer, scheduler, pipeline); flags given here override it")
     t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    opt("--model", help=f"preset (gpt-tiny, gpt-small-cpu, gpt2, ..., bert-tiny, bert-base, bert-large) or a "
-                        f"GPT-2 / BERT config.json (default {d.model})")
-    opt("--hf", metavar="DIR", help="a local HuggingFace save_pretrained directory (GPT-2, BERT, Llama, Mistral, "
-                                    "Qwen2) to train from its weights, instead of --model")
-    opt("--pp", type=int, help=f"pipeline stages (default {d.pp})")
-    opt("--tp", type=int, help="tensor-parallel ranks per stage (Megatron TP_PLAN)")
-    opt("--dp", type=int, help="data-parallel replicas (the global batch is dp x microbatches); under a launcher "
-                               "with --config, world size / (pp x tp) as DeepSpeed computes it")
-    opt("--dp-bucket-mb", type=float, help="MiB of gradients per data-parallel all-reduce")
-    opt("--zero", type=int, help="ZeRO stage: 0 (default) or 1: fp32 masters and optimizer state partitioned over "
-                                 "the data-parallel replicas (gradients reduce-scattered, parameters all-gathered)")
-    opt("--schedule", type=str.lower, choices=(*SCHEDULES, "auto"),
-        help="auto: the fastest the planner predicts (FLOP times) that fits (--memory-gb when given)")
-    opt("--engine", type=str.lower, choices=ENGINES, help=f"pipeline engine (default {d.engine}); deepspeed: "
-        "DeepSpeed's PipelineEngine with this cut and optimizer (1F1B, pp x dp)")
-    opt("--chunks", type=int, help="model chunks per rank (interleaved; default 2)")
-    opt("--partition", help=f"flops, parameters, uniform, time, or boundaries like 0,3,7 (default {d.partition})")
-    opt("--microbatches", type=int, help="micro-batches per step and replica")
-    opt("--micro-batch", type=int, help="sequences per micro-batch")
-    opt("--seq-len", type=int, help="tokens per sequence (may change on --resume, up to the model's positions)")
-    opt("--length-buckets", type=_buckets, metavar="L[,L...]",
-        help="cut each micro-batch to one of these lengths (and --seq-len): BERT to the smallest holding its "
-             "longest pair, GPT to one drawn per micro-batch from the seed; default: every one --seq-len")
-    opt("--steps", type=int, help="optimizer steps in all (a resumed run continues up to this step)")
-    opt("--optimizer", type=str.lower, choices=OPTIMIZERS)
-    opt("--lr", type=float, help="peak learning rate (replaces a DeepSpeed config's scheduler by warm-up/decay)")
-    opt("--weight-decay", type=float)
-    opt("--betas", type=float, nargs=2, metavar=("BETA1", "BETA2"), help="Adam / AdamW / LAMB (default 0.9 0.999)")
-    opt("--eps", type=float, help="optimizer epsilon (default: the optimizer's own)")
-    opt("--min-trust", type=float, help="LAMB: lower clamp of the trust ratio (DeepSpeed's min_coeff)")
-    opt("--max-trust", type=float, help="LAMB: upper clamp of the trust ratio (DeepSpeed's max_coeff)")
-    opt("--no-bias-correction", dest="bias_correction", action="store_const", const=False, help="LAMB without bias correction")
-    opt("--lamb-rule", type=str.lower, choices=LAMB_RULES, help="LAMB: mp_toolkit (biases and norm weights not "
-        "adapted; default) or deepspeed (FusedLamb's: every tensor's trust ratio clamped; a config's \"Lamb\")")
-    opt("--momentum", type=float, help="SGD / LARS (default 0.9), RMSprop (default 0)")
-    opt("--trust-coefficient", type=float, help="LARS eta (default 0.001)")
-    opt("--warmup-steps", type=int)
-    opt("--lr-decay", type=str.lower, choices=LR_DECAYS)
-    opt("--min-lr", type=float)
-    opt("--precision", type=str.lower, choices=PRECISIONS)
-    opt("--loss-scale", type=float, help="fp16 static scale; 0 = dynamic")
-    opt("--initial-scale-power", type=int)
-    opt("--loss-scale-window", type=int)
-    opt("--hysteresis", type=int)
-    opt("--consecutive-hysteresis", action="store_const", const=True, help="fp16: refill hysteresis on every clean step")
-    opt("--min-loss-scale", type=float)
-    opt("--clip-grad", type=_positive_float_or_none, help=f"max global grad norm, or none (default {d.clip_grad})")
-    opt("--seed", type=int)
-    opt("--data", help="stdlib, synthetic, or a local text/JSON-lines file or folder")
-    opt("--metrics", type=Path, help="write one JSON object per step here")
-    opt("--plot", type=Path, help="write the loss curve PNG here")
-    opt("--eval-every", type=int, help="validation loss every N steps (and after the last) on a held-out split")
-    opt("--eval-batches", type=int, help=f"global batches per validation (default {d.eval_batches})")
-    opt("--tensorboard", type=Path, metavar="DIR", help="write TensorBoard scalars to DIR")
-    opt("--csv", type=Path, metavar="FILE", help="write the per-step scalars as CSV")
-    opt("--cache-dir", type=Path, help="tokenizer cache")
-    opt("--threads", type=int, help="torch threads per rank")
-    opt("--timeout", dest="timeout_s", type=float, metavar="SECONDS", help="seconds any communication may wait")
-    opt("--hang-timeout", dest="hang_timeout_s", type=float, metavar="SECONDS",
-        help=f"name a rank whose heartbeat or step stops for this long and stop every rank (exit 4; default "
-             f"{d.hang_timeout_s:g}, the first step 5x; 0: off)")
-    opt("--no-progress", dest="progress", action="store_const", const=False, help="no progress bar")
-    opt("--save-dir", type=Path, help="checkpoint root: layout-independent checkpoints (resume on any pp/tp/dp)")
-    opt("--save-every", type=int, help="save every N steps (and after the last); default: after the last only")
-    opt("--overwrite", action="store_const", const=True, help="a fresh run (no --resume) may save into a "
-        "--save-dir holding checkpoints (its steps replace those of the same number)")
-    opt("--keep", type=int, help=f"checkpoints kept in --save-dir (default {d.keep}; 0 keeps all)")
-    opt("--resume", nargs="?", const="latest", metavar="DIR|latest|auto",
-        help="resume from --save-dir's latest checkpoint (latest or auto: a fresh start when none), or from DIR")
-    opt("--restarts", type=int, help="without a launcher: restart the ranks up to N times after one dies, resuming "
-                                     "from the latest checkpoint (needs --save-dir and --save-every)")
-    opt("--max-skips", type=int, help=f"stop after N consecutive steps skipped for non-finite loss or gradients "
-                                      f"(default {d.max_skips})")
-    opt("--recompute", type=str.lower, choices=RECOMPUTE_CHOICES,
-        help="activation recomputation: none, full (whole blocks), selective (attention core), or auto "
-             "(per stage, with the cut, to fit --memory-gb at the least predicted time)")
-    opt("--recompute-layers", type=_layer_counts, metavar="N[,N...]",
-        help="recompute the first N block layers of every stage, or one count per stage (default: all)")
-    opt("--memory-gb", type=float, help="per-rank memory cap that --recompute auto plans for")
+    field("--model", show_default=True)
+    field("--hf", metavar="DIR")
+    field("--pp", type=int, show_default=True)
+    field("--tp", type=int)
+    field("--dp", type=int, extra="Under a launcher with --config: world size / (pp x tp), as DeepSpeed computes it.")
+    field("--dp-bucket-mb", type=float)
+    field("--zero", type=int)
+    field("--schedule", type=str.lower, choices=(*SCHEDULES, "auto"),
+          extra="auto: the fastest the planner predicts (FLOP times) that fits (--memory-gb when given). "
+                "Not given: with our engine at pp > 1, the one the planner predicts fastest of 1F1B and the "
+                "schedules it weighs beside it (1F1B on a tie; a line says which when another).")
+    field("--engine", type=str.lower, choices=ENGINES, show_default=True)
+    field("--chunks", type=int, extra="Default with --schedule interleaved: 2.")
+    field("--partition", show_default=True)
+    field("--microbatches", type=int)
+    field("--micro-batch", type=int)
+    field("--seq-len", type=int)
+    field("--length-buckets", type=_buckets, metavar="L[,L...]")
+    field("--steps", type=int)
+    field("--optimizer", type=str.lower, choices=OPTIMIZERS)
+    field("--lr", type=float, extra="Replaces a DeepSpeed config's scheduler by warm-up/decay.")
+    field("--weight-decay", type=float)
+    field("--betas", type=float, nargs=2, metavar=("BETA1", "BETA2"))
+    field("--eps", type=float)
+    field("--min-trust", type=float)
+    field("--max-trust", type=float)
+    field("--no-bias-correction", dest="bias_correction", action="store_const", const=False)
+    field("--lamb-rule", type=str.lower, choices=LAMB_RULES)
+    field("--momentum", type=float)
+    field("--trust-coefficient", type=float)
+    field("--warmup-steps", type=int)
+    field("--lr-decay", type=str.lower, choices=LR_DECAYS)
+    field("--min-lr", type=float)
+    field("--precision", type=str.lower, choices=PRECISIONS)
+    field("--loss-scale", type=float)
+    field("--initial-scale-power", type=int)
+    field("--loss-scale-window", type=int)
+    field("--hysteresis", type=int)
+    field("--consecutive-hysteresis", action="store_const", const=True)
+    field("--min-loss-scale", type=float)
+    field("--clip-grad", type=_positive_float_or_none, extra="none, off or 0: no clipping.", show_default=True)
+    field("--seed", type=int)
+    field("--data")
+    field("--metrics", type=Path)
+    field("--plot", type=Path)
+    field("--eval-every", type=int)
+    field("--eval-batches", type=int, show_default=True)
+    field("--tensorboard", type=Path, metavar="DIR")
+    field("--csv", type=Path, metavar="FILE")
+    field("--cache-dir", type=Path)
+    field("--threads", type=int)
+    field("--timeout", dest="timeout_s", type=float, metavar="SECONDS")
+    field("--hang-timeout", dest="hang_timeout_s", type=float, metavar="SECONDS", show_default=True)
+    field("--no-progress", dest="progress", action="store_const", const=False)
+    field("--save-dir", type=Path)
+    field("--save-every", type=int)
+    field("--overwrite", action="store_const", const=True)
+    field("--keep", type=int, extra="0 keeps all.", show_default=True)
+    field("--resume", nargs="?", const="latest", metavar="DIR|latest|auto", extra="Without a value: latest.")
+    field("--restarts", type=int)
+    field("--max-skips", type=int, show_default=True)
+    field("--recompute", type=str.lower, choices=RECOMPUTE_CHOICES)
+    field("--recompute-layers", type=_layer_counts, metavar="N[,N...]")
+    field("--memory-gb", type=float)
     opt("--dry-run", action="store_true", help="run every check, print the run and mpt plan's prediction for its "
                                                "cut, start nothing (exit 0), also under a launcher")
 
@@ -182,9 +199,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--method", default=d.method, help=", ".join(PLAN_METHODS))
     p.add_argument("--memory-gb", type=float, default=None, help="per-device memory cap")
-    p.add_argument("--precision", default=d.precision, type=str.lower, choices=tuple(master.PRECISIONS),
+    p.add_argument("--precision", default=d.precision, type=str.lower, choices=COMPUTE_PRECISIONS,
                    help="what the stages compute and communicate in (mpt train --precision)")
-    p.add_argument("--dtype", dest="precision", type=str.lower, choices=tuple(master.PRECISIONS),
+    p.add_argument("--dtype", dest="precision", type=str.lower, choices=COMPUTE_PRECISIONS,
                    action=_Deprecated, help=argparse.SUPPRESS)
     p.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0 or 1: optimizer state and fp32 masters "

@@ -20,13 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mp_toolkit.flag_values import RecomputeError, parse_layer_counts
 from mp_toolkit.layers import LayerList
+from mp_toolkit.names import RECOMPUTE_MODES as MODES
 
-MODES = ("none", "full", "selective")
-
-
-class RecomputeError(ValueError):
-    """A recomputation request that cannot be honoured (one line for the user)."""
+__all__ = ["MODES", "RecomputeError", "StageRecompute", "apply_recompute", "is_block", "parse_layer_counts",
+           "recomputed_layers", "stage_blocks", "stage_choices"]
 
 
 @dataclass(frozen=True)
@@ -44,18 +43,6 @@ class StageRecompute:
 def is_block(name: str) -> bool:
     """Whether layer ``name`` is a transformer block (its last dotted part is an index)."""
     return name.rsplit(".", 1)[-1].isdigit()
-
-
-def parse_layer_counts(text: str) -> tuple[int, ...]:
-    """``"2"`` -> (2,) (every stage), ``"2,0,1"`` -> one count per stage."""
-    try:
-        counts = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise RecomputeError(f"--recompute-layers {text!r} must be a count such as 2, or one count per stage "
-                             f"such as 2,0") from None
-    if any(c < 0 for c in counts):
-        raise RecomputeError(f"--recompute-layers {text!r}: counts must be >= 0")
-    return counts
 
 
 def stage_choices(mode: str, counts: Sequence[int] | None, num_stages: int) -> list[StageRecompute]:

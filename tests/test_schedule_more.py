@@ -230,7 +230,7 @@ def test_get_schedule_new_names():
 
 
 def test_get_schedule_bad_input():
-    with pytest.raises(ValueError, match="'zb2': choose one of GPipe, 1F1B, Interleaved1F1B, "
+    with pytest.raises(ValueError, match="'zb2': choose one of GPipe, 1F1B, Interleaved1F1B, ZBDrain, "
                                          "ZBH1"):
         get_schedule("zb2", 2, 3)
     with pytest.raises(ValueError, match=r"multiple of --pp \(got m=5, p=2\)"):

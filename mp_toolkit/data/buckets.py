@@ -23,31 +23,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from mp_toolkit.flag_values import BucketError, parse_buckets, with_seq_len
+
+__all__ = ["BUCKET_STREAM", "BucketError", "cut", "drawn_bucket", "fitting_bucket", "parse_buckets", "with_seq_len"]
+
 BUCKET_STREAM = 0x6C656E  # keeps the bucket draws apart from any other use of the same seed
-
-
-class BucketError(ValueError):
-    """A ``--length-buckets`` value the user can fix (one line)."""
-
-
-def parse_buckets(text: str) -> tuple[int, ...]:
-    """``"32,64,128"`` -> (32, 64, 128): positive lengths, sorted, without repeats."""
-    try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise BucketError(f"--length-buckets {text!r} is not a list of lengths like 32,64,128") from None
-    if not lengths or min(lengths) < 1:
-        raise BucketError(f"--length-buckets {text!r}: give positive lengths like 32,64,128")
-    return tuple(sorted(set(lengths)))
-
-
-def with_seq_len(buckets: Sequence[int], seq_len: int) -> tuple[int, ...]:
-    """The buckets a run uses: those given, each at most ``seq_len``, and ``seq_len`` itself."""
-    too_long = [b for b in buckets if b > seq_len]
-    if too_long:
-        raise BucketError(f"--length-buckets {','.join(map(str, buckets))} has {too_long[0]} > --seq-len {seq_len}: "
-                          "every bucket must fit the sequences the data holds (raise --seq-len or drop it)")
-    return tuple(sorted(set(buckets) | {seq_len})) if buckets else ()
 
 
 def drawn_bucket(buckets: Sequence[int], seed: int, epoch: int, first_row: int) -> int:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mp_toolkit.names import schedule_name
 from mp_toolkit.run.config import SCHEDULES, ConfigError, TrainConfig
 from mp_toolkit.ds.defaults import DeepSpeedDefaults, deepspeed_defaults
 from mp_toolkit.ds.json_doc import Block, load_json, show
@@ -58,8 +59,6 @@ _IGNORED_TOP = frozenset("""steps_per_print wall_clock_breakdown memory_breakdow
 _IGNORED_PIPELINE = ("partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
                      "grad_partitioned", "use_reentrant")
 _TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
-_SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
-                   "zbh1": "zbh1", "zbdrain": "zbdrain"}
 
 
 # DeepSpeed's ``fp16`` block (its defaults where a key is absent): ``enabled`` (fp16 training with fp32
@@ -257,9 +256,9 @@ def _pipeline(root: Block, ignored: list[str]) -> tuple[int | None, str | None, 
                                                  "uniform or explicit boundaries such as \"0,3,7\"")
     schedule = block.string("schedule")
     if schedule is not None:
-        if schedule.lower() not in _SCHEDULE_NAMES:
+        if schedule_name(schedule) is None:
             raise block.fail("schedule", f"{show(schedule)} is not a schedule: use one of {', '.join(SCHEDULES)}")
-        schedule = _SCHEDULE_NAMES[schedule.lower()]
+        schedule = schedule_name(schedule)
     chunks = block.integer("chunks", None)
     if "micro_batches" in block.data:
         raise block.fail("micro_batches", "is not read: micro-batches per step are gradient_accumulation_steps")

@@ -15,11 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from mp_toolkit.optim.groups import lamb_param_groups
-from mp_toolkit.optim.lamb import LAMB, LAMB_RULES
+from mp_toolkit.optim.lamb import LAMB
 from mp_toolkit.optim.lars import LARS
-
-OPTIMIZERS = ("adamw", "adam", "adagrad", "rmsprop", "sgd", "lamb", "lars")
-"""The optimizers `build_optimizer` makes (``--optimizer``)."""
+from mp_toolkit.names import LAMB_RULES, OPTIMIZERS  # OPTIMIZERS: what `build_optimizer` makes (``--optimizer``)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ moments stay uncorrected in the direction and the correction scales the step::
 
 It differs from the rule above only with bias correction on (eps and the decay term meet the
 uncorrected moments, so the trust ratio differs). ``rule="deepspeed"`` in `build_optimizer` sets it
-and adapts every tensor, 1-D ones included, as FusedLamb does (`LAMB_RULES`).
+and adapts every tensor, 1-D ones included, as FusedLamb does (`names.LAMB_RULES`).
 
 Tensor parallelism: for a shard (``p.tensor_model_parallel = True``) ``||w||^2`` and ``||u||^2`` are
 summed over ``tp_group`` in one all-reduce per step for all shards together, so its trust ratio is
@@ -58,9 +58,6 @@ _ALIGN = 16
 """Scratch chunks start at multiples of 16 elements (64 bytes): BLAS's dot, which takes the norms
 on CPU, rounds differently at different alignments."""
 _HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")
-LAMB_RULES = ("mp_toolkit", "deepspeed")
-"""``--lamb-rule``: mp_toolkit (biases and norm weights neither decayed nor adapted, corrected moments)
-or deepspeed (DeepSpeed FusedLamb's: every tensor adapted and clamped, the correction in the step size)."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +153,7 @@ class LAMB(torch.optim.Optimizer):
     @property
     def trust_rule(self) -> str:
         """The rule the trust ratios follow, for the metrics' rows: "deepspeed" (FusedLamb's) when a
-        group corrects the step size, else "mp_toolkit" (`LAMB_RULES`)."""
+        group corrects the step size, else "mp_toolkit" (`names.LAMB_RULES`)."""
         return "deepspeed" if any(g.get("correct_step_size", False) for g in self.param_groups) else "mp_toolkit"
 
     def last_trust_ratios(self) -> dict[torch.Tensor, float]:

@@ -8,8 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DECAYS = ("none", "linear", "cosine")
-"""`WarmupDecay`'s decays after warm-up (``--lr-decay``)."""
+from mp_toolkit.names import LR_DECAYS as DECAYS  # `WarmupDecay`'s decays after warm-up (``--lr-decay``)
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,11 @@ from types import MappingProxyType
 
 import torch
 
+from mp_toolkit.names import PRECISIONS as PRECISION_NAMES
+
 PRECISIONS: Mapping[str, torch.dtype] = MappingProxyType(
-    {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
-"""The precision names (``--precision``, ``mpt plan --dtype``, DeepSpeed's fp16 / bf16 blocks) and their dtypes:
+    dict(zip(PRECISION_NAMES, (torch.float32, torch.float16, torch.bfloat16), strict=True)))
+"""The precision names (``--precision``, ``mpt plan --precision``, DeepSpeed's fp16 / bf16 blocks) and their dtypes:
 the one table of them."""
 
 

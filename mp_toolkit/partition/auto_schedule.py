@@ -5,17 +5,20 @@ Each candidate is planned in full (`planner.make_plan`: its own cut, in-flight m
 timeline with messages, optimizer step); a candidate fits when no rank is over ``memory_gb`` (and
 its cut exists: ``method`` memory raises when nothing fits). Interleaved runs with ``chunks`` model
 chunks per rank (2 unless the request names more) where the micro-batches are a multiple of pp and
-the layers suffice. Ties go to the earlier candidate in the order above (the simpler schedule).
+the layers suffice. Ties go to the earlier candidate in the order above (the simpler schedule):
+`mp_toolkit.names.SCHEDULES`' order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from mp_toolkit.names import SCHEDULES
+
 from .cost import CostModelError
 from .planner import GB, Plan, PlanRequest, make_plan
 from .solvers import PartitionError
 
-CANDIDATES = ("gpipe", "1f1b", "interleaved", "zbdrain", "zbh1")
+CANDIDATES = SCHEDULES
 DEFAULT_CANDIDATES = ("1f1b", "zbdrain", "zbh1", "interleaved")
 """What `mpt train` weighs when no schedule is named (issue 23), 1F1B first so a tie keeps it and
 interleaved last (it re-cuts the model into pp x chunks stages: `run.recompute_plan.default_schedule`

@@ -226,7 +226,7 @@ def _split_backward_ms(stage: StagePlan, bounds: list[int],
 def make_plan(req: PlanRequest) -> Plan:
     """Plan ``req``; raises PartitionError / CostModelError / ValueError with one-line messages."""
     shape = model_shape(req.model, hf_modules=req.hf)
-    check_request(req, shape)
+    check_request(req, shape, len(layer_costs(shape, 1, 1)))
     # the run pads the vocabulary to a multiple of 128 x tp (`vocab_parallel`): those rows are held too
     shape = replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, req.tp))
     if req.hf and (req.method == "time" or req.measure):

@@ -1,15 +1,21 @@
 """What ``mpt plan`` is asked (`PlanRequest`), and `check_request`: every bad combination of it
-as one line, before anything is measured or cut."""
+as one line, before anything is measured or cut.
+
+Imports no torch: `mp_toolkit.cli_args` reads `PlanRequest`'s defaults for ``mpt plan``'s flags."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .cost import ACT_BYTES, ModelShape, layer_costs
-from .solvers import PartitionError
+from mp_toolkit.errors import PartitionError
+from mp_toolkit.names import PLAN_METHODS, PRECISIONS, SCHEDULES
 
-PLAN_METHODS = ("uniform", "parameters", "flops", "time", "type:REGEX", "memory")
-PLAN_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain")
+if TYPE_CHECKING:  # the argument's type only
+    from .cost import ModelShape
+
+__all__ = ["MAX_MICROBATCHES", "PLAN_METHODS", "PlanRequest", "check_request"]
+
 MAX_MICROBATCHES = 65536
 """The simulator keeps every action of a step; beyond this a plan would take minutes."""
 
@@ -69,8 +75,8 @@ class PlanRequest:
     (`bytes_per_param`'s ``zero_dp``); each replica's optimizer step touches 1/dp of them."""
 
 
-def check_request(req: PlanRequest, shape: ModelShape) -> None:
-    """Every bad combination as one line."""
+def check_request(req: PlanRequest, shape: ModelShape, layers: int) -> None:
+    """Every bad combination as one line; ``layers``: how many the model's layer list has."""
 
     for name in ("pp", "tp", "dp", "micro_batch", "microbatches", "seq_len", "chunks"):
         v = getattr(req, name)
@@ -79,21 +85,20 @@ def check_request(req: PlanRequest, shape: ModelShape) -> None:
     if req.microbatches > MAX_MICROBATCHES:
         raise PartitionError(f"--microbatches {req.microbatches} is more than the planner simulates "
                              f"(at most {MAX_MICROBATCHES})")
-    if req.schedule not in PLAN_SCHEDULES:
-        raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of {', '.join(PLAN_SCHEDULES)}")
+    if req.schedule not in SCHEDULES:
+        raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if not (req.method in PLAN_METHODS[:4] or req.method == "memory" or req.method.startswith("type:")):
         raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
     if req.zero not in (0, 1):
         raise PartitionError(f"--zero {req.zero}: ZeRO stage 0 (off) or 1 (optimizer state partitioned over dp)")
-    if req.precision not in ACT_BYTES:
-        raise PartitionError(f"unknown --precision {req.precision!r}: choose one of {', '.join(ACT_BYTES)}")
+    if req.precision not in PRECISIONS:
+        raise PartitionError(f"unknown --precision {req.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if req.memory_gb is not None and not (math.isfinite(req.memory_gb) and req.memory_gb > 0):
         raise PartitionError(f"--memory-gb {req.memory_gb:g} must be a positive finite number")
-    n_layers = len(layer_costs(shape, 1, 1))
     stages = req.pp * req.chunks
-    if stages > n_layers:
+    if stages > layers:
         what = f"--pp {req.pp}" if req.chunks == 1 else f"--pp {req.pp} x --chunks {req.chunks} = {stages} stages"
-        raise PartitionError(f"{what} exceeds the model's {n_layers} layers: use at most {n_layers}")
+        raise PartitionError(f"{what} exceeds the model's {layers} layers: use at most {layers}")
     if req.chunks > 1 and req.schedule != "interleaved":
         raise PartitionError(f"--chunks {req.chunks} needs --schedule interleaved")
     if req.schedule == "interleaved" and req.chunks > 1 and req.microbatches % req.pp:

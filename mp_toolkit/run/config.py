@@ -1,21 +1,24 @@
-"""Typed configuration of a training run (the CLI fills it; recipes pick values)."""
+"""Typed configuration of a training run (the CLI fills it; recipes pick values).
+
+Imports no torch: `mp_toolkit.cli_args` reads the defaults and the field docstrings for ``mpt train --help``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mp_toolkit.data.buckets import with_seq_len
-from mp_toolkit.optim.factory import OPTIMIZERS
-from mp_toolkit.optim.lr import DECAYS as LR_DECAYS, DeepSpeedSchedule
-from mp_toolkit.optim import master
 from mp_toolkit.errors import ConfigError
+from mp_toolkit.flag_values import with_seq_len
+from mp_toolkit.names import LR_DECAYS, OPTIMIZERS, PRECISIONS as COMPUTE_PRECISIONS, SCHEDULES
+
+if TYPE_CHECKING:  # the field's type only: the command line reads this module without torch
+    from mp_toolkit.optim.lr import DeepSpeedSchedule
 
 __all__ = ["ENGINES", "LR_DECAYS", "OPTIMIZERS", "PARTITION_METHODS", "PRECISIONS", "SCHEDULES", "ConfigError",
            "TrainConfig", "parse_boundaries"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain")
-PRECISIONS = (*master.PRECISIONS, "auto")  # "auto": bf16 where it is fast, else fp32 (`optim.master.resolve_precision`)
+PRECISIONS = (*COMPUTE_PRECISIONS, "auto")  # "auto": bf16 where it is fast, else fp32 (`optim.master.resolve_precision`)
 PARTITION_METHODS = ("flops", "parameters", "uniform", "time")
 ENGINES = ("mp_toolkit", "deepspeed")
 

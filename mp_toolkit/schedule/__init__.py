@@ -10,7 +10,7 @@ rank 1  . F0 B0 F1 B1 F2 B2  .
 """
 from .actions import Action, Kind, Schedule
 from .gantt import draw_gantt
-from .generators import SCHEDULES, get_schedule, gpipe, one_f_one_b
+from .generators import GENERATORS, get_schedule, gpipe, one_f_one_b
 from .interleaved import insert_comms, interleaved_1f1b
 from .printer import format_actions, format_schedule, makespan, unit_time_steps
 from .report import simulate_report
@@ -22,7 +22,7 @@ __all__ = [
     "Action",
     "Kind",
     "Schedule",
-    "SCHEDULES",
+    "GENERATORS",
     "get_schedule",
     "gpipe",
     "one_f_one_b",

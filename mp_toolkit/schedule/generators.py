@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+from mp_toolkit.names import SCHEDULE_TITLES, SCHEDULES, schedule_name
+
 from .actions import Action, Kind, Schedule
 from .interleaved import interleaved_1f1b
 from .zero_bubble import zb_drain, zbh1
 
-__all__ = ["gpipe", "one_f_one_b", "get_schedule", "SCHEDULES"]
+__all__ = ["gpipe", "one_f_one_b", "get_schedule", "GENERATORS"]
 
 
 def _forward(stage: int, mb: int, num_stages: int) -> list[Action]:
@@ -70,7 +72,7 @@ def gpipe(num_stages: int, microbatches: int) -> Schedule:
             acts += _backward(s, k, num_stages)
         per_rank.append(tuple(acts))
     stage_to_rank = tuple(range(num_stages))
-    return Schedule("GPipe", num_stages, microbatches, stage_to_rank, tuple(per_rank))
+    return Schedule(SCHEDULE_TITLES["gpipe"], num_stages, microbatches, stage_to_rank, tuple(per_rank))
 
 
 def one_f_one_b(num_stages: int, microbatches: int) -> Schedule:
@@ -85,7 +87,7 @@ def one_f_one_b(num_stages: int, microbatches: int) -> Schedule:
         tuple(_one_f_one_b_stage(s, num_stages, microbatches)) for s in range(num_stages)
     ]
     stage_to_rank = tuple(range(num_stages))
-    return Schedule("1F1B", num_stages, microbatches, stage_to_rank, tuple(per_rank))
+    return Schedule(SCHEDULE_TITLES["1f1b"], num_stages, microbatches, stage_to_rank, tuple(per_rank))
 
 
 def _one_f_one_b_stage(stage: int, p: int, m: int) -> list[Action]:
@@ -111,17 +113,9 @@ def _one_f_one_b_stage(stage: int, p: int, m: int) -> list[Action]:
     return acts
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved1f1b": interleaved_1f1b,
-    "zbh1": zbh1,
-    "zbdrain": zb_drain,
-}
-"""Generators by lower-case torch name; each takes ``(num_stages, microbatches)``."""
-_DISPLAY_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
-                  "zbh1": "ZBH1", "zbdrain": "ZBDrain"}
-_ALIASES = {"interleaved": "interleaved1f1b", "zb-h1": "zbh1", "zb-drain": "zbdrain"}
+GENERATORS: dict[str, Callable[..., Schedule]] = dict(
+    zip(SCHEDULES, (gpipe, one_f_one_b, interleaved_1f1b, zb_drain, zbh1), strict=True))
+"""Each schedule's generator, in `SCHEDULES`' order; each takes ``(num_stages, microbatches)``."""
 
 
 def get_schedule(name: str, num_stages: int, microbatches: int, *, chunks: int | None = None) -> Schedule:
@@ -133,17 +127,16 @@ def get_schedule(name: str, num_stages: int, microbatches: int, *, chunks: int |
     stage ``s`` on rank ``s % p``; every other schedule has ``p`` stages, one per rank, and
     accepts only ``chunks`` of None or 1.
     """
-    key = _ALIASES.get(name.lower(), name.lower())
-    try:
-        generator = SCHEDULES[key]
-    except KeyError:
-        choices = ", ".join(_DISPLAY_NAMES[k] for k in SCHEDULES)
-        raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {choices}") from None
-    if key == "interleaved1f1b":
+    key = schedule_name(name)
+    if key is None:
+        choices = ", ".join(SCHEDULE_TITLES.values())
+        raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {choices}")
+    generator = GENERATORS[key]
+    if key == "interleaved":
         return generator(num_stages, microbatches, 2 if chunks is None else chunks)
     if chunks not in (None, 1):
         raise ValueError(
-            f"--chunks {chunks} applies only to Interleaved1F1B; {_DISPLAY_NAMES[key]} runs one "
+            f"--chunks {chunks} applies only to Interleaved1F1B; {SCHEDULE_TITLES[key]} runs one "
             f"stage per rank (drop --chunks or use --schedule interleaved)"
         )
     return generator(num_stages, microbatches)

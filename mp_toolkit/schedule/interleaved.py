@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+from mp_toolkit.names import SCHEDULE_TITLES
+
 from .actions import Action, Kind, Schedule
 
 __all__ = ["interleaved_1f1b", "insert_comms"]
@@ -46,7 +48,7 @@ def interleaved_1f1b(num_ranks: int, microbatches: int, chunks: int = 2) -> Sche
     stage_to_rank = tuple(s % p for s in range(p * v))
     compute = [_rank_compute_order(r, p, m, v) for r in range(p)]
     actions = insert_comms(stage_to_rank, compute)
-    return Schedule("Interleaved1F1B", p * v, m, stage_to_rank, actions)
+    return Schedule(SCHEDULE_TITLES["interleaved"], p * v, m, stage_to_rank, actions)
 
 
 def _chunk_microbatch(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:

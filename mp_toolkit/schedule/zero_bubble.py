@@ -28,6 +28,8 @@ unequal ones; the planner (`mp_toolkit.partition.auto_schedule`) weighs the two 
 """
 from __future__ import annotations
 
+from mp_toolkit.names import SCHEDULE_TITLES
+
 from .actions import Action, Kind, Schedule
 from .interleaved import insert_comms
 
@@ -40,7 +42,7 @@ SPLIT_SCHEDULES = ("zbh1", "zbdrain")
 def zbh1(num_stages: int, microbatches: int) -> Schedule:
     """ZB-H1 with stage ``s`` on rank ``s``; comm actions as in :func:`insert_comms`
     (``RECV_B`` before ``I``, ``SEND_B`` right after it)."""
-    return _one_stage_per_rank("ZBH1", num_stages, microbatches, _stage_compute_order)
+    return _one_stage_per_rank(SCHEDULE_TITLES["zbh1"], num_stages, microbatches, _stage_compute_order)
 
 
 def zb_drain(num_stages: int, microbatches: int) -> Schedule:
@@ -52,7 +54,7 @@ def zb_drain(num_stages: int, microbatches: int) -> Schedule:
     stage ``s``); counting what the deferred ``W`` keep, stage ``s`` holds at most
     ``max(p-s, s)`` micro-batches' worth, never more than ZB-H1's ``p``.
     """
-    return _one_stage_per_rank("ZBDrain", num_stages, microbatches, _drain_compute_order)
+    return _one_stage_per_rank(SCHEDULE_TITLES["zbdrain"], num_stages, microbatches, _drain_compute_order)
 
 
 def _one_stage_per_rank(name: str, p: int, m: int, compute_order) -> Schedule:
