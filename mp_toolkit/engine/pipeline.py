@@ -119,7 +119,7 @@ class PipelineEngine:
         if len(boundaries) != n_stages + 1:
             raise ValueError(f"partition {list(boundaries)} has {len(boundaries) - 1} stages, expected {n_stages}"
                              f" (--pp {ctx.pp} x --chunks {chunks})")
-        self.ctx, self.boundaries, self.m = ctx, list(boundaries), microbatches
+        self.ctx, self.boundaries, self.microbatches = ctx, list(boundaries), microbatches
         dtype = precision_dtype(precision)
         self.stages = {s: layer_list.slice(boundaries[s], boundaries[s + 1], s).to(ctx.device, dtype)
                        for s in self.schedule.stages_of(ctx.pp_rank)}
@@ -179,9 +179,9 @@ class PipelineEngine:
         return sets
 
     def _next_global_batch(self, data_iter: Iterator) -> list:
-        mbs = list(itertools.islice(data_iter, self.m))
-        if len(mbs) < self.m:
-            raise ValueError(f"data iterator ran out after {len(mbs)} of {self.m} micro-batches")
+        mbs = list(itertools.islice(data_iter, self.microbatches))
+        if len(mbs) < self.microbatches:
+            raise ValueError(f"data iterator ran out after {len(mbs)} of {self.microbatches} micro-batches")
         dev = self.ctx.device
         move = lambda x: tuple(t.to(dev) for t in x) if isinstance(x, tuple) else x.to(dev)
         return [(move(x), move(y)) for x, y in mbs]
@@ -199,7 +199,7 @@ class PipelineEngine:
         mbs = self._next_global_batch(data_iter)
         actions = self.schedule.rank_actions(self.ctx.pp_rank)
         post = self.dp_grads.start_grad_sync if self.dp_grads is not None else None
-        losses = self.executor.run(actions, mbs, loss_divisor=self.m, loss_scale=self.step.loss_scale,
+        losses = self.executor.run(actions, mbs, loss_divisor=self.microbatches, loss_scale=self.step.loss_scale,
                                                on_grads_final=post, send_waits=self._send_waits)
         result = self.step(nonfinite_loss=bool(losses) and not bool(torch.stack(losses).isfinite().all()))
         return StepStats(loss=global_mean_loss(losses, self.ctx, self.stage_to_rank[-1]), grad_norm=result.grad_norm,
@@ -247,6 +247,6 @@ class PipelineEngine:
         loss_fn = executor.loss_fn
         executor.loss_fn = metrics_fn or loss_fn
         try:
-            return executor.run(actions, mbs, loss_divisor=self.m, grad=False)
+            return executor.run(actions, mbs, loss_divisor=self.microbatches, grad=False)
         finally:
             executor.loss_fn = loss_fn
