@@ -1,17 +1,22 @@
 """Packed LM data: corpus reading, cached BPE, deterministic datasets, sharded micro-batches."""
 import hashlib
 import json
+import os
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
 import torch
+from tokenizers import pre_tokenizers
 
 from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
 from mp_toolkit.data.lm import MicroBatches, build_lm_dataset
-from mp_toolkit.data.tokens import progress_bars_on, train_tokenizer
+from mp_toolkit.data.tokens import MIN_VOCAB, byte_alphabet, progress_bars_on, train_tokenizer
+from tests.mpt_command import run_mpt
 
 torch.set_num_threads(1)
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
@@ -120,6 +125,44 @@ def test_tokenizer_is_cached_and_deterministic(corpus, tmp_path, monkeypatch):
     assert len(list((tmp_path / "c1").glob("tokenizer-*.json"))) == 2
     with pytest.raises(DataError, match="vocab_size=100 is too small"):
         train_tokenizer(texts, 100, tmp_path / "c1")
+
+
+# one character for every byte that can lead a UTF-8 sequence (0x00-0x7F, C2-DF, E0-EF, F0-F4) and every
+# continuation byte (80-BF): the UTF-8 encoding of any string uses these bytes and no others
+EVERY_UTF8_BYTE = "".join(map(chr, [*range(0x800), 0x800, *range(0x1000, 0x10000, 0x1000), 0x10000, 0x40000, 0x80000,
+                                    0xC0000, 0x100000]))
+
+
+def test_a_vocabulary_under_257_keeps_the_bytes_utf8_uses(corpus, tmp_path):
+    """gpt-tiny's 256 ids cannot hold 256 byte symbols and <|endoftext|>: the 13 bytes UTF-8 never
+    uses (C0, C1, F5-FF) are left out, and every string still encodes, losslessly."""
+    assert sorted({b for ch in EVERY_UTF8_BYTE for b in ch.encode()}) == [
+        *range(0xC0), *range(0xC2, 0xF5)]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    used = {c for piece, _ in byte_level.pre_tokenize_str(EVERY_UTF8_BYTE) for c in piece}
+    assert len(byte_alphabet(256)) == 243 == MIN_VOCAB - 1 and set(byte_alphabet(256)) == used
+    assert sorted(byte_alphabet(257)) == sorted(pre_tokenizers.ByteLevel.alphabet())  # 257 up: unchanged
+
+    texts, _ = read_texts([corpus])
+    tok = train_tokenizer(texts, 256, tmp_path / "cache")
+    assert tok.get_vocab_size() == 256 and tok.token_to_id("<|endoftext|>") == 0
+    sample = "caf\u00e9 \u2603 \U0001d11e \x00\x7f unseen " + EVERY_UTF8_BYTE
+    assert tok.decode(tok.encode(sample).ids) == sample
+    assert train_tokenizer(texts, MIN_VOCAB, tmp_path / "cache").get_vocab_size() == MIN_VOCAB  # no merges
+    with pytest.raises(DataError, match=f"vocab_size={MIN_VOCAB - 1} is too small .* at least {MIN_VOCAB}"):
+        train_tokenizer(texts, MIN_VOCAB - 1, tmp_path / "cache")
+
+
+def test_gpt_tiny_trains_on_text(tmp_path):
+    """The smallest preset trains on a trained tokenizer (its vocab_size is 256). Shrunk from the
+    defaults: --seq-len 64 (the default 128 exceeds gpt-tiny's 64 positions), --data one stdlib
+    package (the whole stdlib takes ~25 s of CPU to tokenize), one step on one stage."""
+    corpus = Path(sysconfig.get_paths()["stdlib"]) / "json"
+    r = run_mpt(["train", "--model", "gpt-tiny", "--pp", "1", "--steps", "1", "--seq-len", "64", "--data", corpus,
+                 "--cache-dir", tmp_path / "cache", "--threads", "1", "--no-progress"],
+                env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "model gpt-tiny" in r.stdout and "over 1 steps" in r.stdout
 
 
 def test_dataset_is_the_packed_token_stream(corpus, tmp_path):

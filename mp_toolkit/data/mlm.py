@@ -40,7 +40,7 @@ from tokenizers import Tokenizer
 from mp_toolkit.data.buckets import fitting_bucket
 from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
 from mp_toolkit.data.lm import MicroBatches
-from mp_toolkit.data.tokens import train_tokenizer
+from mp_toolkit.data.tokens import MIN_VOCAB, train_tokenizer
 
 SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as HF's BertForPreTraining reads them
@@ -86,9 +86,9 @@ def bert_tokenizer(texts: list[str], vocab_size: int,
     ``train_tokenizer``); on a small corpus it may come out smaller, and the specials follow it.
     """
     n_special = len(SPECIAL_TOKENS)
-    if vocab_size < 257 + n_special:
+    if vocab_size < MIN_VOCAB + n_special:
         raise DataError(f"vocab_size={vocab_size} is too small for byte-level BPE plus {n_special} BERT "
-                        f"special tokens: use at least {257 + n_special}")
+                        f"special tokens: use at least {MIN_VOCAB + n_special}")
     base = train_tokenizer(texts, vocab_size - n_special, cache_dir)
     full = Tokenizer.from_str(base.to_str())
     first = full.get_vocab_size()

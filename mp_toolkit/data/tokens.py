@@ -21,6 +21,11 @@ from mp_toolkit.data.corpus import DataError
 from mp_toolkit.progress import progress
 
 EOS_TOKEN = "<|endoftext|>"
+# Bytes that UTF-8 never uses (C0, C1: overlong two-byte leads; F5..FF: past U+10FFFF). The corpus is
+# strict UTF-8 text (`corpus.read_texts`), so a vocabulary too small for all 256 byte symbols plus
+# <|endoftext|> leaves these out and still encodes every string, losslessly.
+NON_UTF8_BYTES = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
+MIN_VOCAB = 256 - len(NON_UTF8_BYTES) + 1  # 243 byte symbols + <|endoftext|>
 ENCODE_CHUNK = 64  # documents per encode_batch call while encoding a corpus (one progress step)
 
 
@@ -40,15 +45,18 @@ def cache_key(texts: list[str], vocab_size: int) -> str:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathLike) -> Tokenizer:
-    """Byte-level BPE with ``<|endoftext|>``, trained once per (corpus, vocab_size) and cached.
+    """Byte-level BPE with ``<|endoftext|>`` at id 0, trained once per (corpus, vocab_size) and cached.
+
+    Its alphabet is every byte (`byte_alphabet`): all 256 from 257 ids up, the 243 that UTF-8 uses
+    below that (GPT gpt-tiny's 256 ids: 243 bytes, <|endoftext|> and 12 merges).
 
     The cache file is ``cache_dir/tokenizer-<key>.json``; it is written atomically, so ranks that
     race to train the same (deterministic) tokenizer all end up reading one complete file.
     """
-    if vocab_size < 257:
+    if vocab_size < MIN_VOCAB:
         raise DataError(
-            f"vocab_size={vocab_size} is too small for byte-level BPE: use at least 257 "
-            f"(256 bytes + {EOS_TOKEN})"
+            f"vocab_size={vocab_size} is too small for byte-level BPE: use at least {MIN_VOCAB} "
+            f"({MIN_VOCAB - 1} UTF-8 bytes + {EOS_TOKEN})"
         )
     cached = Path(cache_dir) / f"tokenizer-{cache_key(texts, vocab_size)}.json"
     if cached.is_file():
@@ -65,7 +73,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathL
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],  # id 0
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable
+        initial_alphabet=byte_alphabet(vocab_size),  # every UTF-8 string is encodable
         show_progress=False,
     )
     # the bar counts documents read; the merges that follow are the tokenizer's own (quick) pass
@@ -74,6 +82,20 @@ def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathL
 
     _atomic_save(cached, tokenizer.save)
     return tokenizer
+
+
+def byte_alphabet(vocab_size: int) -> list[str]:
+    """The byte symbols (as the ByteLevel pre-tokenizer spells them) a tokenizer of ``vocab_size``
+    starts from: all 256 when they fit beside <|endoftext|>, else those UTF-8 text can contain."""
+    if vocab_size > 256:
+        return pre_tokenizers.ByteLevel.alphabet()
+    # ByteLevel's byte -> symbol table is GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for
+    # themselves, the 68 others take U+0100 onwards in byte order
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+             *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    hidden = [b for b in range(256) if b not in shown]
+    symbol = {**{b: chr(b) for b in shown}, **{b: chr(256 + i) for i, b in enumerate(hidden)}}
+    return [symbol[b] for b in range(256) if b not in NON_UTF8_BYTES]
 
 
 def progress_bars_on() -> bool:
