@@ -171,20 +171,26 @@ def _ds_file(tmp_path, **blocks):
 def test_deepspeed_keys_are_read_and_applied(tmp_path, capsys):
     """``pipeline.activation_checkpoint_interval`` turns full recomputation on in a real `mpt train`
     run; ``activation_checkpointing`` is honoured where it can be and refused in one line naming the
-    key where not."""
+    key where not: ``partition_activations`` is a no-op at tp 1 (listed as not used) and refused at
+    tp > 1, where it would split the kept inputs over the tensor-parallel ranks."""
     path = _ds_file(tmp_path, pipeline={"stages": 2, "activation_checkpoint_interval": 1},
-                    activation_checkpointing={"partition_activations": False, "contiguous_memory_optimization": True})
+                    activation_checkpointing={"partition_activations": True, "contiguous_memory_optimization": True})
     settings = read_ds_config(path)
     assert settings.train_config_overrides()["recompute"] == "full"
-    assert settings.ignored == ("activation_checkpointing.contiguous_memory_optimization",)
+    inert = ("activation_checkpointing.contiguous_memory_optimization",
+             "activation_checkpointing.partition_activations (a no-op at tp 1)")
+    assert settings.ignored == inert
+    off = _ds_file(tmp_path, activation_checkpointing={"partition_activations": False})
+    assert read_ds_config(off, tp=2).ignored == ()  # false: nothing to note, at any tp
     assert read_ds_config(_ds_file(tmp_path, pipeline={"activation_checkpoint_interval": 0})).recompute is None
     out = run_mpt(["train", "--config", path, "--model", "gpt-tiny", "--seq-len", "16", "--steps", "1",
                    "--data", "synthetic", "--threads", "1", "--no-progress"], timeout=300)
     assert out.returncode == 0, out.stderr
     assert "--recompute full: stage 0: full x 2 of 2 blocks; stage 1: full x 2 of 2 blocks" in out.stdout
-    for key in ("partition_activations", "cpu_checkpointing"):
+    assert f"keys not used by mp_toolkit: {', '.join(inert)}" in out.stdout
+    for key, tp in (("partition_activations", "2"), ("cpu_checkpointing", "1")):
         bad = _ds_file(tmp_path, activation_checkpointing={key: True})
-        assert_one_line_exit_2(capsys, ["train", "--config", bad, "--model", "gpt-tiny"],
+        assert_one_line_exit_2(capsys, ["train", "--config", bad, "--model", "gpt-tiny", "--tp", tp],
                                mentions=f"activation_checkpointing.{key} true is not supported")
 
 

@@ -266,9 +266,10 @@ def _pipeline(root: Block, ignored: list[str]) -> tuple[int | None, str | None, 
     return stages, partition, schedule, chunks
 
 
-def read_ds_config(source: str | Path | dict, *, dp: int = 1,
+def read_ds_config(source: str | Path | dict, *, dp: int = 1, tp: int = 1,
                    defaults: DeepSpeedDefaults | None = None) -> DeepSpeedSettings:
-    """Read a DeepSpeed config file (or an already loaded dict) for ``dp`` data-parallel ranks.
+    """Read a DeepSpeed config file (or an already loaded dict) for ``dp`` data-parallel ranks and
+    ``tp`` tensor-parallel ranks (``--tp``, which a DeepSpeed config does not set).
 
     Absent keys take ``defaults`` (None: `deepspeed_defaults()`, the installed DeepSpeed's). Raises
     ConfigError, one line naming the key and the file, for anything mp_toolkit cannot run.
@@ -288,7 +289,7 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1,
         raise ConfigError(f"{where}: optimizer.type {optimizer.type} with fp16.loss_scale {fp16.loss_scale:g}: "
                           "DeepSpeed's Lamb requires dynamic loss scaling: set fp16.loss_scale to 0")
     scheduler = read_scheduler(root, optimizer, ignored)
-    recompute, honoured = read_recompute(root, ignored)
+    recompute, honoured = read_recompute(root, ignored, tp)
     pp, partition, schedule, chunks = _pipeline(root, ignored)
     zero = read_zero(root, ignored)
     refuse_autocast(root, ignored)

@@ -66,7 +66,7 @@ def ds_overrides(path: Path, given: dict, world_size: int | None) -> tuple[dict,
         if world_size is not None:  # DeepSpeed's data-parallel size: what pp x tp leave of the world
             model_parallel = (given.get("pp") or pipeline_stages(path) or TrainConfig.pp) * given.get("tp", 1)
             dp = world_size // model_parallel if model_parallel and world_size % model_parallel == 0 else 1
-    settings = read_ds_config(path, dp=dp)
+    settings = read_ds_config(path, dp=dp, tp=given.get("tp", TrainConfig.tp))
     base = {**settings.train_config_overrides(), "dp": dp}
     notes = []
     if "optimizer" in given and given["optimizer"] != base.get("optimizer"):
