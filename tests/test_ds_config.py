@@ -11,6 +11,7 @@ import torch
 
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.ds.config import FP16Settings, OptimizerSettings, read_ds_config
+from mp_toolkit.ds.defaults import DOCUMENTED, read_installed
 from mp_toolkit.optim.lr import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 BASE = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
@@ -411,6 +412,35 @@ BING_BERT_LAMB = {  # as DeepSpeedExamples' bing_bert deepspeed_bsz64k_lamb_conf
                                                       "warmup_max_lr": 11e-3, "warmup_type": "linear"}},
     "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
 }
+
+
+def test_defaults_a_package_does_not_give_are_named_where_they_fall_back(tmp_path):
+    """A deepspeed package whose sources give only some defaults, and one list of refused keys: the
+    rest take 0.19.x's documented values, and the line naming the defaults lists them (issue 34)."""
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "constants.py").write_text(
+        "GRADIENT_CLIPPING_DEFAULT = 0.0\nFP16_LOSS_SCALE_DEFAULT = 0\nFP16_INITIAL_SCALE_POWER_DEFAULT = 12\n"
+        "FP16_LOSS_SCALE_WINDOW_DEFAULT = 500\nFP16_HYSTERESIS_DEFAULT = 2\nFP16_CONSECUTIVE_HYSTERESIS_DEFAULT = False\n"
+        "FP16_MIN_LOSS_SCALE_DEFAULT = 1\nBFLOAT16_ENABLED_DEFAULT = compute()\n")  # not a literal
+    (tmp_path / "runtime" / "config.py").write_text('_REMOVED_TOP_LEVEL_CONFIG_KEYS = {"amp": f"{x} was removed"}\n')
+    (tmp_path / "ops" / "lamb").mkdir(parents=True)
+    (tmp_path / "ops" / "lamb" / "fused_lamb.py").write_text(
+        "class FusedLamb:\n    def __init__(self, params, lr=2e-3, bias_correction=True, betas=[0.8, 0.99], eps=1e-8,\n"
+        "                 weight_decay=0., max_coeff=5.0, min_coeff=0.01): pass\n")
+    d = read_installed(tmp_path, "9.9.9")
+    assert (d.gradient_clipping, d.fp16.initial_scale_power, d.lamb_default("lr"), d.lamb_default("betas")) == (
+        0.0, 12, 2e-3, (0.8, 0.99))
+    assert d.bf16_enabled == DOCUMENTED.bf16_enabled and d.fallback == ("bf16.enabled",)
+    assert d.removed_top == ("amp",) and d.removed_zero == () and d.unread_refusals == ("zero_optimization",)
+    s = read_ds_config({"train_batch_size": 4, "zero_optimization": {"stage": 0, "mics_shard_size": 8}}, defaults=d)
+    assert s.defaults == ("DeepSpeed 9.9.9, and DeepSpeed 0.19.x's documented defaults for bf16.enabled (not found "
+                          "in its sources); refusing no keys: the zero_optimization keys DeepSpeed 9.9.9 refuses were "
+                          "not found in its runtime/config.py")
+    assert s.gradient_clipping == 0.0 and "zero_optimization" in s.ignored  # mics_shard_size: not refused
+    with pytest.raises(ConfigError, match="amp: is a key DeepSpeed 9.9.9 refuses"):
+        read_ds_config({"train_batch_size": 4, "amp": {}}, defaults=d)
+    (tmp_path / "ops" / "lamb" / "fused_lamb.py").unlink()
+    assert read_installed(tmp_path, "9.9.9").fallback == ("bf16.enabled", *(f"Lamb's {k}" for k, _ in DOCUMENTED.lamb))
 
 
 def test_bert_lamb_config_end_to_end(tmp_path):

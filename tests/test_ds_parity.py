@@ -179,8 +179,11 @@ def test_documented_defaults_are_0_19s_and_a_package_without_the_files_keeps_the
     if deepspeed.__version__.startswith("0.19."):
         installed = deepspeed_defaults()
         assert dataclasses.replace(installed, version="0.19.x", installed=False) == DOCUMENTED
-    bare = read_installed(tmp_path, "9.9.9")  # a package whose sources cannot be read
-    assert bare.source == "DeepSpeed 9.9.9" and bare.gradient_clipping == DOCUMENTED.gradient_clipping
+    bare = read_installed(tmp_path, "9.9.9")  # a package whose sources cannot be read: the fallback is named
+    assert bare.source == ("DeepSpeed 0.19.x (its documented defaults: none could be read from the installed "
+                           "DeepSpeed 9.9.9's sources); refusing no keys: the top-level and zero_optimization keys "
+                           "DeepSpeed 9.9.9 refuses were not found in its runtime/config.py")
+    assert bare.gradient_clipping == DOCUMENTED.gradient_clipping and bare.removed_top == bare.removed_zero == ()
     assert DOCUMENTED.source == "DeepSpeed 0.19.x (its documented defaults: deepspeed is not installed)"
     s = read_ds_config({"train_batch_size": 4}, defaults=DOCUMENTED)
     assert s.gradient_clipping == 1.0 and s.defaults == DOCUMENTED.source

@@ -111,7 +111,8 @@ class DeepSpeedSettings:
     """The enabled monitor sections as TrainConfig fields (`mp_toolkit.ds.sections.read_monitors`): tensorboard, csv, wandb."""
     defaults: str = ""
     """Whose defaults filled the absent keys: "DeepSpeed 0.19.8" (the installed one), or 0.19.x's documented
-    ones ("DeepSpeed 0.19.x (its documented defaults: deepspeed is not installed)")."""
+    ones ("DeepSpeed 0.19.x (its documented defaults: deepspeed is not installed)"), naming the keys whose
+    defaults, and the lists of refused keys, the installed sources did not give (`DeepSpeedDefaults.source`)."""
     recompute: str | None = None
     """``pipeline.activation_checkpoint_interval`` > 0: "full" (`mp_toolkit.ds.recompute`); None when off."""
     zero: int = 0

@@ -19,7 +19,9 @@ takes seconds, and a config reader must not. What is read, and from where in the
 * ``runtime/config.py``: the keys of ``_REMOVED_TOP_LEVEL_CONFIG_KEYS`` and ``_REMOVED_ZERO_CONFIG_KEYS``,
   which ``DeepSpeedConfig`` refuses (``sparse_attention``, ``amp``, ``elasticity``, ...).
 
-A value the installed package does not define as a plain literal keeps the documented one.
+A default the installed package does not define as a plain literal (a file that cannot be read, a
+name it lacks) keeps the documented one, and ``source`` names those keys; a list of refused keys it
+does not define refuses none (a release before the removals), and ``source`` says that too.
 `tests/test_ds_parity.py` checks these against ``import deepspeed`` itself.
 """
 
@@ -60,13 +62,30 @@ class DeepSpeedDefaults:
     """Top-level keys DeepSpeedConfig refuses (features removed from DeepSpeed)."""
     removed_zero: tuple[str, ...] = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
     """``zero_optimization`` keys DeepSpeedConfig refuses."""
+    fallback: tuple[str, ...] = ()
+    """The keys whose defaults the installed package's sources did not give: they keep `DOCUMENTED`'s."""
+    unread_refusals: tuple[str, ...] = ()
+    """The lists of refused keys (``_REMOVED_..._KEYS``) the installed package's sources did not give:
+    none of their keys is refused."""
 
     @property
     def source(self) -> str:
-        """Whose defaults these are, in words: "DeepSpeed 0.19.8" or "DeepSpeed 0.19.x (documented ...)"."""
-        if self.installed:
-            return f"DeepSpeed {self.version}"
-        return f"DeepSpeed {self.version} (its documented defaults: deepspeed is not installed)"
+        """Whose defaults these are, in words: "DeepSpeed 0.19.8", "DeepSpeed 0.19.x (documented ...)", or
+        the installed release's with the keys that fell back to the documented values named."""
+        if not self.installed:
+            return f"DeepSpeed {self.version} (its documented defaults: deepspeed is not installed)"
+        if len(self.fallback) == len(DEFAULT_KEYS):
+            text = (f"DeepSpeed {DOCUMENTED.version} (its documented defaults: none could be read from the installed "
+                    f"DeepSpeed {self.version}'s sources)")
+        elif self.fallback:
+            text = (f"DeepSpeed {self.version}, and DeepSpeed {DOCUMENTED.version}'s documented defaults for "
+                    f"{', '.join(self.fallback)} (not found in its sources)")
+        else:
+            text = f"DeepSpeed {self.version}"
+        if self.unread_refusals:
+            text += (f"; refusing no keys: the {' and '.join(self.unread_refusals)} keys DeepSpeed {self.version} "
+                     "refuses were not found in its runtime/config.py")
+        return text
 
     def lamb_default(self, name: str):
         """FusedLamb's default for keyword ``name``."""
@@ -76,8 +95,16 @@ class DeepSpeedDefaults:
 DOCUMENTED = DeepSpeedDefaults(version="0.19.x")
 """DeepSpeed 0.19.8's values, used when no deepspeed package is installed."""
 
-_CONSTANTS = {"gradient_clipping": "GRADIENT_CLIPPING_DEFAULT", "bf16_enabled": "BFLOAT16_ENABLED_DEFAULT"}
-"""Our field -> the name in ``deepspeed/runtime/constants.py``; the fp16 ones are ``FP16_<FIELD>_DEFAULT``."""
+_CONSTANTS = {"gradient_clipping": ("gradient_clipping", "GRADIENT_CLIPPING_DEFAULT"),
+              "bf16_enabled": ("bf16.enabled", "BFLOAT16_ENABLED_DEFAULT")}
+"""Our field -> (its config key, the name in ``deepspeed/runtime/constants.py``); the fp16 ones are
+``FP16_<FIELD>_DEFAULT``."""
+_REFUSALS = {"removed_top": ("top-level", "_REMOVED_TOP_LEVEL_CONFIG_KEYS"),
+             "removed_zero": ("zero_optimization", "_REMOVED_ZERO_CONFIG_KEYS")}
+"""Our field -> (what it lists, in words; the dict in ``deepspeed/runtime/config.py``)."""
+DEFAULT_KEYS = (*(key for key, _ in _CONSTANTS.values()), *(f"fp16.{f.name}" for f in dataclasses.fields(LossScaleSettings)),
+                *(f"Lamb's {name}" for name, _ in DOCUMENTED.lamb))
+"""Every key whose default is read from the sources, as `DeepSpeedDefaults.fallback` names them."""
 
 
 def _module(path: Path) -> ast.Module | None:
@@ -127,31 +154,38 @@ def _init_defaults(tree: ast.Module, cls: str) -> dict[str, object]:
 
 
 def read_installed(root: Path, version: str) -> DeepSpeedDefaults:
-    """The defaults of the deepspeed package whose folder is ``root`` (``.../site-packages/deepspeed``)."""
-    values: dict[str, object] = {}
+    """The defaults of the deepspeed package whose folder is ``root`` (``.../site-packages/deepspeed``);
+    what its sources do not give falls back as the module docstring says, and is recorded."""
+    fallback: list[str] = []
     constants = _module(root / "runtime" / "constants.py")
-    if constants is not None:
-        found = _literal_assignments(constants)
+    found = _literal_assignments(constants) if constants is not None else {}
 
-        def constant(name: str, default):
-            v = found.get(name)
-            return type(default)(v) if isinstance(v, (bool, int, float)) else default
+    def constant(key: str, name: str, default):
+        v = found.get(name)
+        if isinstance(v, (bool, int, float)):
+            return type(default)(v)
+        fallback.append(key)
+        return default
 
-        values = {field: constant(name, getattr(DOCUMENTED, field)) for field, name in _CONSTANTS.items()}
-        values["fp16"] = LossScaleSettings(**{f.name: constant(f"FP16_{f.name.upper()}_DEFAULT", f.default)
-                                              for f in dataclasses.fields(LossScaleSettings)})
+    values: dict[str, object] = {field: constant(key, name, getattr(DOCUMENTED, field))
+                                 for field, (key, name) in _CONSTANTS.items()}
+    values["fp16"] = LossScaleSettings(**{f.name: constant(f"fp16.{f.name}", f"FP16_{f.name.upper()}_DEFAULT",
+                                                           getattr(DOCUMENTED.fp16, f.name))
+                                          for f in dataclasses.fields(LossScaleSettings)})
     lamb = _module(root / "ops" / "lamb" / "fused_lamb.py")
-    if lamb is not None:
-        init = _init_defaults(lamb, "FusedLamb")
-        values["lamb"] = tuple((k, tuple(init[k]) if k == "betas" and k in init else init.get(k, v))
-                               for k, v in DOCUMENTED.lamb)
+    init = _init_defaults(lamb, "FusedLamb") if lamb is not None else {}
+    fallback += [f"Lamb's {k}" for k, _ in DOCUMENTED.lamb if k not in init]
+    values["lamb"] = tuple((k, (tuple(init[k]) if k == "betas" else init[k]) if k in init else v)
+                           for k, v in DOCUMENTED.lamb)
     config = _module(root / "runtime" / "config.py")
-    if config is not None:
-        for field, name in (("removed_top", "_REMOVED_TOP_LEVEL_CONFIG_KEYS"),
-                            ("removed_zero", "_REMOVED_ZERO_CONFIG_KEYS")):
-            keys = _dict_keys(config, name)
-            values[field] = keys if keys is not None else ()  # a release before the removals refuses none
-    return dataclasses.replace(DOCUMENTED, version=version, installed=True, **values)
+    unread = []
+    for field, (what, name) in _REFUSALS.items():
+        keys = _dict_keys(config, name) if config is not None else None
+        values[field] = () if keys is None else keys  # a release before the removals refuses none
+        if keys is None:
+            unread.append(what)
+    return dataclasses.replace(DOCUMENTED, version=version, installed=True, fallback=tuple(fallback),
+                               unread_refusals=tuple(unread), **values)
 
 
 @functools.cache
