@@ -27,7 +27,8 @@ summed over ``tp_group`` in one all-reduce per step for all shards together, so 
 the whole tensor's; no traffic ever crosses pipeline stages. ZeRO-1 (a tensor is a rank's piece of
 a parameter, ``p.zero_piece``): the partial squares of the tensors split between data-parallel
 ranks are summed over the dp group first, in one more all-reduce per step
-(`mp_toolkit.optim.groups.whole_tensor_squares`).
+(`mp_toolkit.optim.groups.whole_tensor_squares`). A step with no gradient to apply still joins
+both all-reduces with zero rows, so the ranks that do step are not left waiting.
 
 The multi-tensor path (default on CPU and CUDA) makes two passes over memory. Pass 1 walks the
 tensors in cache-sized *waves* of chunks: ``s = wd w`` in a wave scratch, then one fused kernel
@@ -166,7 +167,11 @@ class LAMB(torch.optim.Optimizer):
         loss = evaluate_closure(closure)
         work = [(g, self._tensors(g)) for g in self.param_groups]
         work = [(g, t) for g, t in work if t[0]]
-        if not work:
+        if not work:  # nothing to step, but the others' whole-tensor sums wait for this rank's share
+            self._last = {}
+            held = [p for g in self.param_groups for p in g["params"]]
+            if held:  # zero rows (ZeRO-1: a replica may own no element of any tensor)
+                whole_tensor_squares(held[0].new_zeros(len(held), 2, dtype=torch.float64), held, self.tp_group)
             return loss
         scale = self._pre_normalisation([p for _, t in work for p in t[0]])
         order, rows = [], []

@@ -20,7 +20,8 @@ Tensor parallelism: for a shard (``p.tensor_model_parallel = True``) ``||w||^2``
 summed over ``tp_group`` in one all-reduce per step for all shards together; no traffic ever
 crosses pipeline stages. Under ZeRO-1 the partial squares of tensors split between data-parallel
 ranks' pieces are summed over the dp group first, in one more all-reduce per step
-(`mp_toolkit.optim.groups.whole_tensor_squares`). The gradients are left untouched.
+(`mp_toolkit.optim.groups.whole_tensor_squares`); a step with no gradient to apply still joins
+both with zero rows. The gradients are left untouched.
 """
 
 from __future__ import annotations
@@ -72,7 +73,11 @@ class LARS(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = evaluate_closure(closure)
         order = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not order:
+        if not order:  # nothing to step, but the others' whole-tensor sums wait for this rank's share
+            self._last = {}
+            held = [p for g in self.param_groups for p in g["params"]]
+            if held:  # zero rows (ZeRO-1: a replica may own no element of any tensor)
+                whole_tensor_squares(held[0].new_zeros(len(held), 2, dtype=torch.float64), held, self.tp_group)
             return loss
         ps, gs = [p for p, _ in order], [p.grad for p, _ in order]
         if any(g.is_sparse for g in gs):
