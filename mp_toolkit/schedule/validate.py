@@ -12,14 +12,11 @@ from __future__ import annotations
 from collections import deque
 
 from .actions import Action, Kind, Schedule
+from mp_toolkit.errors import ScheduleError
 
 __all__ = ["ScheduleError", "validate", "simulate_order"]
 
 Key = tuple[int, Kind, int]  # (stage, kind, microbatch)
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run as written."""
 
 
 def _where(rank: int, pos: int, action: Action) -> str:
