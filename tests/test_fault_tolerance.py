@@ -269,13 +269,13 @@ def test_a_second_signal_stops_at_once():
 
 
 def test_a_two_kill_chaos_run_ends_bitwise(tmp_path):
-    """tools/chaos.py at a small size: an uninterrupted run, then one with --restarts 3 whose ranks
+    """`tools.chaos` at a small size: an uninterrupted run, then one with --restarts 3 whose ranks
     get SIGKILL twice from outside at random steps and moments (seeded); every tensor of the two final
     checkpoints and every per-step loss equal."""
     out = tmp_path / "chaos.json"
-    job = Job([sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "chaos.py"), "--kills", "2",
-               "--steps", "16", "--save-every", "4", "--seed", "1", "--timeout", "300", "--work-dir",
-               str(tmp_path / "work"), "--json", str(out)], tmp_path, name="chaos")
+    job = Job([sys.executable, "-m", "tools.chaos", "--kills", "2", "--steps", "16", "--save-every", "4", "--seed", "1",
+               "--timeout", "300", "--work-dir", str(tmp_path / "work"), "--json", str(out)], tmp_path, name="chaos",
+              env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # where `-m tools.chaos` resolves
     assert finish(job, 900) == 0, job.stdout[-3000:] + job.stderr[-3000:]  # bounds a hang, not a speed
     result = json.loads(out.read_text())
     assert (result["exit_code"], result["recoveries"], len(result["kills"])) == (0, 2, 2), result

@@ -1,28 +1,23 @@
-"""tools/gpu_check.py's CPU dry run (issue 23) and the pieces of the CUDA paths that run without a GPU.
+"""`tools.gpu_check`'s CPU dry run (issue 23) and the pieces of the CUDA paths that run without a GPU.
 
 The dry run here takes the in-process sections (memory, the precision oracle, the throughput run of
-`mpt train`, LAMB against the copy bandwidth) and checks the JSON they write; the sections that start
-ranks (the pp=2 oracle on the device, `mpt train` at pp=2) run in ``tools/gpu_check.sh --dry-run``
-(about a minute) and, on a GPU, in the full check. No figure is compared with a time.
+`mpt train`, LAMB against the copy bandwidth) and checks the JSON they write, and the pp=2 oracle,
+whose two ranks the launcher every tool uses starts (`tools.ranks`); `mpt train` at pp=2 runs in
+``tools/gpu_check.sh --dry-run`` (about two minutes) and, on a GPU, in the full check. No figure is
+compared with a time.
 """
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-from model_zoo.gpt import PRESETS
+from model_zoo.gpt import GPT, PRESETS
 from mp_toolkit.run.launch import device_and_backend
 from tests.dist_harness import run_world
 from mp_toolkit.parallel.host_staging import HostStagedP2P, make_p2p
 from mp_toolkit.parallel.p2p import P2P
 from tests.p2p_workers import swap_messages
-
-_SPEC = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "tools" / "gpu_check.py")
-gpu_check = sys.modules.setdefault("gpu_check", importlib.util.module_from_spec(_SPEC))  # dataclasses look it up
-_SPEC.loader.exec_module(gpu_check)
+from tools import gpu_check
 
 
 def test_dry_run_writes_the_json_and_summary(tmp_path, monkeypatch):
@@ -51,6 +46,17 @@ def test_dry_run_writes_the_json_and_summary(tmp_path, monkeypatch):
     assert lamb["copy_GBps"] > 0 and math.isclose(lamb["x_bound"], lamb["lamb_ms"] / lamb["bound_ms"])
     text = (tmp_path / "gpu_check.txt").read_text()
     assert "dry run" in text and text.rstrip().endswith("overall: ok")
+
+
+def test_dry_run_oracle_ranks_started_by_the_tools_launcher_are_bitwise(tmp_path):
+    """pp=2 on two ranks that `tools.ranks.run_ranks` starts (fresh interpreters, torchrun's variables,
+    gloo), against one process: every parameter and loss bitwise equal (DESIGN.md invariant 1)."""
+    code = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "oracle"])
+    oracle = json.loads((tmp_path / "gpu_check.json").read_text())["oracle"]
+    assert code == 0 and oracle["ok"], oracle
+    assert (oracle["backend"], oracle["devices"], oracle["unequal"]) == ("gloo", ["cpu", "cpu"], []), oracle
+    assert oracle["tensors"] == len(list(GPT(gpu_check.Sizes.for_run(True).oracle).parameters()))
+    assert oracle["max_abs_diff"] == 0.0 and oracle["losses"] == oracle["reference_losses"], oracle
 
 
 def test_device_peaks_by_name_and_flops_per_token():

@@ -1,9 +1,10 @@
-"""Draw `tools/bench_pipeline.py`'s result as a PNG: tokens/s of every peer, the 1F1B bound and T1.
+"""Draw `tools.bench_pipeline`'s result as a PNG: tokens/s of every peer, the 1F1B bound and T1.
 
-    .venv/bin/python tools/bench_pipeline.py | tee runs/bench_pipeline.txt
-    .venv/bin/python tools/bench_chart.py runs/bench_pipeline.txt --out benchmarks/pipeline.png
+    .venv/bin/python -m tools.bench_pipeline | tee runs/bench_pipeline.txt
+    .venv/bin/python -m tools.bench_chart runs/bench_pipeline.txt --out benchmarks/pipeline.png
 
-The input is bench_pipeline's output (its last JSON line is read; the table above it is skipped).
+The input is bench_pipeline's output (its last JSON line is read; the header and table above it
+are skipped); the title names the machine and date of its header (`tools.report`).
 One horizontal bar per peer, coloured by toolkit, labelled with tokens/s and the fraction of the
 1F1B bound `p * T1 * m / (m + p - 1)`; dashed lines mark T1 and the bound.
 """
@@ -62,7 +63,8 @@ def draw(doc: dict, out: Path) -> Path:
     w = doc.get("workload", {})
     machine = doc.get("machine", {})
     ax.set_xlabel("tokens/s (median step)")
-    ax.set_title(f"bench_pipeline {doc.get('date', '')}: {machine.get('nproc', '?')} CPUs, "
+    ax.set_title(f"bench_pipeline {doc.get('date', '')}: {machine.get('cpu', '?')}, "
+                 f"{machine.get('nproc', '?')} CPUs, "
                  f"{w.get('precision', '')}, pp={w.get('pp', '?')}, m={w.get('microbatches', '?')}", fontsize=9)
     top = max([r["tokens_per_s"] for r in rows] + [v for v in (doc.get("bound_tokens_per_s"),) if v and v == v])
     ax.set_xlim(0, 1.3 * top)

@@ -2,7 +2,7 @@
 planner's prediction (issue 8, item 2); DeepSpeed's and torch.distributed.pipelining's 1F1B on the
 same cut for comparison.
 
-The workload is `tools/bench_pipeline.py`'s (GPT 8 x 256, vocabulary 8192 untied, 8 micro-batches
+The workload is `tools.bench_pipeline`'s (GPT 8 x 256, vocabulary 8192 untied, 8 micro-batches
 of 4 x 128, 2 stages, one thread per rank, AdamW, no clipping). For each schedule the planner
 (`make_plan(PlanRequest(..., method="parameters", schedule=...))`) gives the cut -- our default,
 the one `mpt train` uses -- and each stage's ``memory_bytes``, from its formulas and, unless
@@ -13,9 +13,9 @@ one-time costs paid (``warm_runtime``), the baseline ``rss_bytes()`` taken befor
 built, ``reset_peak()`` after the first step, ``peak_rss_bytes()`` after the last. A rank that
 holds two stages (interleaved) is compared with the sum of their predictions.
 
-    python tools/bench_memory.py                # ~3 minutes on 2 quiet cores
-    python tools/bench_memory.py --precision bf16 --no-measure --ours-only
-    python tools/bench_memory.py --compare-free-sent --shape gpt-small-cpu   # issue 18, item 5
+    python -m tools.bench_memory                # ~3 minutes on 2 quiet cores
+    python -m tools.bench_memory --precision bf16 --no-measure --ours-only
+    python -m tools.bench_memory --compare-free-sent --shape gpt-small-cpu   # issue 18, item 5
 
 ``--compare-recompute`` runs only our 1F1B with activation recomputation none, full and selective
 (every block of each stage; issue 19), and ``auto`` under a cap 5% below the least the planner says
@@ -23,12 +23,12 @@ any cut fits without recomputation: per rank the peak resident memory (a ``memor
 the memory instrumentation, which slows kernels), beside the planner's predictions (layers
 measured here unless ``--no-measure``).
 
-    python tools/bench_memory.py --compare-recompute --shape gpt-small-cpu
+    python -m tools.bench_memory --compare-recompute --shape gpt-small-cpu
 
 ``--no-free-sent`` runs our engine with ``free_sent_outputs=False`` (every stage output kept whole
 until its backward). ``--compare-free-sent`` instead runs only our 1F1B, with the switch on and
 then off, and reports per rank the peak RSS and the peak bytes held for stage outputs (stored
-outputs plus in-flight send buffers, `tools/held_outputs.py`).
+outputs plus in-flight send buffers, `tools.held_outputs`).
 
 Prints a table and, last, one JSON line. Peak RSS is what the kernel saw, so other processes do
 not change it; the timings of ``--measure`` do not enter the memory figures.
@@ -36,39 +36,28 @@ not change it; the timings of ``--measure`` do not enter the memory figures.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from peers import Workload  # noqa: E402
-from ranks import RunError, run_ranks  # noqa: E402
+from mp_toolkit.partition import PartitionError
+from mp_toolkit.partition.planner import gemm_tflops
+from tools.peers import Workload, run_peer
+from tools.predict import predict, rank_bytes, workload_config
+from tools.ranks import RunError
+from tools.report import header, json_line
 
 MB = 1e6
 SCHEDULES = [("GPipe", "gpipe", 1), ("1F1B", "1f1b", 1), ("ZBH1", "zbh1", 1), ("ZBDrain", "zbdrain", 1), ("Interleaved1F1B x2", "interleaved", 2)]
 
 
-def predict(w: Workload, config: Path, schedule: str, chunks: int, measure: bool, **request):
-    from mp_toolkit.partition.planner import PlanRequest, make_plan
-
+def plan_of(w: Workload, folder: Path, schedule: str, chunks: int, measure: bool, **request):
+    """``mpt plan``'s plan of our engine on ``w``: the "parameters" cut unless ``request`` names another
+    method; a GEMM timed here (``tflops`` None) beside a helper for the other rank (``load``)."""
     torch.set_num_threads(w.threads)
-    return make_plan(PlanRequest(model=str(config), pp=w.pp, micro_batch=w.micro_batch, microbatches=w.microbatches,
-                                 seq_len=w.seq_len, precision=w.precision, optimizer="adamw",
-                                 schedule=schedule, chunks=chunks, measure=measure,
-                                 **{"method": "parameters", **request}))
-
-
-def per_rank(plan, pp: int) -> list[int]:
-    """Predicted bytes per rank: the sum of its stages (stage s runs on rank s % pp)."""
-    out = [0] * pp
-    for s in plan.stages:
-        out[s.index % pp] += s.memory_bytes
-    return out
+    cfg = workload_config(w, folder, schedule=schedule, chunks=chunks)
+    return predict(cfg, **{"method": "parameters", "tflops": None, "load": True, "measure": measure, **request})
 
 
 SHAPES = {  # --shape: the workload's model and micro-batch; bench is Workload's default
@@ -79,7 +68,7 @@ SHAPES = {  # --shape: the workload's model and micro-batch; bench is Workload's
 
 def measure(w: Workload, spec: dict, steps: int, timeout: float) -> list[dict]:
     full = {**spec, "workload": w.__dict__, "warmup": 1, "steps": steps, "memory": True}
-    return run_ranks(full, w.pp, timeout_s=timeout, threads=w.threads)
+    return run_peer(full, w.pp, timeout_s=timeout, threads=w.threads)
 
 
 def main() -> None:
@@ -98,21 +87,21 @@ def main() -> None:
                          "beside the planner's predictions")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     args = ap.parse_args()
+    head = header("bench_memory")
     w = Workload(precision=args.precision, **SHAPES[args.shape])
     if args.compare_free_sent:
-        compare_free_sent(w, args.steps, args.timeout)
+        compare_free_sent(w, args.steps, args.timeout, head)
         return
     if args.compare_recompute:
-        compare_recompute(w, args.steps, args.timeout, measure_layers=not args.no_measure)
+        compare_recompute(w, args.steps, args.timeout, head, measure_layers=not args.no_measure)
         return
     rows, errors = [], {}
     with tempfile.TemporaryDirectory() as d:
-        config = Path(d, "config.json")
-        config.write_text(json.dumps(w.gpt_config().to_dict()))
+        folder = Path(d)
         cut_1f1b = None
         for label, schedule, chunks in SCHEDULES:
-            formula = predict(w, config, schedule, chunks, measure=False)
-            measured_plan = None if args.no_measure else predict(w, config, schedule, chunks, measure=True)
+            formula = plan_of(w, folder, schedule, chunks, measure=False)
+            measured_plan = None if args.no_measure else plan_of(w, folder, schedule, chunks, measure=True)
             cut = list(formula.boundaries)
             cut_1f1b = cut if schedule == "1f1b" else cut_1f1b
             spec = {"peer": "mpt", "schedule": schedule, "chunks": chunks, "boundaries": cut, "free_sent": args.free_sent}
@@ -122,8 +111,8 @@ def main() -> None:
                 errors[label] = str(e)
                 print(f"mpt {label}: FAILED\n{e}", flush=True)
                 continue
-            pf = per_rank(formula, w.pp)
-            pm = per_rank(measured_plan, w.pp) if measured_plan else [None] * w.pp
+            pf = rank_bytes(formula, w.pp)
+            pm = rank_bytes(measured_plan, w.pp) if measured_plan else [None] * w.pp
             for r in got:
                 rank = r["rank"]
                 rows.append({"peer": f"mpt {label}", "rank": rank, "cut": cut,
@@ -150,16 +139,14 @@ def main() -> None:
                 print(f"{label:24s} cut {got[0]['boundaries']}: measured " +
                       " / ".join(f"{r['peak_bytes'] / MB:.1f}" for r in got) + " MB", flush=True)
     print_table(rows, w)
-    print(json.dumps({"bench": "memory", "date": time.strftime("%Y-%m-%d"), "nproc": os.cpu_count(),
-                      "torch": torch.__version__, "workload": w.__dict__, "rows": rows, "errors": errors}))
+    json_line("bench_memory", head, mode="schedules", workload=w.__dict__, rows=rows, errors=errors)
 
 
-def compare_free_sent(w: Workload, steps: int, timeout: float) -> None:
+def compare_free_sent(w: Workload, steps: int, timeout: float, head: dict) -> None:
     """Our 1F1B on the planner's cut, free_sent_outputs on and off: a table and one JSON line."""
     with tempfile.TemporaryDirectory() as d:
-        config = Path(d, "config.json")
-        config.write_text(json.dumps(w.gpt_config().to_dict()))
-        cut = list(predict(w, config, "1f1b", 1, measure=False).boundaries)
+        folder = Path(d)
+        cut = list(plan_of(w, folder, "1f1b", 1, measure=False).boundaries)
     rows = []
     for free in (True, False):
         spec = {"peer": "mpt", "schedule": "1f1b", "boundaries": cut, "free_sent": free, "held_outputs": True}
@@ -173,38 +160,33 @@ def compare_free_sent(w: Workload, steps: int, timeout: float) -> None:
     for r in rows:
         print(f"{str(r['free_sent']):>9s} {r['rank']:4d} {r['held_outputs_peak_bytes']:18,d} "
               f"{r['freed_bytes_last_step']:15,d} {r['peak_rss_bytes'] / MB:12.1f}")
-    print(json.dumps({"bench": "memory-free-sent", "date": time.strftime("%Y-%m-%d"), "nproc": os.cpu_count(),
-                      "torch": torch.__version__, "workload": w.__dict__, "rows": rows}))
+    json_line("bench_memory", head, mode="free_sent", workload=w.__dict__, rows=rows)
 
 
-def compare_recompute(w: Workload, steps: int, timeout: float, measure_layers: bool) -> None:
+def compare_recompute(w: Workload, steps: int, timeout: float, head: dict, measure_layers: bool) -> None:
     """Our 1F1B with recomputation none, full, selective and auto (under a cap 5% below the least
     the planner says any cut fits without recomputation): a table and one JSON line."""
-    from mp_toolkit.partition import PartitionError
-    from mp_toolkit.partition.planner import gemm_tflops
-
     # one rate for every plan (each would measure its own GEMM otherwise, and a busy machine would
     # make the modes' predictions incomparable)
     rate = {} if measure_layers else {"tflops": gemm_tflops(w.precision)}
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        config = Path(d, "config.json")
-        config.write_text(json.dumps(w.gpt_config().to_dict()))
-        plans = {mode: predict(w, config, "1f1b", 1, measure_layers, recompute=mode, **rate)
+        folder = Path(d)
+        plans = {mode: plan_of(w, folder, "1f1b", 1, measure_layers, recompute=mode, **rate)
                  for mode in ("none", "full", "selective")}
         try:  # the least cap any cut fits without recomputation (the planner names it when asked for less)
-            predict(w, config, "1f1b", 1, measure_layers, method="memory", memory_gb=1e-6, **rate)
+            plan_of(w, folder, "1f1b", 1, measure_layers, method="memory", memory_gb=1e-6, **rate)
         except PartitionError as e:
             least_none = e.needed_gb
         cap_gb = 0.95 * least_none  # none cannot fit it, whatever the cut
-        plans["auto"] = predict(w, config, "1f1b", 1, measure_layers, recompute="auto", method="memory",
+        plans["auto"] = plan_of(w, folder, "1f1b", 1, measure_layers, recompute="auto", method="memory",
                                 memory_gb=cap_gb, **rate)
     for mode, plan in plans.items():
         spec = {"peer": "mpt", "schedule": "1f1b", "boundaries": list(plan.boundaries),
                 "recompute": [[c.mode, c.layers] for c in plan.recompute]}
         memory = measure(w, spec, steps, timeout)
-        timed = run_ranks({**spec, "workload": w.__dict__, "warmup": 1, "steps": steps}, w.pp, timeout_s=timeout,
+        timed = run_peer({**spec, "workload": w.__dict__, "warmup": 1, "steps": steps}, w.pp, timeout_s=timeout,
                           threads=w.threads)
         step_s = [max(r["times"][i] for r in timed) for i in range(1, len(timed[0]["times"]))]  # after warm-up
         for r in memory:
@@ -228,8 +210,7 @@ def compare_recompute(w: Workload, steps: int, timeout: float, measure_layers: b
               f"{r['measured_bytes'] / MB:8.1f} {r['pred_bytes'] / r['measured_bytes'] - 1:+7.1%} "
               f"{r['pred_step_ms']:8.0f} {r['measured_step_ms']:8.0f} "
               f"{r['pred_step_ms'] / r['measured_step_ms'] - 1:+7.1%}")
-    print(json.dumps({"bench": "memory-recompute", "date": time.strftime("%Y-%m-%d"), "nproc": os.cpu_count(),
-                      "torch": torch.__version__, "workload": w.__dict__, "cap_gb": cap_gb, "rows": rows}))
+    json_line("bench_memory", head, mode="recompute", workload=w.__dict__, cap_gb=cap_gb, rows=rows)
 
 
 def print_table(rows: list[dict], w: Workload) -> None:

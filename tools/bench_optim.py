@@ -9,17 +9,16 @@ Copy bandwidth is pessimistic on x86 (the destination is read before it is writt
 table also shows the same bytes over in-place streaming bandwidth (``a.add_(b)``), the rate a
 one-pass fused AdamW can reach.
 
-    python tools/bench_optim.py                 # 1 and 2 threads, ~1 minute
-    python tools/bench_optim.py --threads 1 --steps 5
+    python -m tools.bench_optim                 # 1 and 2 threads, ~1 minute
+    python -m tools.bench_optim --threads 1 --steps 5
 
-Prints a table and, last, one JSON line. The tensors are shaped like a 4-layer GPT of width 640
+Prints the machine header (`tools.report`), a table and, last, one JSON line. The tensors are shaped like a 4-layer GPT of width 640
 (token and position embeddings, 16 matrices, 34 bias / LayerNorm vectors).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -27,6 +26,7 @@ import time
 import torch
 
 from mp_toolkit.optim import LAMB
+from tools.report import header, json_line
 
 
 def gpt_like_shapes(width: int = 640, layers: int = 4, vocab: int = 8192, positions: int = 512) -> list[tuple]:
@@ -128,9 +128,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=9, help="timed steps per optimizer (after 2 warm-up steps)")
     args = ap.parse_args()
+    head = header("bench_optim")
     results = run(args.threads, args.steps)
     print_table(results)
-    print(json.dumps({"bench": "optim", "date": time.strftime("%Y-%m-%d"), **results}))
+    json_line("bench_optim", head, **results)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ machinery); 8 micro-batches of 4 per step, 2 pipeline stages, one thread per ran
 would count only part of the model in its clip norm); fp32, or ``--precision bf16`` (bf16
 compute, fp32 master weights in every peer).
 
-Peers (each the real library, `tools/peers.py`):
+Peers (each the real library, `tools.peers`):
 
 * mp_toolkit: 1F1B, GPipe, ZB-H1, interleaved 1F1B with 2 chunks on our default "parameters"
   cut (`mp_toolkit.run.cut.plan_boundaries`); 1F1B, ZB-H1 and ZB-drain on the planner's "flops" cut
@@ -42,77 +42,72 @@ over all its timed steps. pp=2 efficiency = tokens/s / (2 * T1 * m / (m + p - 1)
 Each rank's process CPU time per step is shown too: it counts work, not waiting, so it is the
 figure that other load on the machine disturbs least.
 
-    python tools/bench_pipeline.py                    # the full table: ~9 minutes on 2 quiet cores
+    python -m tools.bench_pipeline                    # the full table: ~9 minutes on 2 quiet cores
                                                       # (12.5 measured on 2 shared, loaded ones)
-    python tools/bench_pipeline.py --precision bf16
-    python tools/bench_pipeline.py --rounds 1 --steps 5 --only 'mpt 1F1B|deepspeed'
-    python tools/bench_pipeline.py --profile          # where mp_toolkit's (and DeepSpeed's) time goes, per rank
-    python tools/bench_pipeline.py --side-by-side 3   # issue 23: three runs of our defaults against DeepSpeed's
+    python -m tools.bench_pipeline --precision bf16
+    python -m tools.bench_pipeline --rounds 1 --steps 5 --only 'mpt 1F1B|deepspeed'
+    python -m tools.bench_pipeline --profile          # where mp_toolkit's (and DeepSpeed's) time goes, per rank
+    python -m tools.bench_pipeline --side-by-side 3   # issue 23: three runs of our defaults against DeepSpeed's
                                                       # defaults and every torch schedule (~10 min a run, 2 cores)
+    python -m tools.bench_pipeline --side-by-side 3 --control   # and the control row (below)
 
-Prints a table and, last, one JSON line. Nothing else should run on the machine meanwhile.
+The control row, "mpt control", is our defaults' run (same schedule, chunks and cut) with what the
+peers' rows run: torch's AdamW (foreach) on glibc's default heap, so that beside it the rows "as mpt
+train" show what fused AdamW and the kept heap add, and the rest is the engine.
+
+Prints the machine header first (`tools.report`), then a table and, last, one JSON line. Nothing
+else should run on the machine meanwhile.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import statistics
 import sys
 import tempfile
 import time
-from importlib.metadata import version
+from itertools import combinations
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from peers import Workload  # noqa: E402
-from side_by_side import side_by_side  # noqa: E402
-from ranks import RunError, run_ranks  # noqa: E402
+from mp_toolkit.layers import LayerList
+from mp_toolkit.partition.cost import layer_costs, model_shape
+from mp_toolkit.run.cut import plan_boundaries
+from tools import pipeline_profile
+from tools.peers import Workload, build_gpt, run_peer
+from tools.predict import predict, resolve_run, workload_config
+from tools.ranks import RunError
+from tools.report import header, json_line
+from tools.side_by_side import CONTROL, side_by_side
 
 FIRST_LOSS_TOL = 1e-5  # the first loss depends only on the weights and the batch: every peer's is the same
+AS_TRAIN = {"optimizer": "mpt", "keep_freed_memory": True}
+"""What ``mpt train`` adds to an engine run: fused AdamW (`peers.optimizer`) and the heap that keeps
+freed pages (`peers.train`); a spec without them steps torch's AdamW (foreach) on glibc's default heap."""
 
 
 def planner_cut(w: Workload, method: str, chunks: int = 1) -> list[int]:
     """The planner's cut into ``pp * chunks`` stages: ``method="time"`` measures each layer here
     with ``w.threads`` threads (~20 s); ``"flops"`` counts matrix FLOPs (only their ratios matter,
     so no GEMM is timed)."""
-    from mp_toolkit.partition.planner import PlanRequest, make_plan
-
     torch.set_num_threads(w.threads)
     with tempfile.TemporaryDirectory() as d:
-        path = Path(d, "config.json")
-        path.write_text(json.dumps(w.gpt_config().to_dict()))
-        plan = make_plan(PlanRequest(model=str(path), pp=w.pp, micro_batch=w.micro_batch, microbatches=w.microbatches,
-                                     seq_len=w.seq_len, method=method, precision=w.precision, optimizer="adamw",
-                                     schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks,
-                                     tflops=1.0 if method == "flops" else None))
+        cfg = workload_config(w, Path(d), schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks)
+        plan = predict(cfg, method=method, tflops=1.0 if method == "flops" else None, load=True)
     return list(plan.boundaries)
 
 
-def default_schedule_of(w: Workload) -> tuple[str, int]:
-    """The schedule and model chunks per rank ``mpt train`` runs on this workload when none is named
-    (`run.recompute_plan.default_schedule`)."""
-    from mp_toolkit.run.config import TrainConfig
-    from mp_toolkit.run.recompute_plan import default_schedule
-
+def defaults_of(w: Workload) -> tuple[str, int, list[int]]:
+    """The schedule, model chunks per rank and cut ``mpt train`` runs on this workload when no schedule
+    is named: its run plan (`mp_toolkit.run.plan.resolve_run`)."""
     with tempfile.TemporaryDirectory() as d:
-        path = Path(d, "config.json")
-        path.write_text(json.dumps(w.gpt_config().to_dict()))
-        cfg, _ = default_schedule(TrainConfig(model=str(path), pp=w.pp, microbatches=w.microbatches,
-                                              micro_batch=w.micro_batch, seq_len=w.seq_len, optimizer="adamw",
-                                              precision=w.precision, threads=w.threads))
-    return cfg.schedule, cfg.chunks
+        run = resolve_run(workload_config(w, Path(d)), schedule_named=False, device=torch.device("cpu"))
+    return run.cfg.schedule, run.cfg.chunks, list(run.boundaries)
 
 
 def default_cut(w: Workload, chunks: int = 1) -> list[int]:
-    from mp_toolkit.layers import LayerList
-    from mp_toolkit.run.cut import plan_boundaries
-    from peers import build_gpt
-
     with torch.device("meta"):
         layers = LayerList.from_model(build_gpt(w))
     return plan_boundaries(layers, w.pp, "parameters", chunks)
@@ -123,14 +118,9 @@ def v_cut(w: Workload) -> list[int]:
     DualPipeV): the one whose busiest rank has the fewest FLOPs (`mp_toolkit.partition.cost.layer_costs`),
     then the smallest largest stage; the chunk min-max cut (`planner_cut(w, "flops", 2)`) balances stages,
     not ranks, and under a V leaves the middle ranks the heaviest."""
-    from itertools import combinations
-
-    from mp_toolkit.partition.cost import layer_costs, model_shape
-
     with tempfile.TemporaryDirectory() as d:
-        path = Path(d, "config.json")
-        path.write_text(json.dumps(w.gpt_config().to_dict()))
-        costs = [c.flops_fwd + c.flops_bwd for c in layer_costs(model_shape(str(path)), w.micro_batch, w.seq_len)]
+        shape = model_shape(workload_config(w, Path(d)).model)
+        costs = [c.flops_fwd + c.flops_bwd for c in layer_costs(shape, w.micro_batch, w.seq_len)]
     n, k = len(costs), 2 * w.pp
 
     def score(cut: tuple[int, ...]) -> tuple[float, float]:
@@ -144,19 +134,25 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
               vcut: list[int]) -> list[tuple[str, dict, int]]:
     """(label, spec, processes) of every run, in the order a round visits them. ``tcut``: the
     planner's time cut (None: no time-cut runs); ``fcut``: its FLOPs cut (``mpt train``'s default
-    partition), ``fcut2`` into 2 chunks per rank, ``vcut`` for a V placement (`v_cut`). Rows "as mpt train" (and "mpt defaults") run as
-    ``mpt train`` does (`as_train`); every other row steps the same torch AdamW (foreach) on glibc's
+    partition), ``fcut2`` into 2 chunks per rank, ``vcut`` for a V placement (`v_cut`). Rows "as mpt
+    train" (and "mpt defaults") run as ``mpt train`` does (`AS_TRAIN`); every other row, the control
+    row (`CONTROL`: our defaults' run) among them, steps the same torch AdamW (foreach) on glibc's
     default heap, so those compare engines alone. "deepspeed uniform, heap kept" and "single
     process, heap kept" give DeepSpeed and the single process the heap ``mpt train`` keeps."""
     pcut = default_cut(w)
-    schedule, chunks = default_schedule_of(w)  # the planner's pick, as `mpt train` without --schedule takes it
-    runs = [(f"mpt defaults ({schedule}{f' x{chunks}' if chunks > 1 else ''}, flops cut, fused AdamW)",
-             {"peer": "mpt", "schedule": schedule, "chunks": chunks, **as_train(planner_cut(w, "flops", chunks) if chunks > 1 else fcut)}, w.pp),
-            ("mpt 1F1B flops cut, as mpt train", {"peer": "mpt", "schedule": "1f1b", **as_train(fcut)}, w.pp),
-            ("mpt ZBH1 flops cut, as mpt train", {"peer": "mpt", "schedule": "zbh1", **as_train(fcut)}, w.pp),
-            ("mpt ZBDrain flops cut, as mpt train", {"peer": "mpt", "schedule": "zbdrain", **as_train(fcut)}, w.pp),
+    schedule, chunks, cut = defaults_of(w)  # as `mpt train` without --schedule runs it
+    defaults = {"peer": "mpt", "schedule": schedule, "chunks": chunks, "boundaries": cut}
+    named = f"{schedule}{f' x{chunks}' if chunks > 1 else ''}"
+    runs = [(f"mpt defaults ({named}, flops cut, fused AdamW)", {**defaults, **AS_TRAIN}, w.pp),
+            (f"{CONTROL} ({named}, foreach AdamW, glibc heap)", defaults, w.pp),
+            ("mpt 1F1B flops cut, as mpt train", {"peer": "mpt", "schedule": "1f1b", "boundaries": fcut, **AS_TRAIN},
+             w.pp),
+            ("mpt ZBH1 flops cut, as mpt train", {"peer": "mpt", "schedule": "zbh1", "boundaries": fcut, **AS_TRAIN},
+             w.pp),
+            ("mpt ZBDrain flops cut, as mpt train",
+             {"peer": "mpt", "schedule": "zbdrain", "boundaries": fcut, **AS_TRAIN}, w.pp),
             ("mpt Interleaved1F1B x2 flops cut, as mpt train",
-             {"peer": "mpt", "schedule": "interleaved", "chunks": 2, **as_train(fcut2)}, w.pp),
+             {"peer": "mpt", "schedule": "interleaved", "chunks": 2, "boundaries": fcut2, **AS_TRAIN}, w.pp),
             ("mpt 1F1B", {"peer": "mpt", "schedule": "1f1b"}, w.pp),
             ("mpt GPipe", {"peer": "mpt", "schedule": "gpipe"}, w.pp),
             ("mpt ZBH1", {"peer": "mpt", "schedule": "zbh1"}, w.pp),
@@ -185,11 +181,6 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
     runs += [("single process (T1)", {"peer": "single"}, 1),
              ("single process, heap kept", {"peer": "single", "keep_freed_memory": True}, 1)]
     return runs
-
-
-def as_train(boundaries: list[int]) -> dict:
-    """What ``mpt train`` adds to an engine run: fused AdamW and the heap that keeps freed pages."""
-    return {"boundaries": boundaries, "optimizer": "mpt", "keep_freed_memory": True}
 
 
 def summarise(results: list[dict], warmup: int) -> dict:
@@ -232,13 +223,13 @@ def print_table(table: list[dict], w: Workload, t1: float, bound: float) -> None
           f"{w.microbatches} micro-batches of {w.micro_batch}, pp {w.pp}, {w.threads} thread/rank, AdamW, "
           f"{w.precision}, no clipping; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print(f"T1 (single process) {t1:,.0f} tokens/s; 1F1B bound 2*T1*m/(m+p-1) = {bound:,.0f} tokens/s")
-    print(f"{'peer':48s} {'cut':>13s} {'tokens/s':>9s} {'step ms':>8s} {'runs (ms)':>17s} {'best mpt/x':>10s} "
+    print(f"{'peer':56s} {'cut':>13s} {'tokens/s':>9s} {'step ms':>8s} {'runs (ms)':>17s} {'best mpt/x':>10s} "
           f"{'eff.':>6s} {'CPU ms/step':>12s}")
     for r in table:
         runs = "/".join(f"{m:.0f}" for m in r["run_median_ms"])
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "  -"
         cpu = "/".join(f"{c:.0f}" for c in r["cpu_ms_per_rank"])
-        print(f"{r['label']:48s} {str(r['boundaries']).replace(' ', ''):>13s} {r['tokens_per_s']:9.0f} "
+        print(f"{r['label']:56s} {str(r['boundaries']).replace(' ', ''):>13s} {r['tokens_per_s']:9.0f} "
               f"{r['step_ms']:8.0f} {runs:>17s} {r['best_mpt_ratio']:10.2f} {eff:>6s} {cpu:>12s}")
     print("runs: each run's median step; best mpt/x: the best mp_toolkit row's tokens/s over this row's; eff.: "
           "tokens/s over the 1F1B bound (of the single process on the same heap); CPU ms/step: process CPU time per step of each rank (work, not waiting: "
@@ -261,7 +252,7 @@ def bench(args, w: Workload) -> dict:
             full = {**spec, "workload": w.__dict__, "warmup": args.warmup, "steps": args.steps}
             t = time.perf_counter()
             try:
-                s = summarise(run_ranks(full, nprocs, timeout_s=args.timeout, threads=w.threads), args.warmup)
+                s = summarise(run_peer(full, nprocs, timeout_s=args.timeout, threads=w.threads), args.warmup)
             except RunError as e:
                 errors[label] = str(e)
                 print(f"round {rnd + 1} {label}: FAILED\n{e}", flush=True)
@@ -328,27 +319,24 @@ def main() -> None:
     ap.add_argument("--side-by-side", type=int, default=0, metavar="N",
                     help="issue 23: N separate runs of our defaults, 1F1B, DeepSpeed's defaults and torch's "
                          "schedules, and a table of the ratios per run (implies --no-time-cut)")
+    ap.add_argument("--control", action="store_true",
+                    help="with --side-by-side: also the control row, our defaults with the peers' foreach AdamW "
+                         "on the default heap")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise SystemExit("--steps and --rounds must be at least 1, --warmup at least 0")
+    head = header("bench_pipeline")
     w = Workload(precision=args.precision, threads=args.threads)
     if args.side_by_side:
         args.no_time_cut = True
-        result = side_by_side(args, w, args.side_by_side, bench)
-        bench_name = "pipeline_side_by_side"
+        mode, result = "side_by_side", side_by_side(args, w, args.side_by_side, bench)
     elif args.profile:
-        import pipeline_profile
-
-        result = pipeline_profile.run(args, w, default_cut(w), None if args.no_time_cut else planner_cut(w, "time"))
-        bench_name = "pipeline_profile"
+        tcut = None if args.no_time_cut else planner_cut(w, "time")
+        mode, result = "profile", pipeline_profile.run(args, w, default_cut(w), tcut)
     else:
-        result = bench(args, w)
-        bench_name = "pipeline"
-    machine = {"nproc": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-               "torch": torch.__version__, "deepspeed": version("deepspeed"), "load_avg": os.getloadavg()[0]}
-    print(json.dumps({"bench": bench_name, "date": time.strftime("%Y-%m-%d"), "machine": machine,
-                      "workload": w.__dict__, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-                      **result}))
+        mode, result = "table", bench(args, w)
+    json_line("bench_pipeline", head, mode=mode, workload=w.__dict__, rounds=args.rounds, steps=args.steps,
+              warmup=args.warmup, **result)
     if result.get("check") is not None and not result["check"]["ok"]:
         sys.exit(1)
 

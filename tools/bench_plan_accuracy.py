@@ -7,11 +7,12 @@ first two) and each rank's peak resident memory above its pre-model baseline. Th
 with a large vocabulary, the uniform, parameters and time cuts are trained side by side and
 their measured tokens/s compared.
 
-    python tools/bench_plan_accuracy.py            # prints two tables and a JSON line
-    python tools/bench_plan_accuracy.py --quick    # fewer steps, for a smoke run
-    python tools/bench_plan_accuracy.py --only accuracy --rows v8192   # the issue-8 workload's rows
+    python -m tools.bench_plan_accuracy            # prints two tables and a JSON line
+    python -m tools.bench_plan_accuracy --quick    # fewer steps, for a smoke run
+    python -m tools.bench_plan_accuracy --only accuracy --rows v8192   # the issue-8 workload's rows
 
-Nothing else should run on the machine meanwhile (two ranks use both cores here).
+Prints the machine header (`tools.report`) first. Nothing else should run on the machine meanwhile
+(two ranks use both cores here).
 """
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import json
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from tools.predict import model_file
+from tools.ranks import mpt
+from tools.report import header, json_line
 
 WORKLOAD_8192 = {"model_type": "gpt2", "vocab_size": 8192, "n_embd": 256, "n_layer": 8, "n_head": 8,
                  "n_positions": 128}
@@ -43,15 +46,6 @@ ACCURACY = [
     ("8x256 v8192 zbh1", "workload", "zbh1", 4, 8, 128),
     ("8x256 v8192 zbdrain", "workload", "zbdrain", 4, 8, 128),
 ]
-
-
-def mpt(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    r = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *args], capture_output=True, text=True, env=env,
-                       timeout=900)
-    if r.returncode != 0:
-        raise SystemExit(f"mpt {' '.join(args)} failed:\n{r.stderr[-2000:]}")
-    return r
 
 
 def common(model: str, schedule: str, mb: int, m: int, seq: int) -> list[str]:
@@ -145,13 +139,13 @@ def main() -> None:
     ap.add_argument("--only", choices=("accuracy", "win"), help="run one of the two parts")
     ap.add_argument("--rows", default="", help="regex over the accuracy rows' labels (e.g. 'v8192')")
     args = ap.parse_args()
+    head = header("bench_plan_accuracy")
     steps = 4 if args.quick else 10
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        (tmp / "workload").mkdir()
-        (tmp / "workload" / "config.json").write_text(json.dumps(WORKLOAD_8192))
-        (tmp / "large").mkdir()
-        (tmp / "large" / "config.json").write_text(json.dumps(LARGE_VOCAB))
+        for name, config in (("workload", WORKLOAD_8192), ("large", LARGE_VOCAB)):
+            (tmp / name).mkdir()
+            model_file(config, tmp / name)
         os.chdir(tmp)  # "workload" and "large" resolve as model directories
         acc = win = None
         if args.only != "win":
@@ -160,7 +154,7 @@ def main() -> None:
         if args.only != "accuracy":
             print("\nthe cut that wins: GPT 8 x 256, vocabulary 16384, 8 micro-batches of 4 x 128, 1F1B")
             win = winning_cut(tmp, steps)
-    print(json.dumps({"bench": "plan_accuracy", "nproc": os.cpu_count(), "accuracy": acc, "winning_cut": win}))
+    json_line("bench_plan_accuracy", head, accuracy=acc, winning_cut=win)
 
 
 if __name__ == "__main__":

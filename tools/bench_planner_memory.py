@@ -1,12 +1,13 @@
 """The planner's kept bytes per layer family against what autograd keeps, at a small shape on this CPU.
 
-    .venv/bin/python tools/bench_planner_memory.py [--seq 128] [--batch 2] [--hidden 256]
+    .venv/bin/python -m tools.bench_planner_memory [--seq 128] [--batch 2] [--hidden 256]
 
 For each family (model_zoo GPT and BERT; transformers' GPT-2, BERT, Llama, Mistral, Qwen2 built from
 their own modules), each dtype and dropout 0 / 0.1 where the family has dropout, one block is run on
 its real input in training mode and its saved tensors counted with `saved_tensors_hooks` (one count
 per storage, parameters excluded: `mp_toolkit.partition.measure.measure_layers`); the table gives
-that against `mp_toolkit.partition.cost.layer_costs`. Prints a table, then one JSON line.
+that against `mp_toolkit.partition.cost.layer_costs`. Prints the machine header (`tools.report`), a
+table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.partition.cost import layer_costs, shape_from_hf_config
 from mp_toolkit.partition.measure import measure_layers
+from tools.report import header, json_line
 
 VOCAB = 1000
 
@@ -73,6 +75,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--dtypes", default="fp32,bf16")
     args = ap.parse_args()
+    head = header("bench_planner_memory")
     torch.set_num_threads(1)
     rows = []
     print(f"{'family':18s} {'dropout':>7s} {'dtype':5s} {'measured MiB':>12s} {'planned MiB':>11s} {'planned/measured':>16s}")
@@ -81,7 +84,7 @@ def main() -> None:
             m, planned = block_bytes(build, dtype, args.batch, args.seq)
             rows.append(dict(family=label, dropout=p, dtype=dtype, measured=m, planned=planned))
             print(f"{label:18s} {p:7.1f} {dtype:5s} {m / 2**20:12.3f} {planned / 2**20:11.3f} {planned / m:16.3f}")
-    print(json.dumps(dict(batch=args.batch, seq=args.seq, hidden=args.hidden, rows=rows)))
+    json_line("bench_planner_memory", head, batch=args.batch, seq=args.seq, hidden=args.hidden, rows=rows)
 
 
 if __name__ == "__main__":

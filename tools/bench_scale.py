@@ -16,24 +16,22 @@ ranks share one machine, so the per-rank peak is what pipeline parallelism divid
 depths and widths; ``--verify`` trains the largest found at each pp for 2 steps and reports the
 measured per-rank peak.
 
-    python tools/bench_scale.py --runs gpt2-medium:1,2,4,8:1 --precision fp32
-    python tools/bench_scale.py --runs gpt2-large:8:1 gpt2-large:1:1 --largest --verify
-    python tools/bench_scale.py --hf-dir gpt2-large:4
+    python -m tools.bench_scale --runs gpt2-medium:1,2,4,8:1 --precision fp32
+    python -m tools.bench_scale --runs gpt2-large:8:1 gpt2-large:1:1 --largest --verify
+    python -m tools.bench_scale --hf-dir gpt2-large:4
 
 ``--hf-dir MODEL:PP`` writes an HF GPT2LMHeadModel directory shaped like the preset (random weights,
 written tensor by tensor into 1 GB safetensors shards with their index, as large models are
 published), trains it with ``mpt train --hf DIR`` at that pp, and compares each rank's peak with
 the directory's weight bytes.
 
-Prints a table and, last, one JSON line. Nothing here is timed; the runs are slow on 2 cores.
+Prints the machine header (`tools.report`), a table and, last, one JSON line. Nothing here is
+timed; the runs are slow on 2 cores.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -43,7 +41,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from model_zoo import gpt
 from mp_toolkit.hf.export import HFTarget, write_hf_dir
 from mp_toolkit.hf.safetensors_out import parse_size
-from mp_toolkit.partition.planner import PlanRequest, make_plan
+from tools.predict import model_file, predict, rank_bytes, train_config
+from tools.ranks import mpt
+from tools.report import header, json_line
 
 GIB = 2**30
 MIB = 2**20
@@ -51,10 +51,8 @@ WORKLOAD = dict(micro_batch=1, microbatches=8, seq_len=128, optimizer="adamw")
 
 
 def plan(model: str, pp: int, tp: int, precision: str):
-    """`mpt plan`'s cut and per-stage bytes for the workload (no timing: tflops given)."""
-    return make_plan(PlanRequest(model=model, pp=pp, tp=tp, method="flops", precision=precision, tflops=1.0,
-                                 micro_batch=WORKLOAD["micro_batch"], microbatches=WORKLOAD["microbatches"],
-                                 seq_len=WORKLOAD["seq_len"], optimizer=WORKLOAD["optimizer"], load=False))
+    """`mpt plan`'s cut and per-stage bytes for the workload (no timing: FLOPs at a nominal rate)."""
+    return predict(train_config(model, pp=pp, tp=tp, precision=precision, **WORKLOAD), method="flops")
 
 
 def train(model: str, pp: int, tp: int, precision: str, boundaries: list[int] | str, out: Path, timeout: float,
@@ -62,28 +60,18 @@ def train(model: str, pp: int, tp: int, precision: str, boundaries: list[int] | 
     """One `mpt train` run of 2 steps on that cut: its last metrics row (per-rank memory figures)."""
     metrics = out / f"{Path(model).stem}-pp{pp}-tp{tp}-{precision}.jsonl"
     cut = boundaries if isinstance(boundaries, str) else ",".join(map(str, boundaries))
-    cmd = [sys.executable, "-m", "mp_toolkit.cli", "train", source, model, "--pp", str(pp), "--tp", str(tp),
-           "--partition", cut, "--precision", precision, "--optimizer", "adamw",
-           "--micro-batch", "1", "--seq-len", "128", "--microbatches", "8", "--steps", "2", "--data", "synthetic",
-           "--threads", "1", "--no-progress", "--metrics", str(metrics), "--timeout", str(int(timeout))]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}\n{r.stderr[-2000:]}")
+    mpt("train", source, model, "--pp", str(pp), "--tp", str(tp), "--partition", cut, "--precision", precision,
+        "--optimizer", WORKLOAD["optimizer"], "--micro-batch", str(WORKLOAD["micro_batch"]),
+        "--seq-len", str(WORKLOAD["seq_len"]), "--microbatches", str(WORKLOAD["microbatches"]), "--steps", "2",
+        "--data", "synthetic", "--threads", "1", "--no-progress", "--metrics", str(metrics),
+        "--timeout", str(int(timeout)), timeout_s=timeout)
     return json.loads(metrics.read_text().splitlines()[-1])
-
-
-def per_rank_prediction(p, pp: int, tp: int) -> list[int]:
-    """Predicted bytes of each global rank (pipeline rank major, as the grid orders ranks)."""
-    stage = [0] * pp
-    for s in p.stages:
-        stage[s.index % pp] += s.memory_bytes
-    return [stage[r // tp] for r in range(pp * tp)]
 
 
 def run_row(model: str, pp: int, tp: int, precision: str, out: Path, timeout: float) -> dict:
     p = plan(model, pp, tp, precision)
     row = train(model, pp, tp, precision, p.boundaries, out, timeout)
-    predicted = per_rank_prediction(p, pp, tp)
+    predicted = rank_bytes(p, pp, tp)
     return {"model": model, "pp": pp, "tp": tp, "precision": precision, "boundaries": p.boundaries,
             "params": sum(s.params for s in p.stages), "predicted_bytes": predicted,
             "peak_memory_bytes": row["peak_memory_bytes"], "peak_rss_bytes": row["peak_rss_bytes"],
@@ -126,10 +114,8 @@ def hf_run(preset: str, pp: int, precision: str, out: Path, timeout: float) -> d
 
 
 def config_file(n_layer: int, n_embd: int, folder: Path) -> str:
-    path = folder / f"gpt-{n_layer}x{n_embd}.json"
-    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257, "n_positions": 128, "n_embd": n_embd,
-                                "n_layer": n_layer, "n_head": n_embd // 64}))
-    return str(path)
+    return model_file({"model_type": "gpt2", "vocab_size": 50257, "n_positions": 128, "n_embd": n_embd,
+                       "n_layer": n_layer, "n_head": n_embd // 64}, folder, f"gpt-{n_layer}x{n_embd}.json")
 
 
 def largest(pp: int, cap: int, baseline: int, folder: Path, precision: str) -> dict:
@@ -141,7 +127,7 @@ def largest(pp: int, cap: int, baseline: int, folder: Path, precision: str) -> d
                 continue
             model = config_file(n_layer, n_embd, folder)
             p = plan(model, pp, 1, precision)
-            need = baseline + max(per_rank_prediction(p, pp, 1))
+            need = baseline + max(rank_bytes(p, pp))
             params = sum(s.params for s in p.stages)
             if need <= cap and (best is None or params > best["params"]):
                 best = {"pp": pp, "model": model, "n_layer": n_layer, "n_embd": n_embd, "params": params,
@@ -160,6 +146,7 @@ def main() -> None:
     ap.add_argument("--hf-dir", metavar="MODEL:PP", help="train an HF directory shaped like MODEL at PP (see above)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
     args = ap.parse_args()
+    head = header("bench_scale")
     out = Path(tempfile.mkdtemp(prefix="bench_scale-"))
     rows, fits = [], []
     for spec in args.runs:
@@ -195,7 +182,7 @@ def main() -> None:
               f"{[round(x, 2) for x in hf['rss_over_weights']]} x the weights; built and loaded, before the first "
               f"step: {[round(b / MIB) for b in hf['peak_load_rss_bytes']]} MiB = "
               f"{[round(x, 2) for x in hf['load_over_weights']]} x", flush=True)
-    print(json.dumps({"runs": rows, "largest": fits, "cap_gib": args.cap_gib, "hf_dir": hf}))
+    json_line("bench_scale", head, runs=rows, largest=fits, cap_gib=args.cap_gib, hf_dir=hf)
 
 
 if __name__ == "__main__":

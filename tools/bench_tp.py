@@ -8,28 +8,31 @@ compared with the analytic volume of Shoeybi et al. 2019: two all-reduces of the
 activations in the forward (after the attention and MLP row-parallel projections) and two in the
 backward (the gradients entering the column-parallel QKV and MLP inputs).
 
-    python tools/bench_tp.py [--width 256 --heads 8 --batch 4 --seq 128 --steps 10]
+    python -m tools.bench_tp [--width 256 --heads 8 --batch 4 --seq 128 --steps 10]
+
+Prints the machine header (`tools.report`), the figures and, last, one JSON line.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import torch
+import torch.distributed as dist
+
+from model_zoo.gpt import GPTBlock, GPTConfig
+from mp_toolkit.layers import LayerList
+from mp_toolkit.parallel.context import build_context
+from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel
+from mp_toolkit.run.launch import init_distributed, launcher_env
+from tools.ranks import run_ranks
+from tools.report import header, json_line
 
 BLOCK_PLAN = {"attn.qkv": "qkv", "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
 
 
-def _block(width: int, heads: int):
-    import torch
-
-    from model_zoo.gpt import GPTBlock, GPTConfig
-    from mp_toolkit.layers import LayerList
-
+def _block(width: int, heads: int) -> LayerList:
     torch.manual_seed(0)
     return LayerList([("h.0", GPTBlock(GPTConfig(vocab_size=64, n_embd=width, n_head=heads)))])
 
@@ -46,17 +49,15 @@ def _time_block(layers, x, steps: int) -> list[float]:
     return times[2:]
 
 
-def tp2_worker(rank: int, world: int, width: int, heads: int, batch: int, seq: int, steps: int):
-    import torch
-    import torch.distributed as dist
-
-    from mp_toolkit.parallel.context import build_context
-    from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel
-
-    ctx = build_context(pp=1, tp=world)
-    layers = apply_tensor_parallel(_block(width, heads), ctx, BLOCK_PLAN)
+def tp2_rank(spec: dict) -> dict:
+    """One of the two TP ranks (`tools.ranks.run_ranks`): the block sharded over both, one counted step
+    (every all-reduce it issues, on the way through ``torch.distributed.all_reduce``), then timed ones."""
+    init_distributed(launcher_env(), spec["timeout_s"] / 2)
+    torch.set_num_threads(1)
+    ctx = build_context(pp=1, tp=dist.get_world_size())
+    layers = apply_tensor_parallel(_block(spec["width"], spec["heads"]), ctx, BLOCK_PLAN)
     torch.manual_seed(1)
-    x = torch.randn(batch, seq, width)
+    x = torch.randn(spec["batch"], spec["seq"], spec["width"])
     calls: list[int] = []
     original = dist.all_reduce
 
@@ -67,12 +68,9 @@ def tp2_worker(rank: int, world: int, width: int, heads: int, batch: int, seq: i
     dist.all_reduce = counting
     try:
         layers(x.detach().requires_grad_(True)).sum().backward()  # one counted step
-        per_step = list(calls)
-        dist.all_reduce = original
-        times = _time_block(layers, x, steps)
     finally:
         dist.all_reduce = original
-    return {"times": times, "allreduce_bytes": per_step}
+    return {"times": _time_block(layers, x, spec["steps"]), "allreduce_bytes": calls}
 
 
 def main() -> None:
@@ -84,17 +82,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3, help="TP=1 / TP=2 alternations")
     a = ap.parse_args()
-
-    import torch
-
-    from dist_harness import run_world
-
+    head = header("bench_tp")
     torch.set_num_threads(1)
     one, two, sent = [], [], None
     x = torch.randn(a.batch, a.seq, a.width)
     for _ in range(a.rounds):
         one += _time_block(_block(a.width, a.heads), x, a.steps)
-        result = run_world(tp2_worker, 2, a.width, a.heads, a.batch, a.seq, a.steps, timeout_s=300)
+        spec = {"width": a.width, "heads": a.heads, "batch": a.batch, "seq": a.seq, "steps": a.steps}
+        result = run_ranks("tools.bench_tp:tp2_rank", spec, 2, timeout_s=300)
         two += result[0]["times"]
         sent = result[0]["allreduce_bytes"]
     t1, t2 = statistics.median(one) * 1e3, statistics.median(two) * 1e3
@@ -105,9 +100,9 @@ def main() -> None:
     print(f"all-reduces per step: {len(sent)} of {[b // 1024 for b in sent]} KiB "
           f"(analytic: 4 of {activation // 1024} KiB = {sum(analytic) / 2**20:.2f} MiB; measured "
           f"{sum(sent) / 2**20:.2f} MiB); ring traffic per rank {sum(sent) * 2 * (2 - 1) / 2 / 2**20:.2f} MiB")
-    print(json.dumps({"bench": "tp", "width": a.width, "heads": a.heads, "batch": a.batch, "seq": a.seq,
-                      "tp1_ms": t1, "tp2_ms": t2, "speedup": t1 / t2, "allreduce_bytes": sent,
-                      "analytic_bytes": analytic, "matches_analytic": sorted(sent) == sorted(analytic)}))
+    json_line("bench_tp", head, width=a.width, heads=a.heads, batch=a.batch, seq=a.seq, tp1_ms=t1, tp2_ms=t2,
+              speedup=t1 / t2, allreduce_bytes=sent, analytic_bytes=analytic,
+              matches_analytic=sorted(sent) == sorted(analytic))
 
 
 if __name__ == "__main__":

@@ -4,32 +4,28 @@ For each shape, `mpt train` runs twice on 2 gloo ranks (pp=1, dp=2, one thread e
 synthetic data): ``--zero 0`` and ``--zero 1``. Each rank reports its peak resident memory of the
 steady-state steps above its post-import baseline (`mpt train`'s ``peak_memory_bytes``: model,
 gradients, optimizer state, activations), with large blocks mapped one by one
-(``MALLOC_MMAP_THRESHOLD_=65536``, as tools/bench_plan_accuracy.py measures memory) so RSS follows
+(``MALLOC_MMAP_THRESHOLD_=65536``, as `tools.bench_plan_accuracy` measures memory) so RSS follows
 the live tensors; the step time is the median ``step_time_s`` of steps 2..N. The prediction is
 `make_plan(PlanRequest(..., zero=...))`'s stage memory (static bytes per parameter from
 `bytes_per_param(..., zero_dp=dp)` plus activations) and its step time (FLOPs at a GEMM rate
 measured here, the dp all-reduce at --p2p-gbps).
 
-    python tools/bench_zero.py                     # ~3 minutes on 2 quiet cores
-    python tools/bench_zero.py --shapes gpt-small-cpu --steps 4
+    python -m tools.bench_zero                     # ~3 minutes on 2 quiet cores
+    python -m tools.bench_zero --shapes gpt-small-cpu --steps 4
 
-Prints a table and, last, one JSON line.
+Prints the machine header (`tools.report`), a table and, last, one JSON line.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from mp_toolkit.partition.planner import PlanRequest, make_plan  # noqa: E402
+from tools.predict import model_file, predict, train_config
+from tools.ranks import mpt
+from tools.report import header, json_line
 
 MIB = 2**20
 WIDE = {"model_type": "gpt2", "vocab_size": 8192, "n_positions": 256, "n_embd": 512, "n_layer": 8, "n_head": 8}
@@ -40,9 +36,7 @@ def shapes(tmp: Path, names: list[str]) -> dict[str, str]:
     out = {}
     for name in names:
         if name == "gpt-512x8":
-            path = tmp / "gpt-512x8.json"
-            path.write_text(json.dumps(WIDE))
-            out[name] = str(path)
+            out[name] = model_file(WIDE, tmp, "gpt-512x8.json")
         else:
             out[name] = name
     return out
@@ -50,23 +44,20 @@ def shapes(tmp: Path, names: list[str]) -> dict[str, str]:
 
 def run(model: str, zero: int, args, tmp: Path) -> dict:
     metrics = tmp / f"m-{zero}-{abs(hash(model))}.jsonl"
-    cmd = [sys.executable, "-m", "mp_toolkit.cli", "train", "--model", model, "--pp", "1", "--dp", "2",
-           "--zero", str(zero), "--threads", "1", "--data", "synthetic", "--micro-batch", str(args.micro_batch),
-           "--microbatches", str(args.microbatches), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-           "--optimizer", "adamw", "--no-progress", "--metrics", str(metrics)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}")
+    mpt("train", "--model", model, "--pp", "1", "--dp", "2", "--zero", str(zero), "--threads", "1",
+        "--data", "synthetic", "--micro-batch", str(args.micro_batch), "--microbatches", str(args.microbatches),
+        "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--optimizer", "adamw", "--no-progress",
+        "--metrics", str(metrics), env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout_s=1800)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {"peak_mib": [b / MIB for b in rows[-1]["peak_memory_bytes"]],
             "step_ms": 1e3 * statistics.median(r["step_time_s"] for r in rows[1:])}
 
 
-def predict(model: str, zero: int, args) -> dict:
-    plan = make_plan(PlanRequest(model=model, pp=1, dp=2, micro_batch=args.micro_batch, microbatches=args.microbatches,
-                                 seq_len=args.seq_len, method="parameters", optimizer="adamw", zero=zero,
-                                 threads=1))
+def prediction(model: str, zero: int, args) -> dict:
+    """``mpt plan --pp 1 --dp 2 [--zero 1]``: the "parameters" cut, a GEMM timed here on one thread."""
+    cfg = train_config(model, pp=1, dp=2, zero=zero, micro_batch=args.micro_batch, microbatches=args.microbatches,
+                       seq_len=args.seq_len, optimizer="adamw", threads=1)
+    plan = predict(cfg, method="parameters", tflops=None, load=True, threads=1)
     return {"peak_mib": plan.stages[0].memory_bytes / MIB, "step_ms": plan.step_time_ms,
             "params": plan.stages[0].params}
 
@@ -79,12 +70,13 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=6)
     args = p.parse_args()
+    head = header("bench_zero")
     results = []
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         for name, model in shapes(tmp, args.shapes).items():
             for zero in (0, 1):
-                got, want = run(model, zero, args, tmp), predict(model, zero, args)
+                got, want = run(model, zero, args, tmp), prediction(model, zero, args)
                 results.append({"shape": name, "zero": zero, **{f"measured_{k}": v for k, v in got.items()},
                                 **{f"predicted_{k}": v for k, v in want.items()}})
     print(f"{'shape':<14} {'zero':>4} {'params':>8} {'peak MiB rank 0/1':>18} {'predicted MiB':>13} "
@@ -93,8 +85,8 @@ def main() -> None:
         peaks = "/".join(f"{x:.0f}" for x in r["measured_peak_mib"])
         print(f"{r['shape']:<14} {r['zero']:>4} {r['predicted_params'] / 1e6:>7.1f}M {peaks:>18} "
               f"{r['predicted_peak_mib']:>13.0f} {r['measured_step_ms']:>8.0f} {r['predicted_step_ms']:>12.0f}")
-    print(json.dumps({"bench": "zero", "micro_batch": args.micro_batch, "microbatches": args.microbatches,
-                      "seq_len": args.seq_len, "results": results}))
+    json_line("bench_zero", head, micro_batch=args.micro_batch, microbatches=args.microbatches, seq_len=args.seq_len,
+              results=results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Chaos run: SIGKILL random ranks of a 2-rank `mpt train --restarts N` job and measure the recoveries.
 
-    python tools/chaos.py --kills 3                      # gpt-tiny, pp 2, 60 steps saved every 5
-    python tools/chaos.py --kills 5 --steps 120 --save-every 10 --seed 7 --json runs/chaos.json
+    python -m tools.chaos --kills 3                      # gpt-tiny, pp 2, 60 steps saved every 5
+    python -m tools.chaos --kills 5 --steps 120 --save-every 10 --seed 7 --json runs/chaos.json
 
 1. an uninterrupted reference run of the same command;
 2. the chaos run with ``--restarts`` (kills + 1): ``--kills`` times, at a random step (uniform over
@@ -13,8 +13,8 @@
 4. every tensor (parameters and optimizer state) of both final checkpoints, read with
    `mp_toolkit.checkpoint.open_checkpoint`, compared bit for bit, and the per-step losses.
 
-Prints a table, then one JSON line (also written to --json). Results with date and machine go into
-RELIABILITY.md. Not imported by the library.
+Prints the machine header (`tools.report`), a table, then one JSON line (also written to --json).
+Results with date and machine go into RELIABILITY.md. Not imported by the library.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import signal
 import statistics
@@ -37,6 +36,8 @@ import torch
 
 from mp_toolkit.checkpoint import open_checkpoint
 from mp_toolkit.run.spawn import rank_of
+from tools.ranks import RunError, mpt, mpt_argv
+from tools.report import header, json_line
 
 
 def train_args(a: argparse.Namespace, root: Path) -> list[str]:
@@ -94,10 +95,10 @@ class Lines(threading.Thread):
 
 def run_reference(a, root: Path) -> float:
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *train_args(a, root)], capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=a.timeout)
-    if r.returncode != 0:
-        sys.exit(f"chaos: the reference run failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+    try:
+        mpt(*train_args(a, root), timeout_s=a.timeout)
+    except RunError as e:
+        sys.exit(f"chaos: the reference run failed: {str(e)[-500:]}")
     return time.time() - t0
 
 
@@ -155,12 +156,6 @@ def compare(ref: Path, got: Path) -> dict:
             "final_steps": [a.step, b.step], "losses_equal": losses_equal}
 
 
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor() or "?")
-    return f"{os.cpu_count()} cores ({model}), torch {torch.__version__}, {platform.platform()}"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=3)
@@ -173,12 +168,13 @@ def main() -> int:
     p.add_argument("--work-dir", type=Path, default=None, help="default: a temporary directory")
     a = p.parse_args()
     a.restarts = a.kills + 1
+    head = header("chaos")
     rng = random.Random(a.seed)
     work = a.work_dir or Path(tempfile.mkdtemp(prefix="mpt-chaos-"))
     ref, got = work / "reference", work / "chaos"
     print(f"chaos: work dir {work}; reference run ...", flush=True)
     ref_s = run_reference(a, ref)
-    cmd = [sys.executable, "-m", "mp_toolkit.cli", *train_args(a, got), "--restarts", str(a.restarts)]
+    cmd = mpt_argv(*train_args(a, got), "--restarts", str(a.restarts))
     t0 = time.time()
     job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -195,8 +191,7 @@ def main() -> int:
             job.wait()
     err.join(timeout=5)
     chaos_s = time.time() - t0
-    result = {"tool": "chaos", "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
-              "steps": a.steps, "save_every": a.save_every, "seed": a.seed, "exit_code": code,
+    result = {"model": a.model, "steps": a.steps, "save_every": a.save_every, "seed": a.seed, "exit_code": code,
               "recoveries": len(kills) if code == 0 else 0,
               "kills": kills, "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1),
               **compare(ref, got)}
@@ -207,11 +202,7 @@ def main() -> int:
     print(f"exit {code}; {result['recoveries']} of {a.kills} recovered; final tensors differing: "
           f"{result['tensors_differing']} of {result['tensors']} (max abs diff {result['max_abs_diff']:g}); "
           f"losses equal: {result['losses_equal']}; reference {ref_s:.1f} s, chaos run {chaos_s:.1f} s")
-    line = json.dumps(result)
-    print(line)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(line + "\n")
+    json_line("chaos", head, path=a.json, **result)
     return 0 if code == 0 and result["tensors_differing"] == 0 else 1
 
 

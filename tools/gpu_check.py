@@ -18,26 +18,25 @@ Sections, in order (each records its own error and the run goes on):
 6. ``lamb``: our LAMB step on GPT-2-medium-shaped fp32 tensors against the copy bandwidth measured
    here (an exact LAMB step moves 28 bytes per parameter; tools/bench_optim.py's bound).
 
-    python tools/gpu_check.py --out runs/gpu_check          # on a GPU machine (tools/gpu_check.sh sets up)
-    python tools/gpu_check.py --dry-run --out /tmp/gc       # the same code paths on CPU, tiny sizes, seconds
+    python -m tools.gpu_check --out runs/gpu_check          # on a GPU machine (tools/gpu_check.sh sets up)
+    python -m tools.gpu_check --dry-run --out /tmp/gc       # the same code paths on CPU, tiny sizes, seconds
 
-Writes ``OUT/gpu_check.json`` and ``OUT/gpu_check.txt`` (a short summary); exits 1 when a check failed.
+Prints the machine header (`tools.report`) first; writes ``OUT/gpu_check.txt`` (a short summary,
+printed too) and ``OUT/gpu_check.json`` (the report as one JSON line, printed last); exits 1 when a
+check failed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
-import pickle
 import platform
 import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -51,7 +50,9 @@ from mp_toolkit.optim.lamb import LAMB
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.partition import uniform
 from mp_toolkit.partition.memstats import DeviceMemory
-from mp_toolkit.run.launch import device_and_backend, free_port
+from mp_toolkit.run.launch import init_distributed, launcher_env
+from tools.ranks import run_ranks
+from tools.report import header, json_line
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # Dense (no sparsity) tensor-core peaks from NVIDIA's data sheets; fp32 is the non-tensor-core rate.
@@ -206,54 +207,27 @@ def reference_run(cfg: GPTConfig, data, device: torch.device) -> dict:
     return {"params": params, "losses": losses}
 
 
-def _pp_rank(rank: int, world: int, port: int, cfg, data, device_type: str, results) -> None:
-    try:
-        # cuBLAS picks reproducible reductions only with a fixed workspace (torch's reproducibility notes)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUBLAS_WORKSPACE_CONFIG=":4096:8")
-        torch.set_num_threads(1)
-        gpus = torch.cuda.device_count() if device_type == "cuda" else 0
-        device, backend = device_and_backend(rank, world, gpus)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        torch.use_deterministic_algorithms(True, warn_only=True)  # the same kernels for the same shapes
-        out = engine_run(cfg, data, device, "fp32", pp=world)
-        if rank == 0:  # the reference runs in a rank's own process, as in tests/oracle_workers.py
-            out["reference"] = reference_run(cfg, data, device)
-        results.put((rank, True, pickle.dumps({**out, "backend": backend, "device": str(device)})))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def pp_rank(spec: dict) -> dict:
+    """One rank of `pipeline_on_device` (`tools.ranks.run_ranks`): `engine_run` at pp = the world size,
+    and on rank 0 the one-process reference too (in a rank's own process, as in tests/oracle_workers.py)."""
+    torch.set_num_threads(1)
+    env = launcher_env()
+    device = init_distributed(env, spec["timeout_s"] / 2)  # NCCL where each rank has a GPU, else gloo
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the same kernels for the same shapes
+    cfg, data = GPTConfig(**spec["config"]), batches(GPTConfig(**spec["config"]), *spec["batch"])
+    out = engine_run(cfg, data, device, "fp32", pp=env.world_size)
+    if env.rank == 0:
+        out["reference"] = reference_run(cfg, data, device)
+    return {**out, "backend": dist.get_backend(), "device": str(device)}
 
 
-def pipeline_on_device(cfg: GPTConfig, data, device: torch.device, world: int = 2) -> list[dict]:
-    """`engine_run` at pp=``world`` on ``world`` spawned ranks sharing ``device``'s GPUs; each rank's result."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_pp_rank, args=(r, world, port, cfg, data, device.type, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got, errors = {}, []
-    try:
-        for _ in range(world):
-            rank, ok, value = results.get(timeout=300)
-            if not ok:
-                errors.append(f"rank {rank}: {value}")
-                break
-            got[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [got[r] for r in range(world)]
+def pipeline_on_device(cfg: GPTConfig, batch: tuple[int, ...], device: torch.device, world: int = 2) -> list[dict]:
+    """`engine_run` at pp=``world`` on ``world`` ranks sharing ``device``'s GPUs (none for the CPU) on
+    `batches` ``(cfg, *batch)``; each rank's result."""
+    # cuBLAS picks reproducible reductions only with a fixed workspace (torch's reproducibility notes)
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **({"CUDA_VISIBLE_DEVICES": ""} if device.type == "cpu" else {})}
+    return run_ranks("tools.gpu_check:pp_rank", {"config": asdict(cfg), "batch": list(batch)}, world,
+                     timeout_s=300, env=env)
 
 
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -265,8 +239,7 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def oracle_section(device: torch.device, sizes: Sizes) -> dict:
     """pp=2 on two ranks sharing ``device`` against one process on it, fp32: bitwise (invariant 1)."""
-    cfg = sizes.oracle
-    ranks = pipeline_on_device(cfg, batches(cfg, *sizes.oracle_batch), device)
+    ranks = pipeline_on_device(sizes.oracle, sizes.oracle_batch, device)
     ref = ranks[0]["reference"]
     pp_params = {n: p for r in ranks for n, p in r["params"].items()}
     unequal = sorted(n for n, p in pp_params.items() if not torch.equal(p, ref["params"][n]))
@@ -402,7 +375,7 @@ def run(args) -> dict:
     sizes = Sizes.for_run(args.dry_run)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"check": "gpu_check", "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    report: dict = {"dry_run": args.dry_run}
     report["device"] = device_section(device)
     peaks = report["device"].get("peak_tflops")
     sections = {
@@ -428,9 +401,9 @@ def run(args) -> dict:
     return report
 
 
-def summary(report: dict) -> str:
+def summary(report: dict, head: dict) -> str:
     d = report["device"]
-    lines = [f"gpu_check {'(dry run, CPU) ' if report['dry_run'] else ''}{report['date']}: {d['name']}, "
+    lines = [f"gpu_check {'(dry run, CPU) ' if report['dry_run'] else ''}{head['date']}: {d['name']}, "
              f"torch {d['torch']} (CUDA {d['cuda']}); peak {d.get('peak_tflops')} TFLOP/s ({d.get('peak_source')})"]
     if "memory" in report and "peak_rise_mib" in report["memory"]:
         m = report["memory"]
@@ -469,11 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, choices=SECTIONS, help="sections to run (default: all)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     args = ap.parse_args(argv)
+    head = header("gpu_check")
     report = run(args)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    text = summary(report)
+    text = summary(report, head)
     (args.out / "gpu_check.txt").write_text(text)
     print(text, end="")
+    json_line("gpu_check", head, path=args.out / "gpu_check.json", **report)
     return 0 if report["ok"] else 1
 
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The one GPU check (issue 23), from a clean checkout, in at most ~8 minutes on one GPU.
 #
-#   tools/gpu_check.sh                 # on a GPU machine: set up, run tools/gpu_check.py, write OUT
+#   tools/gpu_check.sh                 # on a GPU machine: set up, run python -m tools.gpu_check, write OUT
 #   tools/gpu_check.sh --dry-run       # the same code paths on CPU at tiny sizes (about a minute)
 #
 # Writes $OUT_DIR/gpu_check.json and $OUT_DIR/gpu_check.txt (tools/gpu_check.py says what each
 # section checks) and the CUDA test of the memory adapter (tests/test_device_memory.py). Exits
-# non-zero when a check failed.
+# non-zero when a check failed. Runs from the repository root (where `-m tools.gpu_check` resolves).
 #
 # Setup. The venv is $VENV. Where the machine's python already imports a CUDA build of torch, the
 # venv sees it (--system-site-packages) and nothing is downloaded; otherwise $TORCH_SPEC is
@@ -60,7 +60,7 @@ PY="$VENV/bin/python"
 echo "setup: $(( $(date +%s) - start )) s"
 
 status=0
-timeout "$CHECK_TIMEOUT_S" "$PY" tools/gpu_check.py $DRY --out "$OUT_DIR" || status=$?
+timeout "$CHECK_TIMEOUT_S" "$PY" -m tools.gpu_check $DRY --out "$OUT_DIR" || status=$?
 "$PY" -m pytest -q -p no:cacheprovider tests/test_device_memory.py 2>&1 | tail -3 | tee "$OUT_DIR/test_device_memory.txt" \
     || status=1
 echo "gpu_check.sh: $(( $(date +%s) - start )) s in all, exit $status; $OUT_DIR/gpu_check.json"

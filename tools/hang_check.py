@@ -1,7 +1,7 @@
 """Hung-rank check: SIGSTOP one rank of a 2-rank `mpt train` job, N times, and time the detection.
 
-    python tools/hang_check.py --runs 20 --hang-timeout 10          # gpt-tiny, pp 2, mpt's launcher
-    python tools/hang_check.py --runs 3 --hang-timeout 60 --json runs/hang.json
+    python -m tools.hang_check --runs 20 --hang-timeout 10          # gpt-tiny, pp 2, mpt's launcher
+    python -m tools.hang_check --runs 3 --hang-timeout 60 --json runs/hang.json
 
 Each run starts `mpt train` (its own launcher; heartbeats on), waits until the metrics file has a
 random number (2-6) of rows, then SIGSTOPs a random rank from here (a frozen process: its heartbeat
@@ -11,8 +11,9 @@ threads stop too). It records, from the SIGSTOP:
 - ``ranks_gone_s``: both ranks' processes gone (the stopped one SIGKILLed by the rank that named it);
 - ``stopped_s``: the launcher gone too (exit 4 expected; its interpreter's exit included).
 
-Prints one row per run and min / median / max, then one JSON line (also written to --json). Results
-with date and machine go into RELIABILITY.md. Not imported by the library.
+Prints the machine header (`tools.report`), one row per run and min / median / max, then one JSON
+line (the summary; --json writes it with every run's row). Results with date and machine go into
+RELIABILITY.md. Not imported by the library.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos import machine, rank_pids  # tools/ is this script's directory
+from tools.chaos import rank_pids
+from tools.ranks import mpt_argv
+from tools.report import header, json_line
 
 
 def alive(pid: int) -> bool:
@@ -42,9 +45,9 @@ def alive(pid: int) -> bool:
 def one_run(a: argparse.Namespace, rng: random.Random, tmp: Path) -> dict:
     metrics, err = tmp / "m.jsonl", tmp / "err.txt"
     metrics.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "mp_toolkit.cli", "train", "--model", "gpt-tiny", "--data", "synthetic", "--pp", "2",
-           "--micro-batch", "2", "--seq-len", "16", "--microbatches", "3", "--threads", "1", "--no-progress",
-           "--steps", "100000", "--hang-timeout", str(a.hang_timeout), "--metrics", str(metrics)]
+    cmd = mpt_argv("train", "--model", "gpt-tiny", "--data", "synthetic", "--pp", "2", "--micro-batch", "2",
+                   "--seq-len", "16", "--microbatches", "3", "--threads", "1", "--no-progress", "--steps", "100000",
+                   "--hang-timeout", str(a.hang_timeout), "--metrics", str(metrics))
     with open(err, "w") as e:
         job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=e, start_new_session=True,
                                env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -87,6 +90,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
+    head = header("hang_check")
     rng = random.Random(a.seed)
     results = []
     with tempfile.TemporaryDirectory() as d:
@@ -97,8 +101,7 @@ def main() -> int:
                   f"(right rank: {r['right_rank']}), both ranks gone after {r['ranks_gone_s'] or float('nan'):.2f} s, "
                   f"the launcher too after {r['stopped_s']:.2f} s, "
                   f"exit {r['exit']}", flush=True)
-    summary = {"runs": a.runs, "hang_timeout_s": a.hang_timeout, "machine": machine(),
-               "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+    summary = {"runs": a.runs, "hang_timeout_s": a.hang_timeout,
                "all_named_right": all(r["right_rank"] for r in results),
                "exits": sorted({r["exit"] for r in results}, key=str)}
     for key in ("named_s", "ranks_gone_s", "stopped_s"):
@@ -106,9 +109,9 @@ def main() -> int:
         summary[key] = {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else None
         if values:
             print(f"{key}: min {min(values):.2f} s, median {statistics.median(values):.2f} s, max {max(values):.2f} s")
-    print(json.dumps(summary))
+    json_line("hang_check", head, **summary)
     if a.json is not None:
-        a.json.write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
+        a.json.write_text(json.dumps({"summary": {**summary, "machine": head}, "runs": results}, indent=1))
     return 0 if summary["all_named_right"] else 1
 
 

@@ -1,7 +1,7 @@
 """Peak bytes a rank's pipeline executor holds for its stage outputs between forward and backward:
 the storage of every stored output plus every send buffer still in flight (which shares an output's
 storage until its send is waited for), each storage counted once. What ``free_sent_outputs``
-(`mp_toolkit.engine.free_sent`) saves, measured by ``tools/bench_memory.py --compare-free-sent``.
+(`mp_toolkit.engine.free_sent`) saves, measured by ``python -m tools.bench_memory --compare-free-sent``.
 
 Sampled after every action the executor runs (each compute handler and each batch of comm
 actions), so a peak between two actions is seen. Not imported by the library.

@@ -1,4 +1,4 @@
-"""The peers of ``tools/bench_pipeline.py`` and ``tools/bench_memory.py``: one GPT workload trained by
+"""The peers of `tools.bench_pipeline` and `tools.bench_memory`: one GPT workload trained by
 
 * ``mpt``:       mp_toolkit's PipelineEngine (any schedule, any cut);
 * ``deepspeed``: DeepSpeed's ``PipelineModule`` + ``deepspeed.initialize`` -> ``PipelineEngine.train_batch``;
@@ -14,28 +14,35 @@ peer computes in bf16, accumulates the micro-batch gradients in bf16 and steps f
 weights (DeepSpeed's BF16_Optimizer, which ZeRO stage 0 + pipeline selects; our MasterWeights;
 `Fp32Masters` below for the torch and single peers).
 
-One process per rank, started by ``tools/ranks.py``; each writes ``rank{R}.json`` (step times,
-losses, parameter count, boundaries, and memory or profile figures when asked)::
+One process per rank, started by `run_peer` (`tools.ranks.run_ranks`); `train` returns each rank's
+step times, losses, parameter count, boundaries, and memory or profile figures when asked::
 
-    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python tools/peers.py '{"peer": "mpt", ...}'
+    run_peer({"peer": "mpt", "schedule": "1f1b", "workload": {...}, "warmup": 2, "steps": 5}, nprocs=2)
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
 
 from model_zoo.gpt import GPT, GPTConfig, lm_loss
+from mp_toolkit.engine.pipeline import PipelineEngine
+from mp_toolkit.layers import LayerList
+from mp_toolkit.optim.factory import build_optimizer
+from mp_toolkit.parallel.context import build_context
 from mp_toolkit.partition import memstats
+from mp_toolkit.recompute import StageRecompute, apply_recompute
+from mp_toolkit.run.cut import plan_boundaries
+from mp_toolkit.run.launch import init_distributed, launcher_env
+from tools.held_outputs import HeldOutputs
+from tools.profiler import Profiler
+from tools.ranks import run_ranks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -96,8 +103,6 @@ def optimizer(w: Workload, spec: dict, named) -> torch.optim.Optimizer:
     """The peers' shared torch AdamW (foreach), or with ``spec["optimizer"] == "mpt"`` the one
     ``mpt train --optimizer adamw`` builds (`build_optimizer`: torch's fused AdamW kernel)."""
     if spec.get("optimizer") == "mpt":
-        from mp_toolkit.optim.factory import build_optimizer
-
         return build_optimizer("adamw", list(named), w.lr, w.weight_decay)
     return adamw(w, (p for _, p in named))
 
@@ -138,20 +143,12 @@ class MptPeer:
     """mp_toolkit's PipelineEngine; boundaries from the spec or our default ("parameters")."""
 
     def __init__(self, w: Workload, spec: dict):
-        from mp_toolkit.engine.pipeline import PipelineEngine
-        from mp_toolkit.run.launch import init_distributed, launcher_env
-        from mp_toolkit.layers import LayerList
-        from mp_toolkit.parallel.context import build_context
-        from mp_toolkit.run.cut import plan_boundaries
-
         device = init_distributed(launcher_env(), _timeout(spec).total_seconds())
         ctx = build_context(w.pp, device=device)
         chunks = spec.get("chunks", 1)
         layers = LayerList.from_model(build_gpt(w))
         self.boundaries = spec.get("boundaries") or plan_boundaries(layers, w.pp, "parameters", chunks)
         if spec.get("recompute"):  # [[mode, layers or None], ...] per stage (`mp_toolkit.recompute`)
-            from mp_toolkit.recompute import StageRecompute, apply_recompute
-
             apply_recompute(layers, self.boundaries, [StageRecompute(m, n) for m, n in spec["recompute"]])
         self.engine = PipelineEngine(layers, ctx, self.boundaries, w.microbatches, spec["schedule"],
                                      optimizer=lambda named: optimizer(w, spec, named), loss_fn=lm_loss,
@@ -171,9 +168,9 @@ class DeepSpeedPeer:
     it, `mp_toolkit.ds.pipe`); DeepSpeed's own partition_method."""
 
     def __init__(self, w: Workload, spec: dict):
+        # DeepSpeed's import takes seconds and sets up its accelerator: only in this peer's processes
         from mp_toolkit.ds import pipe as ds_pipe
         from mp_toolkit.ds.engine import deepspeed_config
-        from mp_toolkit.layers import LayerList
 
         ds_pipe.init_deepspeed(torch.device("cpu"), _timeout(spec).total_seconds())
         module, named = ds_pipe.pipeline_module(LayerList.from_model(build_gpt(w)), w.pp, fp32_loss,
@@ -213,9 +210,8 @@ class TorchPipePeer:
     stage this rank holds), run by the torch schedule the spec names (`TORCH_SCHEDULES`)."""
 
     def __init__(self, w: Workload, spec: dict):
-        from torch.distributed import pipelining
-
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        env = launcher_env()
+        rank, world = env.rank, env.world_size
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_timeout(spec))
         layers = [m for _, m in build_gpt(w).named_layers()]
         self.boundaries = spec["boundaries"]
@@ -288,9 +284,7 @@ def train(spec: dict) -> dict:
     n_steps = spec["warmup"] + spec["steps"]
     profiler = None
     if spec.get("profile"):
-        import pipeline_profile
-
-        profiler = pipeline_profile.Profiler(spec)  # wraps our engine's functions before it is built
+        profiler = Profiler(spec)  # wraps our engine's functions before it is built
         n_steps += 1  # one more step under torch.profiler, not timed
     batches = [global_batch(w, i) for i in range(n_steps)]
     base = memstats.rss_bytes() if memory else 0
@@ -314,12 +308,10 @@ def train(spec: dict) -> dict:
             memstats.release_free_memory()
             memstats.reset_peak()
         if i == 0 and spec.get("held_outputs"):  # our executor exists from the first step on
-            from held_outputs import HeldOutputs
-
             held = HeldOutputs(peer.engine.executor, peer.engine.p2p)
     _barrier()
-    out = {"rank": int(os.environ.get("RANK", 0)), "times": times, "cpu_times": cpu, "losses": losses,
-           "params": peer.params, "dtype": peer.dtype, "boundaries": list(peer.boundaries),
+    out = {"rank": dist.get_rank() if dist.is_initialized() else 0, "times": times, "cpu_times": cpu,
+           "losses": losses, "params": peer.params, "dtype": peer.dtype, "boundaries": list(peer.boundaries),
            "threads": torch.get_num_threads(), "workload": asdict(w)}
     if memory:
         out["peak_bytes"] = memstats.peak_rss_bytes() - base
@@ -331,16 +323,10 @@ def train(spec: dict) -> dict:
     return out
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    try:
-        result = train(spec)
-        rank = result["rank"]
-        Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+PEER_ENV = {"DS_ACCELERATOR": "cpu"}
+"""Every peer runs on CPU: DeepSpeed would otherwise pick its accelerator from the machine."""
 
 
-if __name__ == "__main__":
-    main()
+def run_peer(spec: dict, nprocs: int, timeout_s: float = 600.0, threads: int = 1) -> list[dict]:
+    """`train` on ``nprocs`` ranks (`tools.ranks.run_ranks`); each rank's result in rank order."""
+    return run_ranks("tools.peers:train", spec, nprocs, timeout_s=timeout_s, threads=threads, env=PEER_ENV)

@@ -1,14 +1,19 @@
-"""``tools/bench_pipeline.py --side-by-side N`` (issue 23): N separate runs of our defaults, 1F1B, ZB-H1
-and interleaved as ``mpt train`` runs them, DeepSpeed's defaults and every torch.distributed.pipelining
+"""``python -m tools.bench_pipeline --side-by-side N`` (issue 23): N separate runs of our defaults, 1F1B,
+ZB-H1 and interleaved as ``mpt train`` runs them, DeepSpeed's defaults and every torch.distributed.pipelining
 schedule, and per run the ratios the issue sets goals for, beside the no-bubble ceiling of that run
 (`ceiling_ratios`): how far any schedule of any peer could go with the kernels the single process uses.
+
+Our rows run as ``mpt train`` does, with fused AdamW and the heap that keeps freed pages; the
+peers' rows step torch's AdamW (foreach) on glibc's default heap. ``--control`` adds the control
+row (`CONTROL`): our defaults' run with the peers' optimizer and heap, and per run
+its ratios over DeepSpeed and the best torch schedule.
 """
 from __future__ import annotations
 
 import os
 from typing import Callable
 
-from peers import Workload
+from tools.peers import Workload
 
 DEEPSPEED_GOAL, TORCH_GOAL, ONE_F_ONE_B_GOAL = 1.25, 1.1, 0.95
 """Issue 23 item 4: the defaults over DeepSpeed's defaults and over the best torch schedule, and 1F1B
@@ -17,6 +22,9 @@ SIDE_BY_SIDE = ("^(mpt defaults|mpt 1F1B flops cut, as mpt train|mpt ZBH1 flops 
                 "mpt Interleaved1F1B x2 flops cut, as mpt train|deepspeed parameters|torch |single process, heap kept)")
 """Issue 23's rows: our defaults, 1F1B, ZB-H1 and interleaved as mpt train runs them, DeepSpeed's defaults,
 every torch schedule (`peers.TORCH_SCHEDULES`, the several-stages-per-rank ones on our chunk cut or `v_cut`)."""
+CONTROL = "mpt control"
+"""The control row's label: our defaults' run (schedule, chunks, cut) stepping the peers' torch AdamW
+(foreach) on glibc's default heap, where our other rows run as ``mpt train`` does."""
 
 
 def ceiling_ratios(r: dict, w: Workload, ours: dict, ds: dict, torch_best: dict) -> dict:
@@ -42,12 +50,23 @@ def ceiling_ratios(r: dict, w: Workload, ours: dict, ds: dict, torch_best: dict)
             "ceiling_vs_torch_best": ceiling / torch_best["tokens_per_s"]}
 
 
+def control_ratios(rows: dict[str, dict], ds: dict, torch_best: dict) -> dict:
+    """The control row's tokens/s and its ratios over DeepSpeed's defaults and the best torch
+    schedule, where the run has it (``--control``); else nothing."""
+    control = next((row for label, row in rows.items() if label.startswith(CONTROL)), None)
+    if control is None:
+        return {}
+    return {"control": control["label"], "control_tokens_per_s": control["tokens_per_s"],
+            "control_vs_deepspeed": control["tokens_per_s"] / ds["tokens_per_s"],
+            "control_vs_torch_best": control["tokens_per_s"] / torch_best["tokens_per_s"]}
+
+
 def side_by_side(args, w: Workload, n: int, bench: Callable[..., dict]) -> dict:
     """``n`` separate runs of the issue-23 rows (each its own ``bench(args, w)``: `bench_pipeline.bench`),
     and per run the ratios the issue sets goals for (`DEEPSPEED_GOAL`, `TORCH_GOAL`, `ONE_F_ONE_B_GOAL`):
     defaults / DeepSpeed's defaults, defaults / the best torch row, and 1F1B as ``mpt train`` runs it
     against its bound on the same heap."""
-    args.only = SIDE_BY_SIDE
+    args.only = SIDE_BY_SIDE + (f"|^{CONTROL}" if args.control else "")
     runs = []
     for i in range(n):
         print(f"\n=== side-by-side run {i + 1} of {n} ===", flush=True)
@@ -64,7 +83,14 @@ def side_by_side(args, w: Workload, n: int, bench: Callable[..., dict]) -> dict:
                      "vs_torch_best": ours["tokens_per_s"] / torch_best["tokens_per_s"],
                      "one_f_one_b_efficiency": rows["mpt 1F1B flops cut, as mpt train"]["efficiency"],
                      "defaults_efficiency": ours["efficiency"], "load_avg": os.getloadavg()[0], "bench": r,
-                     **ceiling_ratios(r, w, ours, ds, torch_best)})
+                     **ceiling_ratios(r, w, ours, ds, torch_best), **control_ratios(rows, ds, torch_best)})
+    print_runs(runs)
+    checks = [r["bench"]["check"] for r in runs if r["bench"]["check"] is not None]
+    return {"side_by_side": runs, "check": {"ok": all(c["ok"] for c in checks)} if checks else None}
+
+
+def print_runs(runs: list[dict]) -> None:
+    """The side-by-side table (one row per run), each run's floors, and the control rows when run."""
     print(f"\n| run | defaults tokens/s | DeepSpeed defaults | best torch | defaults / DeepSpeed "
           f"(goal {DEEPSPEED_GOAL}) | defaults / torch (goal {TORCH_GOAL}) | 1F1B of its bound "
           f"(goal {ONE_F_ONE_B_GOAL}) | no-bubble ceiling | defaults / "
@@ -84,5 +110,12 @@ def side_by_side(args, w: Workload, n: int, bench: Callable[..., dict]) -> dict:
               f"{TORCH_GOAL}x "
               f"{r['torch_best']} one of {r['torch_goal_step_ms']:,.0f} ms; the least busy busiest rank of any "
               f"row works {r['least_busiest_rank_ms']:,.0f} ms a step ({r['least_busiest_rank_row']})")
-    checks = [r["bench"]["check"] for r in runs if r["bench"]["check"] is not None]
-    return {"side_by_side": runs, "check": {"ok": all(c["ok"] for c in checks)} if checks else None}
+    if any("control" in r for r in runs):
+        print("\ncontrol row: our defaults with the peers' optimizer and heap (torch's AdamW foreach, glibc's default "
+              "heap), beside the same run as mpt train runs it (fused AdamW, kept heap)")
+        print("| run | defaults as mpt train | control | control / DeepSpeed | control / best torch |\n"
+              "|---|---:|---:|---:|---:|")
+        for i, r in enumerate(runs, 1):
+            if "control" in r:
+                print(f"| {i} | {r['defaults_tokens_per_s']:,.0f} | {r['control_tokens_per_s']:,.0f} | "
+                      f"{r['control_vs_deepspeed']:.2f}x | {r['control_vs_torch_best']:.2f}x |")
