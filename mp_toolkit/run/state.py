@@ -42,7 +42,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from mp_toolkit.checkpoint import (
     CheckpointError, begin, capture_rng, commit, discard, latest_step, load_optimizer_state_by_name, open_checkpoint,
@@ -51,29 +50,16 @@ from mp_toolkit.checkpoint import (
 )
 from mp_toolkit.data.corpus import DataError
 from mp_toolkit.engine.interface import TrainEngine
+from mp_toolkit.errors import PeerFailed
 from mp_toolkit.optim.groups import is_tensor_parallel
+from mp_toolkit.parallel.agree import agree
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import full_shape, gather_full, shard_full
 from mp_toolkit.run.config import ConfigError, TrainConfig
-from mp_toolkit.errors import PeerFailed
 
 RUN_CONTROL = ("steps", "metrics", "plot", "progress", "threads", "timeout_s", "save_dir", "save_every", "keep",
                "resume", "cache_dir", "restarts", "max_skips", "overwrite")
 """TrainConfig fields that steer the run rather than the training: not reported as changed on resume."""
-
-
-def agree(error: Exception | None, ctx: ParallelContext) -> None:
-    """A barrier that also agrees on failure: when any rank passes an error, every rank raises. The
-    lowest failing rank raises its own error (so one line is printed), the others `PeerFailed`."""
-    flag = torch.tensor([ctx.rank if error is not None else ctx.world_size], dtype=torch.int64, device=ctx.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    first = int(flag.item())
-    if first == ctx.world_size:
-        return
-    if first == ctx.rank:
-        raise error
-    raise PeerFailed(f"rank {first} failed")
 
 
 def _one_line(e: Exception, root) -> CheckpointError:
