@@ -1,6 +1,7 @@
 """Build the model a plan describes and measure its layers here (``mpt plan --method time``).
 
-GPT-2-family configs build `model_zoo.gpt.GPT`, BERT configs `model_zoo.bert.BertForPreTraining`;
+GPT-2-family configs build `model_zoo.gpt.GPT`, BERT configs `model_zoo.bert.BertForPreTraining`
+(their `mp_toolkit.arch.zoo` records give the model, its config and the batch it is measured on);
 the planner then uses the measured per-layer forward/backward medians and kept bytes, and one
 measured optimizer step shared out over the layers by parameter count. With ``--tp T`` the
 unsharded layers are measured and their times divided by T (ideal scaling of the sharded math).
@@ -11,7 +12,8 @@ from dataclasses import replace
 
 import torch
 
-from model_zoo import bert, gpt
+from mp_toolkit.arch.architectures import ARCHITECTURES
+from mp_toolkit.arch.zoo import zoo_family_on
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.master import PRECISIONS
@@ -19,39 +21,19 @@ from mp_toolkit.schedule import SPLIT_SCHEDULES
 
 from .contention import concurrent_load, default_threads, helpers_for
 from .cost import CostModelError, ModelShape
-from mp_toolkit.partition.memstats import DeviceMemory, release_free_memory, rss_bytes, warm_runtime
-
 from .measure import TIMED_MICROBATCHES, LayerTiming, measure_layers, measure_optimizer_step
-
-def batch_maker(model_type: str, config):
-    """``make_batch(b, s) -> (inputs, labels)`` of random tokens for a model_zoo GPT (``model_type``
-    "gpt2") or BERT ("bert") of ``config``, and the loss its last stage applies."""
-    if model_type == "gpt2":
-        def batch(b: int, s: int):
-            ids = torch.randint(0, config.vocab_size, (b, s + 1))
-            return ids[:, :-1], ids[:, 1:]
-
-        return batch, lambda logits, labels: gpt.lm_loss(logits.float(), labels)
-
-    def batch(b: int, s: int):
-        ids = torch.randint(0, config.vocab_size, (b, s))
-        inputs = (ids, torch.zeros_like(ids), torch.ones_like(ids))
-        mlm = torch.where(torch.rand(b, s) < 0.15, ids, torch.full_like(ids, -100))
-        return inputs, (mlm, torch.randint(0, 2, (b,)))
-
-    return batch, bert.pretraining_loss
+from .memstats import DeviceMemory, release_free_memory, rss_bytes, warm_runtime
 
 
 def build_layer_list(model: str, shape: ModelShape):
-    """(LayerList, make_batch(b, s) -> (inputs, labels), loss_fn) for a preset or config path."""
-    if shape.family == "gpt2":
-        config = gpt.PRESETS[model] if model in gpt.PRESETS else gpt.get_config(model)
-        return (LayerList.from_model(gpt.GPT(config)), *batch_maker("gpt2", config))
-    if shape.family == "bert":
-        config = bert.get_config(model)
-        return (LayerList.from_model(bert.BertForPreTraining(config)), *batch_maker("bert", config))
-    raise CostModelError(f"--method time measures GPT-2 and BERT models so far; {model} is a {shape.family} "
-                         f"model: use --method flops or memory (FLOP-based times)")
+    """(LayerList, make_batch(b, s) -> (inputs, labels), loss_fn) for a preset or config path: the
+    model_zoo model of the shape's architecture (`mp_toolkit.arch.zoo`) and its measurement batch."""
+    zoo = zoo_family_on(ARCHITECTURES[shape.family])
+    if zoo is None:
+        raise CostModelError(f"--method time measures GPT-2 and BERT models so far; {model} is a {shape.family} "
+                             f"model: use --method flops or memory (FLOP-based times)")
+    config = zoo.get_config(model)
+    return (LayerList.from_model(zoo.model_class(config)), *zoo.measure_batch(config))
 
 
 def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float], list[int], int, str]:

@@ -1,6 +1,7 @@
 """The cut ``mpt train --partition flops|time`` makes for the model being trained.
 
-* ``flops``: `cost.layer_costs` of the model's shape (GPT-2, BERT and Llama families), balanced
+* ``flops``: `cost.layer_costs` of the model's shape (GPT-2, BERT and Llama families: a model_zoo
+  config's `mp_toolkit.arch.zoo` record gives it, an HF config is read by its architecture), balanced
   as ``mpt plan --method flops`` balances them (`solvers.min_max` of forward + backward FLOPs of
   one micro-batch at tp=1), so both commands cut a model alike. Pure arithmetic: every rank
   computes the same boundaries.
@@ -14,17 +15,17 @@ import copy
 from dataclasses import dataclass
 
 import torch
-
 import torch.distributed as dist
+
+from mp_toolkit.arch.shape import ModelShape
+from mp_toolkit.arch.zoo import zoo_family_of
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
-from mp_toolkit.partition.build import batch_maker
 from mp_toolkit.partition.cost import CostModelError, layer_costs, shape_from_hf_config
 from mp_toolkit.partition.measure import TIMED_MICROBATCHES, measure_layers
 from mp_toolkit.partition.solvers import min_max
 from mp_toolkit.run.config import ConfigError, parse_boundaries
-from mp_toolkit.run.families import family_of_config
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class CutWorkload:
 
     config: object
     """The model's config: model_zoo's GPTConfig / BertConfig, or anything whose ``to_dict()`` is a
-    HuggingFace config dict (an HF model's config, `mp_toolkit.run.hf_source.HFSource`)."""
+    HuggingFace config dict (an HF model's config, `mp_toolkit.hf.model.HFSource`)."""
     micro_batch: int
     seq_len: int
     microbatches: int = 4
@@ -50,26 +51,33 @@ class CutWorkload:
 
 
 def config_of(model) -> object:
-    """A model's config: model_zoo models carry ``.config``, `mp_toolkit.run.hf_source.HFModel` wraps HF's ``.model``."""
+    """A model's config: model_zoo models carry ``.config``, `mp_toolkit.hf.model.HFModel` wraps HF's ``.model``."""
     return getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
 
 
-def _cost_config(config) -> tuple[bool, dict]:
-    """(whether a ``time`` cut can measure the model, its config as an HF config dict for the cost model)."""
-    family = family_of_config(config)
-    if family is not None and family.model_type is not None:
-        return True, {**config.to_dict(), "model_type": family.model_type}
+def cost_shape(config) -> ModelShape:
+    """The cost model's shape of the model of ``config``: its model_zoo record's, or read from its HF config dict."""
+    zoo = zoo_family_of(config)
+    if zoo is not None:
+        return zoo.shape(config)
+    try:
+        return shape_from_hf_config(_hf_config_dict(config), "the model's config")
+    except CostModelError as e:
+        raise PartitionError(f"{e}; use parameters or uniform") from None
+
+
+def _hf_config_dict(config) -> dict:
+    """``config.to_dict()``, an HF config dict; PartitionError for a config the cost model cannot read."""
     d = config.to_dict() if hasattr(config, "to_dict") else None
     if not isinstance(d, dict):
         raise PartitionError(f"the cost model cannot read a {type(config).__name__}: use parameters or uniform")
-    return False, d
+    return d
 
 
 def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_len: int) -> list[int]:
     """The boundaries of ``mpt plan --method flops`` for the model of ``config``."""
-    _, d = _cost_config(config)
     try:
-        costs = layer_costs(shape_from_hf_config(d, "the model's config"), micro_batch, seq_len)
+        costs = layer_costs(cost_shape(config), micro_batch, seq_len)
     except CostModelError as e:
         raise PartitionError(f"{e}; use parameters or uniform") from None
     if len(costs) != num_layers:
@@ -81,8 +89,9 @@ def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_le
 def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
     """Boundaries minimising the slowest stage's measured forward + backward; measured on global
     rank 0 and broadcast (see the module docstring)."""
-    measurable, d = _cost_config(work.config)
-    if not measurable:
+    zoo = zoo_family_of(work.config)
+    if zoo is None:
+        _hf_config_dict(work.config)  # a config the cost model cannot read says so first
         raise PartitionError("time measures model_zoo GPT and BERT models so far: use flops or parameters")
     ctx = work.ctx
     if ctx is None:  # a check before the ranks start: the layers are shapes only
@@ -90,7 +99,7 @@ def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
     shared = dist.is_initialized() and dist.get_world_size() > 1
     bounds = None
     if not shared or dist.get_rank() == 0:
-        bounds = min_max(_measured_layer_times(layer_list, d["model_type"], work), num_stages)
+        bounds = min_max(_measured_layer_times(layer_list, zoo.measure_batch, work), num_stages)
         print(f"--partition time: layers measured on this machine, cut {bounds}", flush=True)
     if shared:
         box = [bounds]
@@ -99,13 +108,13 @@ def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
     return bounds
 
 
-def _measured_layer_times(layer_list, model_type: str, work: CutWorkload) -> list[float]:
+def _measured_layer_times(layer_list, measure_batch, work: CutWorkload) -> list[float]:
     """Forward + backward seconds per layer of a copy of ``layer_list`` in the run's precision on
     its device; torch's random state is left as it was (every rank must draw the same data). A
     meta-built list (`mpt train` builds GPT and BERT on meta) is copied with random N(0, 0.02)
     values: measuring rank 0 holds the whole model for that moment, the one exception to
     DESIGN.md invariant 9 (``--partition flops`` needs no values)."""
-    batch, loss_fn = batch_maker(model_type, work.config)
+    batch, loss_fn = measure_batch(work.config)
     device = work.ctx.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
