@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from mp_toolkit.engine.pipeline import PipelineEngine
-from mp_toolkit.hf import (
-    apply_hf_tensor_parallel, causal_lm_loss, from_hf, hf_name_map, layer_state_dict, masked_lm_loss, pretraining_loss,
-)
+from mp_toolkit.hf.adapters import from_hf, hf_name_map
+from mp_toolkit.hf.common import layer_state_dict
+from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss
+from mp_toolkit.hf.tp_plans import apply_hf_tensor_parallel
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import gather_full, gather_vocab_parallel_logits
 from tests.floor import pair

@@ -239,7 +239,8 @@ def test_hf_loaded_checkpoint_goes_through_its_hf_config_or_config_flag(capsys, 
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     from mp_toolkit.checkpoint import split_by_layer
-    from mp_toolkit.hf import from_hf, layer_state_dict
+    from mp_toolkit.hf.adapters import from_hf
+    from mp_toolkit.hf.common import layer_state_dict
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)).eval()

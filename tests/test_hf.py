@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from mp_toolkit.checkpoint import save_checkpoint, split_by_layer
-from mp_toolkit.hf import (
-    SUPPORTED, UnsupportedModelError, apply_hf_tensor_parallel, causal_lm_loss, check_hf_tensor_parallel, export_hf, from_hf,
-    hf_name_map, layer_state_dict, pretraining_loss, shift_labels, to_hf_state_dict,
-)
-from mp_toolkit.hf.export_run import export_checkpoint
+from mp_toolkit.export.checkpoint import export_checkpoint
+from mp_toolkit.export.hf_dir import export_hf, to_hf_state_dict
+from mp_toolkit.hf.adapters import SUPPORTED, UnsupportedModelError, from_hf, hf_name_map
+from mp_toolkit.hf.common import layer_state_dict
+from mp_toolkit.hf.losses import causal_lm_loss, pretraining_loss, shift_labels
+from mp_toolkit.hf.tp_plans import apply_hf_tensor_parallel, check_hf_tensor_parallel
 from mp_toolkit.parallel.context import build_context
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within

@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mp_toolkit.hf import from_hf, layer_state_dict
+from mp_toolkit.hf.adapters import from_hf
+from mp_toolkit.hf.common import layer_state_dict
 from mp_toolkit.parallel.layouts import pad_dim
 from mp_toolkit.parallel.tensor_parallel import shard_full
 from mp_toolkit.run.config import ConfigError
@@ -85,7 +86,8 @@ def load_rank(rank, world, directories, pp, tp):
     from mp_toolkit.parallel.context import build_context
     from mp_toolkit.parallel.materialize import rank_layers
     from mp_toolkit.run.compose import own_layers
-    from mp_toolkit.run.hf_family import hf_tensor_parallel, resolve_hf
+    from mp_toolkit.run.families import resolve_hf
+    from mp_toolkit.run.hf_family import hf_tensor_parallel
 
     from mp_toolkit.hf import weights
 
@@ -136,7 +138,7 @@ def load_rank(rank, world, directories, pp, tp):
 
 def expected(directory):
     """(every parameter and buffer of from_pretrained's layer list by our name, HF names by our name)."""
-    from mp_toolkit.hf import hf_name_map
+    from mp_toolkit.hf.adapters import hf_name_map
 
     model = reference(directory)
     layers = from_hf(model)
@@ -213,7 +215,7 @@ def test_bf16_sharded_checkpoint_loads_as_from_pretrained_fp32(tmp_path):
     from mp_toolkit.layers import LayerList
     from mp_toolkit.parallel.context import build_context
     from mp_toolkit.run.compose import own_layers
-    from mp_toolkit.run.hf_family import resolve_hf
+    from mp_toolkit.run.families import resolve_hf
 
     d = shard(save(tmp_path / "bf16", "llama", torch.bfloat16), tmp_path / "bf16-sharded")
     model = resolve_hf(str(d)).build()
@@ -295,7 +297,7 @@ def test_a_missing_shard_a_wrong_shape_and_a_truncated_shard_are_one_line_exit_2
 
 def test_a_shard_damaged_after_the_check_fails_the_read_in_one_line(dirs, tmp_path):
     """On a rank (the file changed after validation): the read's error names the file and the tensor."""
-    from mp_toolkit.run.hf_family import resolve_hf
+    from mp_toolkit.run.families import resolve_hf
 
     d = Path(shutil.copytree(dirs["llama"][1], tmp_path / "late"))
     model = resolve_hf(str(d)).build()

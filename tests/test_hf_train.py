@@ -133,8 +133,8 @@ def test_resume_on_another_layout_and_export_the_checkpoint(tmp_path, corpus):
     the checkpoint's tensors bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    from mp_toolkit.hf import hf_name_map
-    from mp_toolkit.hf.export_run import export_checkpoint
+    from mp_toolkit.export.checkpoint import export_checkpoint
+    from mp_toolkit.hf.adapters import hf_name_map
 
     d = save_model(tmp_path / "llama", "llama", bpe_tokenizer(corpus))
     run = ["--hf", d, "--data", corpus, "--steps", "4"]

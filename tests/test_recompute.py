@@ -210,7 +210,7 @@ def test_hf_layers_recompute_full_bitwise_and_refuse_selective(name, tmp_path, c
     unsplit backward and under ZB-H1's split; ``selective`` is refused in one line, by the library and
     by `mpt train --hf`."""
     pytest.importorskip("transformers")
-    from mp_toolkit.hf import from_hf
+    from mp_toolkit.hf.adapters import from_hf
     from tests.hf_workers import causal_inputs, tiny_hf
 
     drop = {"gpt2": dict(resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1),

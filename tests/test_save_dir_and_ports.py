@@ -106,7 +106,8 @@ def test_export_reads_no_directory_a_manifest_names(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from mp_toolkit.checkpoint import split_by_layer
-    from mp_toolkit.hf import from_hf, layer_state_dict
+    from mp_toolkit.hf.adapters import from_hf
+    from mp_toolkit.hf.common import layer_state_dict
 
     model = GPT2LMHeadModel(GPT2Config(**{k: v for k, v in manifest["hf_config"].items() if k != "architectures"}))
     layers = from_hf(model)

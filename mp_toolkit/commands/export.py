@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from mp_toolkit.errors import CheckpointError, ConfigError
-from mp_toolkit.hf.export_run import export_run
+from mp_toolkit.export.checkpoint import export_run
 from mp_toolkit.run.config import TrainConfig
 
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from mp_toolkit.arch.architectures import Architecture, architecture_of_layers
 from mp_toolkit.hf.bert import bert_layers
 from mp_toolkit.hf.calling import HFLayerList
-from mp_toolkit.hf.common import tie_groups
+from mp_toolkit.hf.common import layer_state_dict, tie_groups
 from mp_toolkit.hf.gpt2 import gpt2_layers
-from mp_toolkit.hf.llama import FAMILIES as LLAMA_FAMILIES, llama_layers
+from mp_toolkit.hf.llama import FAMILIES as LLAMA_FAMILIES
+from mp_toolkit.hf.llama import llama_layers
 from mp_toolkit.layers import LayerList
 
 # HF class name -> adapter; also what `export_hf` can write.
@@ -63,11 +65,25 @@ def from_hf(model: nn.Module) -> HFLayerList:
     return HFLayerList.of(model, layers, tie_groups(layers))
 
 
-def model_type_of(layer_list: LayerList) -> str:
-    """The HF ``model_type`` of a LayerList `from_hf` built, "gpt2", "bert" or "llama" (the Llama family:
-    Mistral and Qwen2 too), read off its layer names; `tp_plans.TP_PLANS` is keyed by it."""
-    names = set(layer_list.names)
-    for model_type, marker in (("gpt2", "embed"), ("bert", "embeddings"), ("llama", "embed_tokens")):
-        if marker in names:
-            return model_type
-    raise ValueError(f"layer list {list(layer_list.names)[:4]}... was not built by from_hf")
+def architecture_of_list(layer_list: LayerList) -> Architecture:
+    """The architecture (`mp_toolkit.arch.architectures`: gpt2, bert or llama, the Llama family being
+    Mistral and Qwen2 too) of a LayerList `from_hf` built, read off its layer names."""
+    arch = architecture_of_layers(layer_list.names)
+    if arch is None:
+        raise ValueError(f"layer list {list(layer_list.names)[:4]}... was not built by from_hf")
+    return arch
+
+
+def hf_name_map(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """``{LayerList state key: (HF state key, ...)}`` for ``from_hf(model)``, matched by identity: a
+    LayerList tensor *is* an HF tensor (a tied weight has several keys), e.g. for GPT-2
+    ``h.0.block.attn.c_attn.weight -> transformer.h.0.attn.c_attn.weight``, ``embed.wte.weight ->
+    transformer.wte.weight, lm_head.weight``. Loading (`pretrained`) and writing (`mp_toolkit.export`) use it."""
+    hf_keys: dict[int, list[str]] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        hf_keys.setdefault(id(t), []).append(key)
+    ours = layer_state_dict(from_hf(model), keep_vars=True)
+    missing = [k for k, t in ours.items() if id(t) not in hf_keys]
+    if missing:  # cannot happen for a layer list from_hf built from this model
+        raise ValueError(f"LayerList tensors {missing[:3]} are not tensors of {type(model).__name__}")
+    return {k: tuple(hf_keys[id(t)]) for k, t in ours.items()}

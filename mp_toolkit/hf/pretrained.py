@@ -33,11 +33,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import transformers
 from torch import nn
 
-from mp_toolkit.hf.adapters import from_hf
+from mp_toolkit.hf.adapters import from_hf, hf_name_map
 from mp_toolkit.hf.common import layer_state_dict
-from mp_toolkit.hf.export import hf_name_map
+from mp_toolkit.hf.configs import load_config
+from mp_toolkit.hf.model import HFModel, HFSource
 from mp_toolkit.hf.weights import SafetensorsFiles, TensorEntry, WeightsError
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.tensor_parallel import shard_ranges
@@ -128,3 +130,24 @@ class PretrainedWeights:
         key, entry = self.source(name)
         dim, stride = layout.partition_dim, layout.partition_stride
         return self.files.read(key, dim, shard_ranges(entry.shape[dim], stride, tp_rank, tp, dim))
+
+
+def build_model(source: HFSource) -> HFModel:
+    """``--hf DIR``'s model: its skeleton (parameters on meta, buffers as ``__init__`` computes them; under
+    a meta default device, validate's plan, those too), its `from_hf` layer list and its
+    `PretrainedWeights`. The config is the source's: a BERT corpus's [PAD] replaces the saved
+    pad_token_id (the embedding's padding_idx)."""
+    with _default_dtype(torch.float32):  # the parameters' dtype, as from_pretrained(dtype=torch.float32)
+        model = skeleton(getattr(transformers, source.architecture), load_config(source.config))
+    return HFModel(model, PretrainedWeights(model, source.path), from_hf(model))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Floating tensors made inside default to ``dtype``."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

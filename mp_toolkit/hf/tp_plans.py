@@ -1,6 +1,7 @@
-"""Tensor-parallel plans for HF layer lists (data), and `apply_hf_tensor_parallel`, which applies one.
+"""`apply_hf_tensor_parallel`: an HF layer list split by its architecture's tensor-parallel plan.
 
-Plans use the format of `model_zoo.gpt.TP_PLAN` ({module path suffix: style}, matched against
+The plans are data in the architecture records (`mp_toolkit.arch.architectures`, ``hf_tp_plan``); they
+use the format of `model_zoo.gpt.TP_PLAN` ({module path suffix: style}, matched against
 "{layer name}.{module path}") and Megatron-LM's split (Shoeybi et al. 2019): each attention and
 MLP is a column -> row pair closed by one all-reduce; embedding and LM head split the vocab rows,
 padded to a multiple of 128 x tp (a tied pair stays one shard), so the last layer returns local
@@ -33,62 +34,26 @@ from __future__ import annotations
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from mp_toolkit.hf.adapters import model_type_of
+from mp_toolkit.arch.architectures import BY_MODEL_TYPE, architecture_of
+from mp_toolkit.hf.adapters import architecture_of_list
 from mp_toolkit.hf.conv1d_parallel import Conv1DColumnParallel, Conv1DRowParallel
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import VocabParallelLMHead, apply_tensor_parallel, check_tensor_parallel
 
-GPT2_TP_PLAN: dict[str, str] = {
-    "embed.wte": "vocab",
-    "attn.c_attn": "qkv",  # fused [q | k | v] columns: stride 3
-    "attn.c_proj": "row",
-    "mlp.c_fc": "column",
-    "mlp.c_proj": "row",
-    "lm_head": "vocab",    # tied to wte by default: the same vocab shard
-}
-
-LLAMA_TP_PLAN: dict[str, str] = {
-    "embed_tokens.embed_tokens": "vocab",
-    "self_attn.q_proj": "column",
-    "self_attn.k_proj": "column",
-    "self_attn.v_proj": "column",
-    "self_attn.o_proj": "row",
-    "mlp.gate_proj": "column",
-    "mlp.up_proj": "column",
-    "mlp.down_proj": "row",
-    "lm_head": "vocab",
-}
-
-BERT_TP_PLAN: dict[str, str] = {
-    "embeddings.word_embeddings": "vocab",
-    "attention.self.query": "column",
-    "attention.self.key": "column",
-    "attention.self.value": "column",
-    "output.dense": "row",  # attention.output.dense and the feed-forward's output.dense
-    "intermediate.dense": "column",
-    "predictions.decoder": "vocab",  # tied to the word embedding: the same vocab shard, its bias split alike
-}
-
-TP_PLANS = {"gpt2": GPT2_TP_PLAN, "llama": LLAMA_TP_PLAN, "bert": BERT_TP_PLAN}
-
 
 def check_hf_tensor_parallel(config, tp: int) -> None:
-    """Raise ValueError (one line) unless ``tp`` divides every size the plan of ``config`` splits."""
-    if config.model_type == "gpt2":
-        check_tensor_parallel(tp, n_head=config.n_head, hidden=config.n_embd, inner=config.n_inner or 4 * config.n_embd)
-        return
-    if config.model_type == "bert":
-        check_tensor_parallel(tp, n_head=config.num_attention_heads, hidden=config.hidden_size,
-                              inner=config.intermediate_size)
-        return
-    if config.model_type not in ("llama", "mistral", "qwen2"):
+    """Raise ValueError (one line) unless ``tp`` divides every size the plan of ``config`` (an HF
+    config) splits: its architecture's (`Architecture.tp_sizes`), and whole key/value heads."""
+    arch = architecture_of(config.model_type)
+    if arch is None:
         raise ValueError(f"no tensor-parallel plan for model_type {config.model_type!r}: plans exist for "
-                         "gpt2, llama, mistral, qwen2, bert")
-    check_tensor_parallel(tp, n_head=config.num_attention_heads, inner=config.intermediate_size)
-    kv = config.num_key_value_heads or config.num_attention_heads
+                         f"{', '.join(BY_MODEL_TYPE)}")
+    shape = arch.read(config.to_dict(), config.model_type, True)
+    check_tensor_parallel(tp, **arch.tp_sizes(shape))
+    kv = shape.kvh
     if kv % tp:
-        ok = [d for d in range(1, kv + 1) if kv % d == 0 and config.num_attention_heads % d == 0]
+        ok = [d for d in range(1, kv + 1) if kv % d == 0 and shape.heads % d == 0]
         raise ValueError(f"--tp {tp} does not divide num_key_value_heads={kv}: grouped-query attention splits "
                          f"whole k/v heads over the ranks; choose --tp in {ok}")
 
@@ -140,17 +105,14 @@ def _config_of(layer_list: LayerList):
 
 def apply_hf_tensor_parallel(layer_list: LayerList, ctx: ParallelContext, plan: dict[str, str] | None = None
                              ) -> LayerList:
-    """This rank's tensor-parallel shard of a `from_hf` layer list (its family's plan by default).
+    """This rank's tensor-parallel shard of a `from_hf` layer list (its architecture's plan by default).
 
     Sizes are checked first (one-line errors naming what tp must divide), the plan is validated
     even for tp == 1 (which returns ``layer_list`` itself), and for tp > 1 the layers are modified
     in place, as `apply_tensor_parallel` does; tied parameters stay one shard.
     """
-    model_type = model_type_of(layer_list)
     if plan is None:
-        if model_type not in TP_PLANS:
-            raise ValueError(f"no tensor-parallel plan for {model_type} layer lists: plans exist for {', '.join(TP_PLANS)}")
-        plan = TP_PLANS[model_type]
+        plan = architecture_of_list(layer_list).hf_tp_plan
     check_hf_tensor_parallel(_config_of(layer_list), ctx.tp)
     convs, conv_keys = _conv1d_matches(layer_list, plan)
     rest = {k: s for k, s in plan.items() if k not in conv_keys}

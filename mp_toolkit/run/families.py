@@ -3,13 +3,15 @@
 Family names, as ``--model`` / ``--hf`` select them and checkpoints record them (``manifest["model"]
 ["family"]``): ``"gpt"`` (model_zoo GPT, causal LM), ``"bert"`` (model_zoo BertForPreTraining: MLM +
 NSP pre-training) and ``"hf"`` (a HuggingFace save_pretrained directory, `mp_toolkit.run.hf_family`).
-The cost model's HF ``model_type`` names ("gpt2", "bert", "llama") describe shapes, not families.
+The cost model's architectures ("gpt2", "bert", "llama", `mp_toolkit.arch.architectures`) describe
+shapes, not families.
 
-Each record gives the trainer the same things: the plain single-device model (`model_zoo`) built
-from its config, its positions and the sizes a tp degree must divide (checked without any process
-group), its tensor-parallel plan (data next to the model), the last stage's loss and the
-micro-batches of one data-parallel replica. A run looks its record up once (`ModelSpec.family_record`,
-`family_of`); nothing else compares family names.
+A `Family` is the run-level half: the micro-batches of one data-parallel replica and the last stage's
+loss (vocab-parallel under ``--tp > 1``), and how the run builds and splits the model. What the model
+itself is (its classes and presets, its shape for the cost model, its measurement batch, its TP plan,
+its export half and its recomputation) is the model_zoo family's record (`Family.zoo`,
+`mp_toolkit.arch.zoo`), or for "hf" the directory's architecture (`mp_toolkit.hf`). A run looks its
+record up once (`ModelSpec.family_record`, `family_of`); nothing else compares family names.
 
 BERT under ``--tp > 1``: the MLM decoder is vocab-sharded (``TP_PLAN["predictions.decoder"]``), so
 the MLM part of the loss is `vocab_parallel_cross_entropy` over the local (B, T, V / tp) logits
@@ -32,16 +34,18 @@ from torch import nn
 
 from model_zoo import bert, gpt
 from model_zoo.config_io import read_config_json
+from mp_toolkit.arch import zoo
+from mp_toolkit.arch.architectures import architecture_of
 from mp_toolkit.data.corpus import DataError
 from mp_toolkit.data.lm import MicroBatches, build_lm_dataset, rank0_first
 from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.hf.model import HFModel, HFSource
 from mp_toolkit.layers import LayerList
+from mp_toolkit.parallel.agree import agree
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from mp_toolkit.run.config import ConfigError, TrainConfig
-from mp_toolkit.run.hf_source import HFModel, HFSource
-from mp_toolkit.run.state import agree
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,13 @@ class Family:
 
     name: str
     """The family's one spelling: "gpt", "bert" or "hf"."""
+    zoo: zoo.ZooFamily | None
+    """The model_zoo record the model-level fields below come from; None for "hf" (its architecture is
+    its directory's: `mp_toolkit.hf`)."""
     model_class: type
     """What `build` returns (`family_of` recognises a model by it)."""
     config_class: type
-    """Its config: ``gpt.GPTConfig``, ``bert.BertConfig`` or `hf_family.HFSource`."""
+    """Its config: ``gpt.GPTConfig``, ``bert.BertConfig`` or `mp_toolkit.hf.model.HFSource`."""
     build: Callable[[object], nn.Module]
     """config -> the plain model, initialised from torch's current RNG state (hf: the directory's weights)."""
     positions: Callable[[object], int]
@@ -68,23 +75,24 @@ class Family:
     """(config, cfg, ctx, rank) -> (this replica's micro-batches, the config to build the model from)."""
     label: Callable[[object], str] = lambda config: ""
     """What the log adds to the family's name (hf: the HF architecture)."""
-    config_from_dict: Callable[[dict], object] | None = None
-    """A checkpoint's recorded ``config`` (``to_json``) -> the config; None: not rebuilt from it (hf)."""
     hf_config: Callable[[object], dict | None] = lambda config: None
     """The HF config dict a checkpoint also records (``hf_config``, for export); None for model_zoo."""
-    model_type: str | None = None
-    """The HF ``model_type`` the cost model reads the config as ("gpt2", "bert"); None: the config's own,
-    and a ``time`` cut cannot measure it (`mp_toolkit.run.cut`)."""
-    mlm: bool = False
-    """Trained on MLM + NSP sentence pairs with BERT's [PAD] [CLS] [SEP] [MASK] after the BPE."""
+    recompute_modes: tuple[str, ...] = ("full",)
+    """The ``--recompute`` modes its blocks support ("none" aside): selective where the record's
+    architecture recomputes its attention core alone (`mp_toolkit.arch.architectures.Architecture.selective`)."""
     builds_on_meta: bool = False
     """The model draws each parameter by name (`model_zoo.init`), so it can be built on the meta
     device and each rank materialise only its own layers (DESIGN.md invariant 9)."""
 
+    @property
+    def mlm(self) -> bool:
+        """Trained on MLM + NSP sentence pairs with BERT's [PAD] [CLS] [SEP] [MASK] after the BPE."""
+        return self.zoo is not None and self.zoo.mlm
+
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model family and its config (``gpt.GPTConfig``, ``bert.BertConfig`` or ``hf_family.HFSource``)."""
+    """A model family and its config (``gpt.GPTConfig``, ``bert.BertConfig`` or ``hf.model.HFSource``)."""
 
     family: str
     config: object
@@ -122,30 +130,24 @@ class ModelSpec:
         return {"family": self.family, "config": self.config.to_dict()}
 
 
-def family_of_config(config) -> Family | None:
-    """The record whose config class ``config`` is, or None."""
-    return next((f for f in FAMILIES.values() if isinstance(config, f.config_class)), None)
-
-
 def resolve_model(name: str) -> ModelSpec:
     """``--model``: a GPT or BERT preset, or a config.json whose ``model_type`` says which (GPT-2 when absent)."""
-    if name in gpt.PRESETS:
-        return ModelSpec("gpt", gpt.PRESETS[name])
-    if name in bert.PRESETS:
-        return ModelSpec("bert", bert.PRESETS[name])
+    record = zoo.preset_family(name)
+    if record is not None:
+        return ModelSpec(record.name, record.presets[name])
     path = Path(name)
     if not (path.is_file() or (path.is_dir() and (path / "config.json").is_file())):
-        raise ConfigError(f"unknown model {name!r}: choose one of {', '.join([*gpt.PRESETS, *bert.PRESETS])} "
+        raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(zoo.preset_names())} "
                           "or a path to a GPT-2 or BERT config.json")
     try:
         doc = read_config_json(path, "model")
         kind = doc.get("model_type", "gpt2") if isinstance(doc, dict) else "gpt2"
-        if kind == "bert":
-            return ModelSpec("bert", bert.BertConfig.from_dict(doc))
-        if kind != "gpt2":
+        arch = architecture_of(kind)
+        record = zoo.zoo_family_on(arch) if arch is not None else None
+        if record is None:
             raise ValueError(f"{path}: model_type {kind!r} is not trained by mpt train --model: use gpt2 or bert, "
                              "or --hf DIR for a save_pretrained directory (Llama, Mistral, Qwen2 too)")
-        return ModelSpec("gpt", gpt.GPTConfig.from_dict(doc))
+        return ModelSpec(record.name, record.config_from_dict(doc))
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
 
@@ -157,11 +159,13 @@ def _hf():
     return hf_family
 
 
-def resolve_hf(directory: str, cfg: TrainConfig) -> ModelSpec:
-    """``--hf DIR`` -> ModelSpec("hf", HFSource), checked against the run (seq-len, the HF tensor-parallel
-    plan's sizes, the tokenizer); one-line ConfigError for a directory that cannot work."""
-    source = _hf().resolve_hf(directory)
-    _hf().check_hf(source, cfg)
+def resolve_hf(directory: str, cfg: TrainConfig | None = None) -> ModelSpec:
+    """``--hf DIR`` -> ModelSpec("hf", HFSource), checked against the run ``cfg`` when given (seq-len,
+    the HF tensor-parallel plan's sizes, every weight's header, the tokenizer); one-line ConfigError
+    for a directory that cannot work."""
+    source = _hf().read_source(directory)
+    if cfg is not None:
+        _hf().check_hf(source, cfg)
     return ModelSpec("hf", source)
 
 
@@ -225,24 +229,23 @@ def _tp_loss(full_loss: Callable, parallel_loss: Callable) -> Callable:
                                                                                          group=ctx.tp_group)
 
 
-GPT = Family(
-    name="gpt", model_class=gpt.GPT, config_class=gpt.GPTConfig, build=gpt.GPT,
-    positions=lambda c: c.n_positions,
-    tp_sizes=lambda c: dict(n_head=c.n_head, hidden=c.n_embd, inner=c.inner_size),  # the vocab is padded
-    tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, gpt.TP_PLAN),
-    loss=_tp_loss(gpt.lm_loss, vocab_parallel_cross_entropy), micro_batches=_gpt_micro_batches,
-    config_from_dict=gpt.GPTConfig.from_dict, model_type="gpt2", builds_on_meta=True,
-)
-BERT = Family(
-    name="bert", model_class=bert.BertForPreTraining, config_class=bert.BertConfig, build=bert.BertForPreTraining,
-    positions=lambda c: c.max_position_embeddings,
-    tp_sizes=lambda c: dict(n_head=c.num_attention_heads, hidden=c.hidden_size, inner=c.intermediate_size),
-    tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, bert.TP_PLAN),
-    loss=_tp_loss(bert.pretraining_loss, bert_vocab_parallel_loss), micro_batches=_bert_micro_batches,
-    config_from_dict=bert.BertConfig.from_dict, model_type="bert", mlm=True, builds_on_meta=True,
-)
+def _zoo_family(record: zoo.ZooFamily, micro_batches: Callable, parallel_loss: Callable) -> Family:
+    """The family of a model_zoo record: the model's parts from the record, the data and loss given."""
+    return Family(
+        name=record.name, zoo=record, model_class=record.model_class, config_class=record.config_class,
+        build=record.model_class, positions=record.positions,
+        tp_sizes=lambda c: record.arch.tp_sizes(record.shape(c)),  # the vocab is padded
+        tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, record.tp_plan),
+        loss=_tp_loss(record.loss, parallel_loss), micro_batches=micro_batches,
+        recompute_modes=("full", "selective") if record.arch.selective else ("full",),
+        builds_on_meta=True,
+    )
+
+
+GPT = _zoo_family(zoo.GPT, _gpt_micro_batches, vocab_parallel_cross_entropy)
+BERT = _zoo_family(zoo.BERT, _bert_micro_batches, bert_vocab_parallel_loss)
 HF = Family(
-    name="hf", model_class=HFModel, config_class=HFSource, build=lambda source: source.build(),
+    name="hf", zoo=None, model_class=HFModel, config_class=HFSource, build=lambda source: _hf().build_model(source),
     positions=lambda source: source.positions,
     tp_sizes=lambda source: {},  # `hf_family.check_hf` checks the HF plan's sizes (grouped-query heads too)
     tensor_parallel=lambda layers, ctx: _hf().hf_tensor_parallel(layers, ctx),

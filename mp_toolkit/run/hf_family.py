@@ -1,12 +1,13 @@
 """`mpt train --hf DIR`: a local HuggingFace ``save_pretrained`` directory as the model family "hf".
 
 DIR holds config.json and model.safetensors, or the shards a model.safetensors.index.json names, of
-one of `mp_toolkit.hf.SUPPORTED` (nothing is fetched). The model is built with its parameters on
-meta; `from_hf` turns it into a LayerList of HF's own modules (its layer names are the checkpoint's),
-tensor parallelism is `apply_hf_tensor_parallel` (GPT-2, BERT and the Llama
-family), and each rank reads only its own layers' tensors, its tensor-parallel shards as
-slices, from DIR (`mp_toolkit.hf.pretrained`; every file's header is checked before any rank
-starts). The loss is `mp_toolkit.hf`'s, vocab-parallel under ``--tp > 1``.
+one of `mp_toolkit.hf.adapters.SUPPORTED` (nothing is fetched). The model is built with its parameters
+on meta (`mp_toolkit.hf.pretrained.build_model`); `from_hf` turns it into a LayerList of HF's own
+modules (its layer names are the checkpoint's), tensor parallelism is `apply_hf_tensor_parallel` (GPT-2,
+BERT and the Llama family), and each rank reads only its own layers' tensors, its tensor-parallel
+shards as slices, from DIR (`mp_toolkit.hf.pretrained`; every file's header is checked before any rank
+starts). The loss comes from `mp_toolkit.hf.losses`, vocab-parallel under ``--tp > 1``. This module imports
+transformers: `mp_toolkit.run.families` imports it only for an ``--hf`` run.
 
 Data: with DIR/tokenizer.json the corpus is encoded by that tokenizer (`tokenizers` only, cached
 under --cache-dir); without one a byte-level BPE is trained on the corpus with the model's
@@ -25,25 +26,26 @@ from pathlib import Path
 
 import torch
 
-from mp_toolkit.hf import (
-    UnsupportedModelError, apply_hf_tensor_parallel, architecture_for, causal_lm_loss,
-    check_hf_tensor_parallel, load_config, masked_lm_loss, pretraining_loss,
-)
 from mp_toolkit.data.corpus import DataError
 from mp_toolkit.data.lm import MicroBatches, build_lm_dataset, rank0_first
 from mp_toolkit.data.mlm import SPECIAL_TOKENS, MLMMicroBatches, build_mlm_corpus, tokenized_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
 from mp_toolkit.data.tokens import load_tokenizer_file
+from mp_toolkit.hf.adapters import UnsupportedModelError
+from mp_toolkit.hf.configs import architecture_for, load_config
+from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss
+from mp_toolkit.hf.model import HFModel, HFSource
+from mp_toolkit.hf.pretrained import build_model
+from mp_toolkit.hf.tp_plans import apply_hf_tensor_parallel, check_hf_tensor_parallel
 from mp_toolkit.layers import LayerList
+from mp_toolkit.parallel.agree import agree
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import ConfigError, TrainConfig
-from mp_toolkit.run.hf_source import HFModel, HFSource
-from mp_toolkit.run.state import agree
 
 BPE_MIN_VOCAB = 257  # `mp_toolkit.data.tokens.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
 
 
-def resolve_hf(directory: str) -> HFSource:
+def read_source(directory: str) -> HFSource:
     """``--hf DIR`` -> its HFSource; one-line ConfigError for a directory that cannot work."""
     path = Path(directory)
     what = "a HuggingFace save_pretrained directory (config.json + model.safetensors)"
@@ -75,7 +77,7 @@ def check_hf(source: HFSource, cfg: TrainConfig) -> None:
         check_hf_tensor_parallel(load_config(source.config), cfg.tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    source.check_weights()  # every tensor in DIR's files, with its shape, in whole files (headers only)
+    check_weights(source)
     if source.tokenizer_file is not None and cfg.data != "synthetic":
         _check_tokenizer(source)
     need = BPE_MIN_VOCAB + 4 * source.is_bert
@@ -83,6 +85,14 @@ def check_hf(source: HFSource, cfg: TrainConfig) -> None:
         raise ConfigError(f"--hf {source.path} has no tokenizer.json and its vocab_size {source.vocab_size} is too "
                           f"small to train one (byte-level BPE needs at least {need}): add DIR/tokenizer.json "
                           "or use --data synthetic")
+
+
+def check_weights(source: HFSource) -> None:
+    """ConfigError (one line naming the file and the tensor) unless DIR's safetensors hold every
+    parameter with the config's shape, in whole files; reads the headers only."""
+    with torch.device("meta"):
+        model = build_model(source)
+    model.read(model.weights.check)
 
 
 def _check_tokenizer(source: HFSource) -> None:

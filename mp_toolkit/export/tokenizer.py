@@ -20,17 +20,18 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
+from mp_toolkit.arch.zoo import ZOO
 from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
 from mp_toolkit.data.mlm import SPECIAL_TOKENS, bert_tokenizer
 from mp_toolkit.data.synthetic import synthetic_documents
 from mp_toolkit.data.tokens import EOS_TOKEN, cache_key
-from mp_toolkit.hf.export import copy_tokenizer
-from mp_toolkit.run.families import FAMILIES
+from mp_toolkit.export.hf_dir import copy_tokenizer
 
 
 def _mlm(family: str) -> bool:
-    """Whether the run of ``family`` trained on MLM + NSP pairs with BERT's special tokens."""
-    return family in FAMILIES and FAMILIES[family].mlm
+    """Whether the run of ``family`` (a model_zoo family's record) trained on MLM + NSP pairs with BERT's
+    special tokens; an ``--hf`` run ships its directory's tokenizer instead."""
+    return family in ZOO and ZOO[family].mlm
 
 
 def _run_texts(family: str, run: Mapping) -> list[str] | None:
@@ -96,7 +97,7 @@ def write_tokenizer(source, manifest: Mapping, out_dir, cache_dir) -> str:
             raise ValueError(f"--tokenizer {source}: not a tokenizer directory nor a tokenizers JSON "
                              f"({str(e).splitlines()[0][:120]})") from None
         note = f"tokenizer from {source}"
-    elif family in FAMILIES and FAMILIES[family].config_from_dict is not None and "config" in model:  # model_zoo
+    elif family in ZOO and "config" in model:  # model_zoo
         tokenizer, note = run_tokenizer(manifest, cache_dir)
         if tokenizer is None:
             return note

@@ -1,16 +1,16 @@
 """Write HF model directories (config.json + model.safetensors, via ``save_pretrained``) from a
-LayerList or a state dict under LayerList names (one of our checkpoints: `mp_toolkit.hf.export_run`).
+LayerList or a state dict under LayerList names (one of our checkpoints: `mp_toolkit.export.checkpoint`).
 
 Names: `from_hf` reuses HF's modules, so a LayerList tensor *is* an HF tensor, and the name map is
-read off identity rather than written as rules: ``hf_name_map(model)`` pairs each
-``"{layer}.{key}"`` of ``from_hf(model)`` with the HF state-dict key(s) of the same tensor (a tied
+read off identity rather than written as rules: ``hf_name_map(model)`` (`mp_toolkit.hf.adapters`)
+pairs each ``"{layer}.{key}"`` of ``from_hf(model)`` with the HF state-dict key(s) of the same tensor (a tied
 weight has several). E.g. for GPT-2 ``h.0.block.attn.c_attn.weight -> transformer.h.0.attn.c_attn.weight``,
 ``embed.wte.weight -> transformer.wte.weight, lm_head.weight``; for Llama
 ``layers.0.block.self_attn.q_proj.weight -> model.layers.0.self_attn.q_proj.weight``. Shapes are
 HF's too (GPT-2's Conv1D weights stay (in, out), also under tensor parallelism).
 
     export_hf(layers, model.config, "out/")              # then AutoModelForCausalLM.from_pretrained("out/")
-    export_checkpoint("runs/ckpt", "out/", config=model.config)   # `mp_toolkit.hf.export_run`
+    export_checkpoint("runs/ckpt", "out/", config=model.config)   # `mp_toolkit.export.checkpoint`
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from mp_toolkit.hf.adapters import from_hf
+from mp_toolkit.export.safetensors_out import ShardedSafetensors, parse_size
+from mp_toolkit.hf.adapters import hf_name_map
 from mp_toolkit.hf.common import layer_state_dict
 from mp_toolkit.hf.configs import architecture_for, load_config
-from mp_toolkit.hf.safetensors_out import ShardedSafetensors, parse_size
 from mp_toolkit.layers import LayerList
 
 DEFAULT_MAX_SHARD = "5GB"
@@ -37,18 +37,6 @@ the size the Hub's large models are published in (``save_pretrained``'s own defa
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                    "chat_template.jinja", "chat_template.json")
-
-
-def hf_name_map(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
-    """``{LayerList state key: (HF state key, ...)}`` for ``from_hf(model)``, matched by identity."""
-    hf_keys: dict[int, list[str]] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        hf_keys.setdefault(id(t), []).append(key)
-    ours = layer_state_dict(from_hf(model), keep_vars=True)
-    missing = [k for k, t in ours.items() if id(t) not in hf_keys]
-    if missing:  # cannot happen for a layer list from_hf built from this model
-        raise ValueError(f"LayerList tensors {missing[:3]} are not tensors of {type(model).__name__}")
-    return {k: tuple(hf_keys[id(t)]) for k, t in ours.items()}
 
 
 def to_hf_state_dict(state: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:

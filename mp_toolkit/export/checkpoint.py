@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from mp_toolkit.checkpoint import Checkpoint, open_checkpoint
+from mp_toolkit.export.hf_dir import DEFAULT_MAX_SHARD, HFTarget, layer_tensors_as_hf, write_hf_dir
+from mp_toolkit.export.safetensors_out import parse_size
+from mp_toolkit.export.tokenizer import write_tokenizer
+from mp_toolkit.export.zoo import zoo_model, zoo_target, zoo_tensors_as_hf
 from mp_toolkit.hf.configs import architecture_for, load_config
-from mp_toolkit.hf.export import DEFAULT_MAX_SHARD, HFTarget, layer_tensors_as_hf, write_hf_dir
-from mp_toolkit.hf.run_tokenizer import write_tokenizer
-from mp_toolkit.hf.safetensors_out import parse_size
-from mp_toolkit.hf.zoo_export import zoo_spec, zoo_target, zoo_tensors_as_hf
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def export_layers(ck: Checkpoint, out_dir, config=None, tokenizer_dir=None, arch
 
     ``config`` defaults to the manifest's ``hf_config`` entry (a config dict), if the run stored one.
     A checkpoint of ``mpt train --model`` (its manifest records a `model_zoo` GPT or BERT and no
-    hf_config) is written as `mp_toolkit.hf.zoo_export` maps the model it records.
+    hf_config) is written as its family's record maps the model it records (`mp_toolkit.export.zoo`).
     """
     manifest = ck.manifest
     named = _layer_tensors(ck)
@@ -116,13 +116,14 @@ def export_layers(ck: Checkpoint, out_dir, config=None, tokenizer_dir=None, arch
     dtype = first[1].dtype if first[1].is_floating_point() else torch.float32
     named = _prepend(first, named)
     del first  # held by the stream until written, not for the whole export
-    spec = zoo_spec(manifest) if manifest.get("hf_config") is None else None
-    if spec is not None:
+    recorded = zoo_model(manifest) if manifest.get("hf_config") is None else None
+    if recorded is not None:
+        zoo, zoo_config = recorded
         if config is not None or architecture is not None:
             raise ValueError(f"{where}: the run trained {manifest['model']['family']} from mpt's model zoo and its "
                              "manifest records that model: export it without a config (--config is for HF-loaded runs)")
-        target = zoo_target(spec, dtype)
-        pairs = zoo_tensors_as_hf(named, spec)
+        target = zoo_target(zoo, zoo_config, dtype)
+        pairs = zoo_tensors_as_hf(named, zoo)
     else:
         config = config if config is not None else manifest.get("hf_config")
         if config is None:
