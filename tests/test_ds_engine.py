@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from mp_toolkit.ds.engine import fp16_available
+from mp_toolkit.engine.deepspeed_bridge import fp16_available
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.mpt_command import MptProcess, run_mpt
 

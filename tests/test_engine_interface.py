@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 
-from mp_toolkit.ds.engine import DeepSpeedPipeline
+from mp_toolkit.engine.deepspeed_bridge import DeepSpeedPipeline
 from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.engine.pipeline import PipelineEngine
 

@@ -169,8 +169,8 @@ class DeepSpeedPeer:
 
     def __init__(self, w: Workload, spec: dict):
         # DeepSpeed's import takes seconds and sets up its accelerator: only in this peer's processes
-        from mp_toolkit.ds import pipe as ds_pipe
-        from mp_toolkit.ds.engine import deepspeed_config
+        from mp_toolkit.engine import deepspeed_pipe as ds_pipe
+        from mp_toolkit.engine.deepspeed_bridge import deepspeed_config
 
         ds_pipe.init_deepspeed(torch.device("cpu"), _timeout(spec).total_seconds())
         module, named = ds_pipe.pipeline_module(LayerList.from_model(build_gpt(w)), w.pp, fp32_loss,

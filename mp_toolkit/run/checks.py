@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mp_toolkit.data.buckets import BucketError
-from mp_toolkit.ds.engine import check_engine
+from mp_toolkit.run.engines import check_engine
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import OptimizerOptions, check_optimizer_options
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel

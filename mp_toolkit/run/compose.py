@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from mp_toolkit.ds.engine import DeepSpeedPipeline
+from mp_toolkit.engine.deepspeed_bridge import DeepSpeedPipeline
 from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
@@ -17,6 +17,7 @@ from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.materialize import is_meta, materialize, rank_layers
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.cut import CutWorkload, config_of, plan_boundaries
+from mp_toolkit.run.engines import deepspeed_pipeline
 from mp_toolkit.run.families import loss_function, tensor_parallel
 from mp_toolkit.run.plan import RunPlan
 from mp_toolkit.run.recompute_plan import apply_choices, describe
@@ -88,7 +89,7 @@ def deepspeed_engine(run: RunPlan, ctx: ParallelContext, model: torch.nn.Module,
     tied = [layers.names.index(name) for group in layers.tie_groups if any(m in held for m, _ in group)
             for name, _ in group]
     own_layers(model, layers, sorted({*keep, *tied}), ctx, values)
-    return DeepSpeedPipeline(cfg, ctx, layers, boundaries, loss_function(model, ctx))
+    return deepspeed_pipeline(cfg, ctx, layers, boundaries, loss_function(model, ctx))
 
 
 def make_engine(run: RunPlan, ctx: ParallelContext, model: torch.nn.Module, values: bool = True) -> TrainEngine:

@@ -1,7 +1,7 @@
 """A LayerList as DeepSpeed's ``PipelineModule``: our cut, our tie groups, DeepSpeed's engine.
 
-This module imports DeepSpeed at the top; `mp_toolkit.ds.engine` imports it only when a run asks
-for ``--engine deepspeed`` (``tools/peers.py`` uses it for the benchmark's DeepSpeed peer).
+This module imports DeepSpeed at the top; `mp_toolkit.engine.deepspeed_bridge` imports it only when a
+run asks for ``--engine deepspeed`` (``tools/peers.py`` uses it for the benchmark's DeepSpeed peer).
 
 * **The cut.** ``PipelineModule(partition_method=...)`` knows ``uniform``, ``parameters`` and
   ``type:REGEX`` (balanced over a 0/1 weight per layer); none of them imposes an arbitrary list of

@@ -12,19 +12,21 @@ by step (tests/test_ds_engine.py) and a user can move between them::
     mpt train --engine deepspeed --model gpt-tiny --pp 2 --optimizer lamb --partition 0,3,7
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 -m mp_toolkit.cli train --engine deepspeed --pp 2 --dp 2
 
-TrainConfig -> DeepSpeed: micro_batch -> ``train_micro_batch_size_per_gpu``, microbatches ->
+It takes its settings as arguments, as `PipelineEngine` does (`mp_toolkit.run.engines.deepspeed_pipeline`
+hands it a run's): micro_batch -> ``train_micro_batch_size_per_gpu``, microbatches ->
 ``gradient_accumulation_steps``, clip_grad -> ``gradient_clipping`` (the global norm over all
-stages: `mp_toolkit.ds.pipe.count_in_norm_once`), precision -> ``bf16`` / ``fp16`` blocks (fp16 with
+stages: `mp_toolkit.engine.deepspeed_pipe.count_in_norm_once`), precision -> ``bf16`` / ``fp16`` blocks (fp16 with
 the loss-scale fields), ZeRO stage 0. The loss is computed on fp32 logits, as our executor does.
 DeepSpeed divides each micro-batch loss by the accumulation steps before backward and reports the
 mean over micro-batches, exactly as ours (DESIGN.md invariant 5).
 
-Refused with one line (`check_engine`): tp > 1, schedules other than 1f1b (DeepSpeed runs its own
-1F1B), checkpoints (--save-dir / --resume), LAMB / LARS under bf16 (DeepSpeed's BF16_Optimizer
-flattens each parameter group into one tensor, so a per-layer trust ratio would become one per
-group), fp16 where DeepSpeed's accelerator has no fp16. Non-finite steps follow DeepSpeed's rules:
-fp16 overflows are skipped (and counted by --max-skips); fp32 / bf16 steps are always applied.
-Without --clip-grad under fp32 DeepSpeed computes no norm: grad_norm is then nan.
+What it cannot run is refused with one line before any rank starts (`mp_toolkit.run.engines.check_engine`):
+tp > 1, schedules other than 1f1b (DeepSpeed runs its own 1F1B), checkpoints (--save-dir / --resume),
+LAMB / LARS under bf16 (`check_precision`: DeepSpeed's BF16_Optimizer flattens each parameter group
+into one tensor, so a per-layer trust ratio would become one per group), fp16 where DeepSpeed's
+accelerator has no fp16. Non-finite steps follow DeepSpeed's rules: fp16 overflows are skipped (and
+counted by --max-skips); fp32 / bf16 steps are always applied. Without --clip-grad under fp32
+DeepSpeed computes no norm: grad_norm is then nan.
 """
 
 from __future__ import annotations
@@ -35,40 +37,13 @@ import torch
 
 from mp_toolkit.engine.interface import StepStats
 from mp_toolkit.engine.reductions import trust_ratio_rows
-from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
+from mp_toolkit.errors import ConfigError
+from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.loss_scaler import LossScaleSettings
 from mp_toolkit.optim.master import resolve_precision
-from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
-from mp_toolkit.run.config import ENGINES, ConfigError, TrainConfig
 
 _FLATTENED = ("lamb", "lars")  # layer-wise optimizers that DeepSpeed's bf16 flattening would change
-
-
-def check_engine(cfg: TrainConfig) -> None:
-    """ConfigError (one line) for a run ``cfg.engine`` cannot do; imports no DeepSpeed."""
-    if cfg.engine not in ENGINES:
-        raise ConfigError(f"--engine {cfg.engine!r} is unknown: choose one of {', '.join(ENGINES)}")
-    if cfg.engine != "deepspeed":
-        return
-    other = "or --engine mp_toolkit"
-    if cfg.tp != 1:
-        raise ConfigError(f"--tp {cfg.tp} with --engine deepspeed: its PipelineModule is run without tensor "
-                          f"parallelism here; use --tp 1 {other}")
-    if cfg.zero:
-        raise ConfigError(f"--zero {cfg.zero} with --engine deepspeed: ZeRO is mp_toolkit's own here (DeepSpeed's "
-                          f"pipeline engine takes stage 0 or 1 of its own); use --zero 0 {other}")
-    if cfg.schedule != "1f1b":
-        raise ConfigError(f"--schedule {cfg.schedule} with --engine deepspeed: DeepSpeed's pipeline engine runs "
-                          f"its own 1F1B only; use --schedule 1f1b {other}")
-    if cfg.save_dir is not None or cfg.resume is not None:
-        flag = "--save-dir" if cfg.save_dir is not None else "--resume"
-        raise ConfigError(f"{flag} with --engine deepspeed: checkpoints are not written or read by this engine; "
-                          f"drop {flag} {other}")
-    _check_precision(cfg, cfg.precision)
-    if cfg.precision == "fp16" and not fp16_available():
-        raise ConfigError("--precision fp16 with --engine deepspeed: DeepSpeed's CPU accelerator runs fp16 only where "
-                          f"oneDNN has fp16 kernels, not on this CPU; use --precision fp32 or bf16 {other}")
 
 
 def fp16_available() -> bool:
@@ -82,9 +57,10 @@ def fp16_available() -> bool:
         return False
 
 
-def _check_precision(cfg: TrainConfig, precision: str) -> None:
-    if precision == "bf16" and cfg.optimizer in _FLATTENED:
-        raise ConfigError(f"--optimizer {cfg.optimizer} with --precision bf16 and --engine deepspeed: DeepSpeed's "
+def check_precision(precision: str, optimizer: str) -> None:
+    """ConfigError (one line) for an optimizer DeepSpeed's handling of ``precision`` would change."""
+    if precision == "bf16" and optimizer in _FLATTENED:
+        raise ConfigError(f"--optimizer {optimizer} with --precision bf16 and --engine deepspeed: DeepSpeed's "
                           "BF16_Optimizer flattens each parameter group into one tensor, so the per-layer trust ratio "
                           "would become one per group; use --precision fp32, --optimizer adamw, or --engine mp_toolkit")
 
@@ -116,36 +92,42 @@ class DeepSpeedPipeline:
     alike (same seed), the cut, and the last stage's loss; this rank keeps its stage.
     """
 
-    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, layers: LayerList, boundaries: list[int],
-                 loss_fn: Callable):
-        from mp_toolkit.ds import pipe as ds_pipe  # imports DeepSpeed (seconds): only runs that ask for it
+    def __init__(self, layers: LayerList, ctx: ParallelContext, boundaries: list[int], microbatches: int,
+                 optimizer: Callable[[list], torch.optim.Optimizer], loss_fn: Callable, *, micro_batch: int,
+                 precision: str, optimizer_name: str, clip_grad: float | None = None,
+                 loss_scale: LossScaleSettings | None = None, timeout_s: float = 300.0, dynamic_shape: bool = False):
+        """``optimizer``: (named parameters of this stage) -> the client optimizer (its ``optimizer_name``
+        for the log and `check_precision`); ``precision`` may be "auto" (`resolve_precision`);
+        ``loss_scale``: fp16's settings (None: DeepSpeed's dynamic defaults); ``timeout_s``: of the
+        process group DeepSpeed forms when none is; ``dynamic_shape``: micro-batches of several lengths
+        (``--length-buckets``), so DeepSpeed sends each message's shapes with it (PipelineModule's
+        dynamic_shape); one length keeps its first-batch-only shape exchange."""
+        from mp_toolkit.engine import deepspeed_pipe  # imports DeepSpeed (seconds): only runs that ask for it
 
-        precision = resolve_precision(cfg.precision, ctx.device)
-        _check_precision(cfg, precision)
-        ds_pipe.init_deepspeed(ctx.device, cfg.timeout_s)
+        precision = resolve_precision(precision, ctx.device)
+        check_precision(precision, optimizer_name)
+        deepspeed_pipe.init_deepspeed(ctx.device, timeout_s)
         self._check_fp16(precision)
         self.boundaries = list(boundaries)
-        # --length-buckets: micro-batches of several lengths, so DeepSpeed sends each message's shapes with
-        # it (PipelineModule's dynamic_shape); one length keeps its first-batch-only shape exchange
-        module, self.named = ds_pipe.pipeline_module(layers, cfg.pp, fp32_logits(loss_fn), self.boundaries,
-                                                     dynamic_shape=bool(cfg.length_buckets))
+        module, self.named = deepspeed_pipe.pipeline_module(layers, ctx.pp, fp32_logits(loss_fn), self.boundaries,
+                                                            dynamic_shape=dynamic_shape)
         grid = module._grid
         if (grid.get_stage_id(), grid.get_data_parallel_id()) != (ctx.pp_rank, ctx.dp_rank):
             raise RuntimeError(f"rank {ctx.rank}: DeepSpeed's grid puts it at stage {grid.get_stage_id()}, replica "
                                f"{grid.get_data_parallel_id()}; ours at {ctx.pp_rank}, {ctx.dp_rank}")
         if ctx.rank == 0:  # DeepSpeed's own record of the cut (module.parts), which its schedule and ties use
             print(f"deepspeed PipelineModule: boundaries {[int(b) for b in module.parts]}, {precision}, "
-                  f"client optimizer {cfg.optimizer}", flush=True)
-        self.optimizer = build_optimizer(cfg.optimizer, self.named, cfg.lr, cfg.weight_decay,
-                                         options=OptimizerOptions.of(cfg))
-        config = deepspeed_config(cfg.micro_batch, cfg.microbatches, cfg.dp, cfg.clip_grad, precision,
-                                  LossScaleSettings.of(cfg).as_dict())  # loss_scale 0: dynamic, as in DeepSpeed
-        self.engine = ds_pipe.initialize(module, self.optimizer, config)  # casts to bf16 / fp16, keeps fp32 masters
+                  f"client optimizer {optimizer_name}", flush=True)
+        self.optimizer = optimizer(self.named)
+        fp16 = loss_scale.as_dict() if loss_scale is not None else None  # loss_scale 0: dynamic, as in DeepSpeed
+        config = deepspeed_config(micro_batch, microbatches, ctx.dp, clip_grad, precision, fp16)
+        # casts to bf16 / fp16, keeps fp32 masters
+        self.engine = deepspeed_pipe.initialize(module, self.optimizer, config)
         self.ctx, self.precision = ctx, precision
         self._layer_names = [layers.names[i] for i in range(self.boundaries[ctx.pp_rank],
                                                             self.boundaries[ctx.pp_rank + 1])]
         self._norm = float("nan")
-        if precision == "fp32" and cfg.clip_grad is not None:
+        if precision == "fp32" and clip_grad is not None:
             self.engine.clip_fp32_gradients = self._clip_fp32  # the instance's, in place of DeepSpeed's
 
     @property
