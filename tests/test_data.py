@@ -154,15 +154,16 @@ def test_a_vocabulary_under_257_keeps_the_bytes_utf8_uses(corpus, tmp_path):
 
 
 def test_gpt_tiny_trains_on_text(tmp_path):
-    """The smallest preset trains on a trained tokenizer (its vocab_size is 256). Shrunk from the
-    defaults: --seq-len 64 (the default 128 exceeds gpt-tiny's 64 positions), --data one stdlib
-    package (the whole stdlib takes ~25 s of CPU to tokenize), one step on one stage."""
+    """The smallest preset trains on a trained tokenizer (its vocab_size is 256), at its own 64
+    positions where no --seq-len is given (the default 128 exceeds them). Shrunk from the defaults:
+    --data one stdlib package (the whole stdlib takes ~25 s of CPU to tokenize), one step on one stage."""
     corpus = Path(sysconfig.get_paths()["stdlib"]) / "json"
-    r = run_mpt(["train", "--model", "gpt-tiny", "--pp", "1", "--steps", "1", "--seq-len", "64", "--data", corpus,
+    r = run_mpt(["train", "--model", "gpt-tiny", "--pp", "1", "--steps", "1", "--data", corpus,
                  "--cache-dir", tmp_path / "cache", "--threads", "1", "--no-progress"],
                 env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "model gpt-tiny" in r.stdout and "over 1 steps" in r.stdout
+    assert "--seq-len 64: the model's positions (the default, 128, exceeds them)" in r.stdout
 
 
 def test_dataset_is_the_packed_token_stream(corpus, tmp_path):

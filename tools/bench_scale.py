@@ -39,8 +39,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from model_zoo import gpt
-from mp_toolkit.hf.export import HFTarget, write_hf_dir
-from mp_toolkit.hf.safetensors_out import parse_size
+from mp_toolkit.export.hf_dir import HFTarget, write_hf_dir
+from mp_toolkit.export.safetensors_out import parse_size
 from tools.predict import model_file, predict, rank_bytes, train_config
 from tools.ranks import mpt
 from tools.report import header, json_line

@@ -165,7 +165,7 @@ class MptPeer:
 
 class DeepSpeedPeer:
     """DeepSpeed's pipeline engine over the same layers (built as ``mpt train --engine deepspeed`` builds
-    it, `mp_toolkit.ds.pipe`); DeepSpeed's own partition_method."""
+    it, `mp_toolkit.engine.deepspeed_pipe`); DeepSpeed's own partition_method."""
 
     def __init__(self, w: Workload, spec: dict):
         # DeepSpeed's import takes seconds and sets up its accelerator: only in this peer's processes

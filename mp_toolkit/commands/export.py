@@ -1,5 +1,5 @@
 """`mpt export`: a HuggingFace ``from_pretrained`` directory from a checkpoint
-(`mp_toolkit.hf.export_run`; imports transformers)."""
+(`mp_toolkit.export.checkpoint`; imports transformers)."""
 
 from __future__ import annotations
 

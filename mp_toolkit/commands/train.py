@@ -58,7 +58,8 @@ def plan_run(args: argparse.Namespace, env: LaunchEnv | None = None) -> RunPlan:
         device = None if env is None else device_and_backend(env.local_rank, env.local_world_size,
                                                              torch.cuda.device_count())[0]
         return resolve_run(cfg, schedule_named="schedule" in given or "schedule" in from_file,
-                           chunks_given="chunks" in given, device=device, notes=tuple(notes))
+                           chunks_given="chunks" in given, seq_len_given="seq_len" in given or "seq_len" in from_file,
+                           device=device, notes=tuple(notes))
     except ConfigError as e:
         raise blame(e, from_file, args.ds_config) from None
 

@@ -40,7 +40,7 @@ def _texts_digest(texts: list[str]) -> str:
 
 def cache_key(texts: list[str], vocab_size: int) -> str:
     """The key of the tokenizer trained on ``texts`` with ``vocab_size``: its cache file is
-    ``tokenizer-<key>.json`` (an export finds a run's tokenizer by it, `mp_toolkit.hf.run_tokenizer`)."""
+    ``tokenizer-<key>.json`` (an export finds a run's tokenizer by it, `mp_toolkit.export.tokenizer`)."""
     return hashlib.sha256(f"{_texts_digest(texts)}:{vocab_size}".encode()).hexdigest()[:16]
 
 

@@ -1,7 +1,7 @@
 """What the `mpt train` loop and checkpoints need of an engine, written down once.
 
 Two engines implement `TrainEngine`: ours (`mp_toolkit.engine.pipeline.PipelineEngine`) and the
-DeepSpeed bridge (`mp_toolkit.ds.engine.DeepSpeedPipeline`, ``--engine deepspeed``), so the loop,
+DeepSpeed bridge (`mp_toolkit.engine.deepspeed_bridge.DeepSpeedPipeline`, ``--engine deepspeed``), so the loop,
 its metrics rows and the checkpoint code call the same methods whichever trains.
 """
 

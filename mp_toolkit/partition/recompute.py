@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from mp_toolkit.arch.architectures import ARCHITECTURES
 from mp_toolkit.recompute import RecomputeError, StageRecompute, is_block, recomputed_layers, stage_choices
 from mp_toolkit.schedule import split_share
 
@@ -38,7 +39,7 @@ __all__ = ["RecomputeCosts", "apply_to_plan", "attention_core_bytes", "attention
 
 
 def attention_core_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int, tp: int = 1) -> int:
-    """Kept bytes selective recomputation drops from one block (of `cost._attention_kept`'s, on CPU).
+    """Kept bytes selective recomputation drops from one block (of `arch.costs.attention_kept`'s, on CPU).
 
     Its q, k, v (and a mask) stay, as the recomputation's inputs, and so does the output the
     projection reads. Without attention dropout the fused kernel's only other tensor is its fp32
@@ -52,10 +53,10 @@ def attention_core_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtyp
 
 def attention_core_flops(shape: ModelShape, micro_batch: int, seq_len: int, tp: int = 1) -> float:
     """Forward FLOPs of one block's attention core (Q K^T and P V; the causal ones count the lower
-    triangle, as `cost._block` does)."""
+    triangle, as `arch.costs` does)."""
     b, s = micro_batch, seq_len
     width = shape.heads * shape.hd
-    return (2.0 if shape.family in ("gpt2", "llama") else 4.0) * b * s * s * width / tp
+    return (2.0 if ARCHITECTURES[shape.family].causal else 4.0) * b * s * s * width / tp
 
 
 @dataclass(frozen=True)
@@ -212,10 +213,6 @@ def min_max_recompute(times: Sequence[float], memory: StageMemory, rc: Recompute
     return list(best[n][1]), list(best[n][2])
 
 
-SELECTIVE_FAMILIES = ("gpt2", "bert")
-"""Families whose blocks recompute their attention core alone (model_zoo's GPT and BERT)."""
-
-
 def _cap(req) -> int:
     return int(req.memory_gb * 1e9 / req.chunks)  # interleaved: each chunk gets its rank's share, as `planner.cut`
 
@@ -228,7 +225,7 @@ def choose_recompute(req, shape: ModelShape, costs: Sequence[LayerCost], times: 
     mode = req.recompute
     if mode == "none":
         return default_cut(), []
-    if mode == "selective" and shape.family not in SELECTIVE_FAMILIES:
+    if mode == "selective" and not ARCHITECTURES[shape.family].selective:
         raise PartitionError(f"--recompute selective: {shape.family} blocks have no selective recomputation; "
                              f"use --recompute full")
     rc = recompute_costs(shape, costs, times, req.micro_batch, req.seq_len, ACT_BYTES[req.precision], req.tp)
@@ -238,7 +235,7 @@ def choose_recompute(req, shape: ModelShape, costs: Sequence[LayerCost], times: 
         if req.method != "memory" or req.memory_gb is None:
             raise PartitionError("--recompute auto chooses with the cut under a memory cap: use --method memory "
                                  "--memory-gb GB")
-        modes = tuple(m for m in req.recompute_modes if m != "selective" or shape.family in SELECTIVE_FAMILIES)
+        modes = tuple(m for m in req.recompute_modes if m != "selective" or ARCHITECTURES[shape.family].selective)
         return min_max_recompute(per_layer, memory, rc, num_stages, _cap(req), stage_options(modes), split)
     try:
         fixed = stage_choices(mode, req.recompute_layers, num_stages)

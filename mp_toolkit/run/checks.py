@@ -17,21 +17,22 @@ from mp_toolkit.optim.factory import OptimizerOptions, check_optimizer_options
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute
-from mp_toolkit.run.families import ModelSpec, resolve_hf, resolve_model
+from mp_toolkit.run.families import ModelSpec, check_spec, resolve_hf, resolve_model
 from mp_toolkit.run.loggers import check_loggers
 from mp_toolkit.run.save_dir import check_fresh
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.schedule import Schedule, get_schedule
 
 
+def find_model(cfg: TrainConfig) -> ModelSpec:
+    """The model ``cfg.model`` (or ``cfg.hf``) names, read once, not yet checked against the run."""
+    return resolve_hf(cfg.hf) if cfg.hf is not None else resolve_model(cfg.model)
+
+
 def model_spec(cfg: TrainConfig) -> ModelSpec:
-    """The model ``cfg.model`` (or ``cfg.hf``) names, with the sequence length checked against it."""
-    if cfg.hf is not None:
-        return resolve_hf(cfg.hf, cfg)  # also seq-len, the HF tensor-parallel plan's sizes, the tokenizer
-    spec = resolve_model(cfg.model)
-    if cfg.seq_len > spec.positions:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s {spec.positions} positions: "
-                          f"use at most {spec.positions}")
+    """The model ``cfg.model`` (or ``cfg.hf``) names, with the run checked against it (`check_spec`)."""
+    spec = find_model(cfg)
+    check_spec(spec, cfg)
     return spec
 
 
@@ -102,16 +103,17 @@ class Checked:
     schedule: Schedule
 
 
-def validate(cfg: TrainConfig, planned=None) -> Checked:
+def validate(cfg: TrainConfig, planned=None, spec: ModelSpec | None = None) -> Checked:
     """Every check that needs no process group: fail before any rank starts. Returns what the checks
     decided (a ``--partition time`` cut is measured when the ranks start; here it is the FLOPs cut).
     ``planned``: the schedule candidate's plan (`run.recompute_plan.choose_schedule`), whose cut
-    ``--recompute auto`` takes instead of planning it again."""
+    ``--recompute auto`` takes instead of planning it again; ``spec``: the model, already read (`find_model`)."""
     _validate_numbers(cfg)
     _validate_paths(cfg)
     check_engine(cfg)  # --engine deepspeed's limits (imports no DeepSpeed)
     check_loggers(cfg)  # tensorboard / wandb installed when asked for
-    spec = model_spec(cfg)
+    spec = find_model(cfg) if spec is None else spec
+    check_spec(spec, cfg)
     try:
         check_tensor_parallel(cfg.tp, **spec.tp_sizes())
     except ValueError as e:
@@ -131,7 +133,7 @@ def validate(cfg: TrainConfig, planned=None) -> Checked:
 def check_received(cfg: TrainConfig, boundaries: tuple[int, ...], recompute: tuple[StageRecompute, ...]) -> Checked:
     """What a rank needs of a run whose checks and cut the process that started it made
     (`run.plan.RunPlan.received`): this rank's model spec and the schedule, nothing planned."""
-    return Checked(model_spec(cfg), tuple(boundaries), tuple(recompute), _schedule(cfg))
+    return Checked(find_model(cfg), tuple(boundaries), tuple(recompute), _schedule(cfg))
 
 
 def _schedule(cfg: TrainConfig) -> Schedule:

@@ -80,7 +80,7 @@ def deepspeed_engine(run: RunPlan, ctx: ParallelContext, model: torch.nn.Module,
                      values: bool = True) -> DeepSpeedPipeline:
     """``--engine deepspeed``: DeepSpeed's PipelineEngine handed the cut `build_engine` plans for ours (a
     "time" cut is measured on rank 0 and broadcast over ``ctx``), the same loss and optimizer
-    (`mp_toolkit.ds.engine`; DeepSpeed is imported only then). No tensor parallelism (`check_engine`)."""
+    (`mp_toolkit.engine.deepspeed_bridge`; DeepSpeed is imported only then). No tensor parallelism (`check_engine`)."""
     cfg = run.cfg
     layers = LayerList.from_model(model)
     boundaries = cut_of(run, layers, model, ctx)
@@ -115,7 +115,7 @@ def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: 
     """When ``model`` was built on meta (`mp_toolkit.parallel.materialize`): give the layers at ``keep``
     real storage on ``ctx.device``, each parameter its share of ``model.initial_value``, or of
     ``model.shard_value`` where the model reads its shares directly (an HF directory's safetensors,
-    `mp_toolkit.run.hf_source.HFModel`). The other layers stay on meta and are never allocated.
+    `mp_toolkit.hf.model.HFModel`). The other layers stay on meta and are never allocated.
     ``values=False``: storage only, for a run that resumes -- its checkpoint fills every parameter,
     so nothing is drawn or read from the HF files first."""
     if any(p.is_meta for p in layers.parameters()):

@@ -48,7 +48,7 @@ class TrainConfig:
     data-parallel replicas; DeepSpeed's zero_optimization.stage 1; `mp_toolkit.engine.zero`)."""
     engine: str = "mp_toolkit"
     """Which pipeline engine trains: mp_toolkit (ours: every schedule, tp, checkpoints) or deepspeed
-    (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.ds.engine`)."""
+    (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.engine.deepspeed_bridge`)."""
     schedule: str = "1f1b"
     """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks), zbh1 (zero bubble) or zbdrain
     (1F1B whose drain runs deferred weight gradients, `mp_toolkit.schedule.zero_bubble`)."""

@@ -160,13 +160,23 @@ def _hf():
 
 
 def resolve_hf(directory: str, cfg: TrainConfig | None = None) -> ModelSpec:
-    """``--hf DIR`` -> ModelSpec("hf", HFSource), checked against the run ``cfg`` when given (seq-len,
-    the HF tensor-parallel plan's sizes, every weight's header, the tokenizer); one-line ConfigError
-    for a directory that cannot work."""
-    source = _hf().read_source(directory)
+    """``--hf DIR`` -> ModelSpec("hf", HFSource), checked against the run ``cfg`` when given
+    (`check_spec`); one-line ConfigError for a directory that cannot work."""
+    spec = ModelSpec("hf", _hf().read_source(directory))
     if cfg is not None:
-        _hf().check_hf(source, cfg)
-    return ModelSpec("hf", source)
+        check_spec(spec, cfg)
+    return spec
+
+
+def check_spec(spec: ModelSpec, cfg: TrainConfig) -> None:
+    """One-line ConfigError where the run ``cfg`` cannot train ``spec``'s model: a sequence longer than its
+    positions; for an HF directory also the HF tensor-parallel plan's sizes, every weight's header and the
+    tokenizer (`hf_family.check_hf`)."""
+    if spec.family == "hf":
+        _hf().check_hf(spec.config, cfg)
+    elif cfg.seq_len > spec.positions:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s {spec.positions} positions: "
+                          f"use at most {spec.positions}")
 
 
 def family_of(model: nn.Module) -> Family:

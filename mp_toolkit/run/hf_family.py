@@ -30,7 +30,7 @@ from mp_toolkit.data.corpus import DataError
 from mp_toolkit.data.lm import MicroBatches, build_lm_dataset, rank0_first
 from mp_toolkit.data.mlm import SPECIAL_TOKENS, MLMMicroBatches, build_mlm_corpus, tokenized_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
-from mp_toolkit.data.tokens import load_tokenizer_file
+from mp_toolkit.data.tokens import MIN_VOCAB, load_tokenizer_file
 from mp_toolkit.hf.adapters import UnsupportedModelError
 from mp_toolkit.hf.configs import architecture_for, load_config
 from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss
@@ -41,8 +41,6 @@ from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.agree import agree
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import ConfigError, TrainConfig
-
-BPE_MIN_VOCAB = 257  # `mp_toolkit.data.tokens.train_tokenizer`: 256 bytes + <|endoftext|> (BERT: + 4 specials)
 
 
 def read_source(directory: str) -> HFSource:
@@ -80,7 +78,7 @@ def check_hf(source: HFSource, cfg: TrainConfig) -> None:
     check_weights(source)
     if source.tokenizer_file is not None and cfg.data != "synthetic":
         _check_tokenizer(source)
-    need = BPE_MIN_VOCAB + 4 * source.is_bert
+    need = MIN_VOCAB + len(SPECIAL_TOKENS) * source.is_bert  # `data.tokens.train_tokenizer`'s floor
     if source.tokenizer_file is None and cfg.data != "synthetic" and source.vocab_size < need:
         raise ConfigError(f"--hf {source.path} has no tokenizer.json and its vocab_size {source.vocab_size} is too "
                           f"small to train one (byte-level BPE needs at least {need}): add DIR/tokenizer.json "

@@ -3,12 +3,14 @@
 `resolve_run` takes the merged `TrainConfig` (flags over a DeepSpeed config over the defaults) and
 decides, in this order, each thing once:
 
-1. the precision (``auto``: bf16 where this device multiplies it fast, else fp32), so that every
-   check, ``--dry-run`` and the planner see the precision the ranks will train in;
+1. the model (``--hf`` reads its files' headers here, once), the sequence length where none was
+   given (128, or the model's positions when it has fewer), and the precision (``auto``: bf16 where
+   this device multiplies it fast, else fp32), so that every check, ``--dry-run`` and the planner see
+   what the ranks will train;
 2. the schedule and its chunks (``--schedule auto``, or the planner's pick when none is named;
    `run.recompute_plan.choose_schedule`), keeping the winning candidate's plan;
-3. every check that needs no process group, the model spec (``--hf`` reads its files' headers
-   here, once), the cut and each stage's recomputation, the schedule's actions (`run.checks`);
+3. every check that needs no process group, the cut and each stage's recomputation, the
+   schedule's actions (`run.checks`);
 4. ``mpt plan``'s prediction for that cut: the winning candidate's plan where it planned this cut,
    else one plan of it (`run.predict.run_plan`).
 
@@ -30,7 +32,7 @@ import torch
 from mp_toolkit.errors import ConfigError
 from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.recompute import StageRecompute
-from mp_toolkit.run.checks import Checked, check_received, validate
+from mp_toolkit.run.checks import Checked, check_received, find_model, validate
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.families import ModelSpec
 from mp_toolkit.run.predict import run_plan
@@ -86,7 +88,8 @@ class RunPlan:
 
     def to_json(self) -> dict:
         """The decisions a rank cannot repeat without planning: what `received` takes back."""
-        return {"format": RUN_PLAN_FORMAT, "precision": self.cfg.precision, "schedule": self.cfg.schedule,
+        return {"format": RUN_PLAN_FORMAT, "seq_len": self.cfg.seq_len, "precision": self.cfg.precision,
+                "schedule": self.cfg.schedule,
                 "chunks": self.cfg.chunks, "boundaries": list(self.boundaries),
                 "recompute": [[c.mode, c.layers] for c in self.recompute],
                 "stage_bytes": None if self.stage_bytes is None else list(self.stage_bytes)}
@@ -98,7 +101,8 @@ class RunPlan:
         if not isinstance(doc, dict) or doc.get("format") != RUN_PLAN_FORMAT:
             raise ConfigError("MPT_RUN_PLAN is not a run plan of this mpt: start the ranks with mpt train or a "
                               "launcher, not with MPT_RUN_PLAN set by hand")
-        cfg = dataclasses.replace(cfg, precision=doc["precision"], schedule=doc["schedule"], chunks=doc["chunks"])
+        cfg = dataclasses.replace(cfg, seq_len=doc["seq_len"], precision=doc["precision"], schedule=doc["schedule"],
+                                  chunks=doc["chunks"])
         recompute = tuple(StageRecompute(mode, layers) for mode, layers in doc["recompute"])
         checked = check_received(cfg, tuple(doc["boundaries"]), recompute)
         stage_bytes = doc["stage_bytes"]
@@ -107,18 +111,25 @@ class RunPlan:
 
 
 def resolve_run(cfg: TrainConfig, *, schedule_named: bool = True, chunks_given: bool = False,
-                device: torch.device | None = None, notes: tuple[str, ...] = ()) -> RunPlan:
+                seq_len_given: bool = True, device: torch.device | None = None,
+                notes: tuple[str, ...] = ()) -> RunPlan:
     """Decide ``cfg``'s run once (the module's docstring gives the order). ``schedule_named``: the
     command line or the DeepSpeed config named a schedule (else the planner picks one for our
     engine at pp > 1); ``chunks_given``: ``--chunks`` was given (``--schedule auto`` keeps it);
+    ``seq_len_given``: ``--seq-len`` was given (else a model with fewer positions than the default
+    trains at its positions, and a line says so);
     ``device``: where ``--precision auto`` is resolved for (default: CUDA when there is one, else
     the CPU). Raises `ConfigError` (one line) for a run that cannot work."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    spec = find_model(cfg)
+    if not seq_len_given and 0 < spec.positions < cfg.seq_len:
+        notes = (*notes, f"--seq-len {spec.positions}: the model's positions (the default, {cfg.seq_len}, exceeds them)")
+        cfg = dataclasses.replace(cfg, seq_len=spec.positions)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))
     cfg, line, candidate = choose_schedule(cfg, schedule_named, chunks_given)
     notes = (*notes, line) if line else tuple(notes)
-    checked = validate(cfg, planned=candidate)
+    checked = validate(cfg, planned=candidate, spec=spec)
     if candidate is not None and _plans_cut(candidate, checked):
         prediction = candidate
     else:
