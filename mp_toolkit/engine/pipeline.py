@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from mp_toolkit.engine.embedding_rows import accumulate_by_rows
 from mp_toolkit.engine.executor import Executor, final_weight_grad_actions
 from mp_toolkit.engine.shapes import ShapePass
 from mp_toolkit.engine.reductions import global_mean_loss, trust_ratio_rows
@@ -123,6 +124,8 @@ class PipelineEngine:
         dtype = precision_dtype(precision)
         self.stages = {s: layer_list.slice(boundaries[s], boundaries[s + 1], s).to(ctx.device, dtype)
                        for s in self.schedule.stages_of(ctx.pp_rank)}
+        for stage in self.stages.values():  # embedding gradients without a dense (V, C) temporary per micro-batch
+            accumulate_by_rows(stage)
         self.stage = self.stages[min(self.stages)]  # the first (with one chunk: the only) stage
         self.ties = TiedGradients(layer_list, boundaries, ctx, self.stages, self.schedule.stage_to_rank)
         self.p2p = make_p2p(ctx.device) if ctx.pp > 1 else None  # CUDA over gloo: staged through the host
