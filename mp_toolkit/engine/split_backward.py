@@ -77,20 +77,26 @@ class WeightPass:
 
     def _run_groups(self) -> None:
         for group in self.groups:
-            edges, grads = [], []
-            for node in group.nodes:
-                for i, g in enumerate(self.recorded.get(node, ())):
-                    if g is not None:
-                        edges.append(GradientEdge(node, i))
-                        grads.append(g)
-            if not edges:  # no gradient reached this group: its weights get none, as in a full backward
-                continue
-            # Each group's nodes are its own (see `_groups`), so its part of the graph is freed here.
-            got = torch.autograd.grad(edges, [get_gradient_edge(p) for p in group.params], grads,
-                                      allow_unused=True)
-            for p, g in zip(group.params, got):
+            self._run_group(group)
+
+    def _run_group(self, group: _Group) -> None:
+        """One group's weight gradients, added to ``.grad``. Its recorded gradients are dropped as
+        it starts (its nodes are its own), and what autograd returns, a temporary after a step's
+        first micro-batch, on return: a loop over the groups that kept it would hold one group's
+        temporaries while the next group's are made."""
+        edges, grads = [], []
+        for node in group.nodes:
+            for i, g in enumerate(self.recorded.pop(node, ())):
                 if g is not None:
-                    _accumulate(p, g)
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:  # no gradient reached this group: its weights get none, as in a full backward
+            return
+        # Each group's nodes are its own (see `_groups`), so its part of the graph is freed here.
+        got = torch.autograd.grad(edges, [get_gradient_edge(p) for p in group.params], grads, allow_unused=True)
+        for p, g in zip(group.params, got):
+            if g is not None:
+                _accumulate(p, g)
 
 
 def one_recomputation():
