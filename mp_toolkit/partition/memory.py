@@ -18,6 +18,7 @@ only on (stage, position). ``O(p * n^2)`` segment checks; ``n`` = layers, ``p`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import zip_longest
 from numbers import Real
 from typing import Sequence
 
@@ -42,11 +43,12 @@ class StageMemory:
     freed before the step), plus a fixed part::
 
         sum(static[a:b]) + max(inflight[j] * sum(activation[a:b] (+ recorded[a:b] if j > 0))
-                               + max(workspace[a:b]),
+                               + max(workspace[a:b] + accumulated[a:b]),
                                sum(step_transient[a:b])) + fixed
 
     where a schedule that splits backwards counts activations and recorded gradients by ``held``
-    (`kept`) instead of ``inflight[j]`` times both.
+    (`kept`) instead of ``inflight[j]`` times both, and the last term is the running layer's
+    (`transient`).
     """
 
     static: Sequence[int]
@@ -57,6 +59,14 @@ class StageMemory:
     """Per stage: peak micro-batches whose activations the stage holds at once."""
     workspace: Sequence[int] = ()
     """Per layer: transient bytes while it runs (the largest on the stage counts)."""
+    accumulated: Sequence[int] = ()
+    """Per layer: bytes of the largest gradient its backward hands to ``.grad`` at once. In every
+    backward of a step but the first, that gradient is a temporary beside the accumulated one
+    (``AccumulateGrad``: ``grad += new``; ZB-H1's W adds the same way), so it counts on top of
+    the layer's workspace; the first backward's becomes ``.grad`` (static bytes). For GPT-2 at
+    fp32: the LM head's (V, C) matrix, 206 MB for gpt2-medium, and a block's MLP matrix, 16.8 MB;
+    an embedding's is one row per distinct token (`mp_toolkit.engine.embedding_rows`). Empty or
+    zeros with one micro-batch per step."""
     fixed: int = 0
     """Per stage: bytes independent of the layers (receive buffers, runtime)."""
     step_transient: Sequence[int] = ()
@@ -80,6 +90,7 @@ class StageMemory:
         object.__setattr__(self, "_pa", _prefix(self.activation))
         object.__setattr__(self, "_pr", _prefix(self.recorded or [0] * len(self.static)))
         object.__setattr__(self, "_pt", _prefix(self.step_transient or [0] * len(self.static)))
+        object.__setattr__(self, "_tr", [w + c for w, c in zip_longest(self.workspace, self.accumulated, fillvalue=0)])
 
     def kept(self, stage: int, a: int, b: int, saved: int = 0) -> int:
         """Bytes of activations and recorded gradients stage ``stage`` holds over layers ``[a, b)``
@@ -106,9 +117,13 @@ class StageMemory:
                 return max(sum(c[i] * nbytes for i, nbytes in per_mb) for c in counts)
         return sum(self.kept(j, a, b) for j, a, b in spans)
 
+    def transient(self, a: int, b: int) -> int:
+        """Bytes beside the kept ones while the largest of layers ``[a, b)`` runs its backward: its
+        workspace and its accumulation temporary."""
+        return max(self._tr[a:b], default=0)
+
     def __call__(self, stage: int, a: int, b: int) -> int:
-        ws = max(self.workspace[a:b], default=0) if self.workspace else 0
-        schedule_peak = self.kept(stage, a, b) + ws
+        schedule_peak = self.kept(stage, a, b) + self.transient(a, b)
         return (self._ps[b] - self._ps[a]) + max(schedule_peak, self._pt[b] - self._pt[a]) + self.fixed
 
     def of_rank(self, spans: Sequence[tuple[int, int, int]]) -> int:
@@ -116,7 +131,7 @@ class StageMemory:
         share one process: static bytes, kept activations and step temporaries add up, but the
         largest workspace among all its layers and the fixed part count once::
 
-            sum(static) + max(sum(inflight[j] * activation[a:b]) + max(workspace), sum(step_transient)) + fixed
+            sum(static) + max(sum(inflight[j] * activation[a:b]) + max(transient), sum(step_transient)) + fixed
 
         where the kept sum is taken at the rank's peaks (``rank_held``) when the schedule gives them.
         """
@@ -124,7 +139,7 @@ class StageMemory:
             return 0
         static = sum(self._ps[b] - self._ps[a] for _, a, b in spans)
         kept = self._kept_together(spans)
-        ws = max((max(self.workspace[a:b], default=0) for _, a, b in spans), default=0) if self.workspace else 0
+        ws = max(self.transient(a, b) for _, a, b in spans)
         step = sum(self._pt[b] - self._pt[a] for _, a, b in spans)
         return static + max(kept + ws, step) + self.fixed
 
