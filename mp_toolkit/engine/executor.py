@@ -82,13 +82,15 @@ class Executor:
         self.handlers = {Kind.F: self._forward, Kind.B: self._backward,
                          Kind.I: self._backward_input, Kind.W: self._backward_weight}
 
-    def run(self, actions: Sequence[Action], microbatches: Sequence[MicroBatch],
-            loss_divisor: int = 1, loss_scale: float = 1.0, grad: bool = True,
+    def run(self, actions: Sequence[Action], batches: Sequence[MicroBatch],
+            microbatches: int = 1, loss_scale: float = 1.0, grad: bool = True,
             on_grads_final: Callable[[int], None] | None = None,
             send_waits: dict[int, list[int]] | None = None) -> list[torch.Tensor]:
-        """Run ``actions``; return the losses / m of the micro-batches (last stage only).
+        """Run ``actions`` over ``batches`` (the global batch's micro-batches); return the losses /
+        ``microbatches`` of the micro-batches (last stage only).
 
-        ``loss_divisor`` divides each micro-batch loss before backward (m, for accumulation);
+        ``microbatches`` (the micro-batch count m of the step) divides each micro-batch loss before
+        backward (gradient accumulation, DESIGN.md invariant 5);
         ``loss_scale`` multiplies the loss that is differentiated (fp16 loss scaling), not the
         one returned.
         ``grad=False`` runs forward-only actions under no_grad (evaluation).
@@ -102,8 +104,8 @@ class Executor:
         """
         final = final_weight_grad_actions(actions) if on_grads_final is not None else {}
         # every rank of the pipeline walks the same micro-batches here, so new shapes are agreed together
-        self.input_specs = self.shapes.for_batch(microbatches)
-        self._mbs, self._div, self._scale, self._grad = microbatches, loss_divisor, loss_scale, grad
+        self.input_specs = self.shapes.for_batch(batches)
+        self._mbs, self._div, self._scale, self._grad = batches, microbatches, loss_scale, grad
         self._inputs: dict = {}
         self._outputs: dict = {}
         self._grads: dict = {}

@@ -202,7 +202,7 @@ class PipelineEngine:
         mbs = self._next_global_batch(data_iter)
         actions = self.schedule.rank_actions(self.ctx.pp_rank)
         post = self.dp_grads.start_grad_sync if self.dp_grads is not None else None
-        losses = self.executor.run(actions, mbs, loss_divisor=self.microbatches, loss_scale=self.step.loss_scale,
+        losses = self.executor.run(actions, mbs, microbatches=self.microbatches, loss_scale=self.step.loss_scale,
                                                on_grads_final=post, send_waits=self._send_waits)
         result = self.step(nonfinite_loss=bool(losses) and not bool(torch.stack(losses).isfinite().all()))
         return StepStats(loss=global_mean_loss(losses, self.ctx, self.stage_to_rank[-1]), grad_norm=result.grad_norm,
@@ -250,6 +250,6 @@ class PipelineEngine:
         loss_fn = executor.loss_fn
         executor.loss_fn = metrics_fn or loss_fn
         try:
-            return executor.run(actions, mbs, loss_divisor=self.microbatches, grad=False)
+            return executor.run(actions, mbs, microbatches=self.microbatches, grad=False)
         finally:
             executor.loss_fn = loss_fn

@@ -83,7 +83,9 @@ class ShardedMasters:
                 self._at[id(p)] = (bucket, piece.offset)
         empty = [p for p in self.model if id(p) not in self._piece]
         for p in empty:  # no element here: an empty stand-in keeps `of` total (tied sums, norms)
-            self._piece[id(p)] = torch.zeros(0, dtype=torch.float32, device=p.device)
+            t = torch.zeros(0, dtype=torch.float32, device=p.device).requires_grad_(True)
+            t.zero_piece = ZeroPiece(tuple(p.shape), slot.get(id(p), -1), False, partials)
+            self._piece[id(p)] = t
         self.master = [self._piece[id(p)] for p in self.model if id(p) in self._at]
 
     def of(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -91,7 +93,12 @@ class ShardedMasters:
         return self._piece[id(param)]
 
     def named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
-        """The optimizer's tensors by their parameters' names: the non-empty pieces."""
+        """The optimizer's tensors by their parameters' names: the non-empty pieces. A replica that
+        holds no element of any of them (small buckets over many replicas) gets the empty stand-ins:
+        its optimizer steps nothing but still joins the collectives of the others' steps (LAMB and
+        LARS sum whole-tensor norms over the dp group)."""
+        if not self._at:
+            return [(n, self._piece[id(p)]) for n, p in named]
         return [(n, self._piece[id(p)]) for n, p in named if id(p) in self._at]
 
     def grads_to_master(self, inv_scale: float) -> None:
