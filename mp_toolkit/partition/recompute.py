@@ -112,6 +112,7 @@ class _Segments:
         self._pt = _prefix(self.time)
         self._ps = _prefix(memory.step_transient or [0] * n)
         self.blocks = [i for i in range(n) if rc.block[i]]
+        self.accumulated = list(memory.accumulated) or [0] * n
 
     def blocks_in(self, a: int, b: int) -> list[int]:
         return [i for i in self.blocks if a <= i < b]
@@ -124,11 +125,12 @@ class _Segments:
         extra = sum((self.full_t if full else self.sel_t)[i] for i in chosen)
         times_run = 1 + (self.split[j] if j < len(self.split) else 0)  # a split backward's I and W each rebuild
         m = self.memory
-        ws = max(m.workspace[a:b], default=0) if m.workspace else 0
+        ws = m.transient(a, b)
         peak = m.kept(j, a, b) + ws
         step = self._ps[b] - self._ps[a]
-        new_ws = max([ws] + ([self.rc.full_workspace[i] for i in chosen] if full else []))
-        new_peak = m.kept(j, a, b, saved) + new_ws
+        # a fully recomputed block's backward rebuilds its activations beside its accumulation temporary
+        rebuilt = [self.rc.full_workspace[i] + self.accumulated[i] for i in chosen] if full else []
+        new_peak = m.kept(j, a, b, saved) + max([ws] + rebuilt)
         nbytes = m(j, a, b) - max(peak, step) + max(new_peak, step)
         return nbytes, self._pt[b] - self._pt[a] + round(times_run * extra)
 
