@@ -156,10 +156,12 @@ def test_memory_method_is_optimal_among_cuts_that_fit(tmp_path):
     assert loose.boundaries == plan(method="flops", **kw).boundaries  # a cap that binds nothing
     with pytest.raises(PartitionError, match="use --memory-gb") as e:
         plan(method="memory", memory_gb=0.001, **kw)
-    smallest = float(str(e.value).split("use --memory-gb ")[1].split()[0])
-    capped = plan(method="memory", memory_gb=smallest, **kw)  # the suggested cap is feasible
-    assert all(s.memory_bytes <= smallest * 1e9 for s in capped.stages)
-    assert capped.boundaries != loose.boundaries  # and binding: the fastest cut does not fit it
+    suggested = float(str(e.value).split("use --memory-gb ")[1].split()[0])
+    fits = plan(method="memory", memory_gb=suggested, **kw)  # the suggested cap is feasible
+    assert all(s.memory_bytes <= suggested * 1e9 for s in fits.stages) and not fits.warnings
+    # the least cap (the suggestion rounds it up to two digits) binds: the fastest cut does not fit it
+    capped = plan(method="memory", memory_gb=e.value.needed_gb * 1.001, **kw)
+    assert capped.boundaries != loose.boundaries
     assert capped.max_stage_time_ms > loose.max_stage_time_ms
     assert not capped.warnings
 

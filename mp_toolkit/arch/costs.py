@@ -5,7 +5,9 @@ on one of ``tp`` tensor-parallel ranks, ``d`` bytes per activation element (``n 
 pieces (`LayerArithmetic`); the accounting (what counts as a FLOP, what autograd keeps) is that
 module's docstring. Each piece returns parameters, forward FLOPs (layers without matrix products:
 none) and the bytes kept from forward to backward, as saved-tensor hooks count them on CPU
-(`tests/test_cost.py`, `tests/test_cost_families.py`).
+(`tests/test_cost.py`, `tests/test_cost_families.py`). A fifth (`LargestParameters`) gives the
+elements of each kind of layer's largest parameter: the largest gradient its backward hands to
+``.grad`` at once.
 """
 from __future__ import annotations
 
@@ -13,6 +15,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mp_toolkit.arch.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class LargestParameters:
+    """Elements of the largest parameter of each kind of layer on one tensor-parallel rank."""
+
+    embedding: int
+    """The vocabulary table's shard (the position and token-type tables are smaller)."""
+    block: int
+    """The block's largest matrix (GPT-2: the MLP's h x f, or the fused qkv's 3h x h where larger)."""
+    final_norm: int
+    head: int
+    """The vocabulary projection's shard."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +42,8 @@ class LayerArithmetic:
     """(shape, n, d) -> (parameters, kept bytes); None: the architecture has no final norm layer."""
     head: Callable[[ModelShape, int, int, int, int], tuple[int, float, int]]
     """(shape, b, s, d, tp) -> (parameters, forward FLOPs, kept bytes) of the head with its loss."""
+    largest: Callable[[ModelShape, int], LargestParameters]
+    """(shape, tp) -> each kind of layer's largest parameter."""
     mask_bytes: int = 0
     """Bytes per token every message carries beside the hidden state (BERT: its int64 padding mask)."""
 
@@ -165,6 +182,30 @@ def bert_heads(shape: ModelShape, b: int, s: int, d: int, tp: int) -> tuple[int,
     return params, flops, kept + 3 * n * h * d
 
 
-GPT2_LAYERS = LayerArithmetic(learned_embedding, gpt2_block, layer_norm, lm_head)
-BERT_LAYERS = LayerArithmetic(bert_embedding, bert_block, None, bert_heads, mask_bytes=8)
-LLAMA_LAYERS = LayerArithmetic(rotary_embedding, llama_block, rms_norm, lm_head)
+# Largest parameters: the vocabulary table and projection shard over tp, and so do the block's matrices.
+
+def _largest(shape: ModelShape, tp: int, block_matrix: int) -> LargestParameters:
+    """The vocabulary tables and a block's largest ``block_matrix`` elements (before sharding) on one rank."""
+    table = shape.vocab_size // tp * shape.hidden
+    return LargestParameters(table, block_matrix // tp, shape.hidden, table)
+
+
+def gpt2_largest(shape: ModelShape, tp: int) -> LargestParameters:
+    """GPT-2: the fused qkv (3h x h) or an MLP matrix (f x h)."""
+    return _largest(shape, tp, max(3 * shape.hidden, shape.ffn) * shape.hidden)
+
+
+def bert_largest(shape: ModelShape, tp: int) -> LargestParameters:
+    """BERT: q, k, v and the output projection are h x h each; the MLP's f x h. Its heads' largest is
+    the MLM decoder (the transform is h x h)."""
+    return _largest(shape, tp, max(shape.hidden, shape.ffn) * shape.hidden)
+
+
+def llama_largest(shape: ModelShape, tp: int) -> LargestParameters:
+    """Llama family: q (and o) are heads x head_dim by h, gate, up and down f x h."""
+    return _largest(shape, tp, max(shape.heads * shape.hd, shape.ffn) * shape.hidden)
+
+
+GPT2_LAYERS = LayerArithmetic(learned_embedding, gpt2_block, layer_norm, lm_head, gpt2_largest)
+BERT_LAYERS = LayerArithmetic(bert_embedding, bert_block, None, bert_heads, bert_largest, mask_bytes=8)
+LLAMA_LAYERS = LayerArithmetic(rotary_embedding, llama_block, rms_norm, lm_head, llama_largest)

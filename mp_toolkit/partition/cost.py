@@ -19,6 +19,9 @@ sequences of ``s`` tokens (``N = b*s``), hidden size ``h``, MLP size ``f``, voca
   Llama blocks follow the same accounting for their layers (Llama: gated MLP, rotated q/k).
 * **Static bytes** per parameter depend on precision and optimizer (`bytes_per_param`), and so do the
   optimizer step's temporaries (`step_bytes_per_param`); both match a measured step.
+* **Accumulation temporaries**: after a step's first micro-batch every backward hands each weight
+  gradient to ``.grad`` as a temporary beside it (``grad += new``), the largest parameter's at once
+  (`LayerCost.accumulated_bytes`); an embedding's, by rows, one row per distinct token (and one).
 
 With tensor parallelism ``tp`` the sharded matrices (and their FLOPs and activations) divide by
 ``tp``; norms, position embeddings and biases of row-parallel layers are replicated.
@@ -118,6 +121,9 @@ class LayerCost:
     """The message this layer sends when a stage ends after it."""
     workspace_bytes: int = 0
     """Transient bytes during its backward beyond the kept activations (logits gradients)."""
+    accumulated_bytes: int = 0
+    """The largest gradient its backward hands to ``.grad`` at once, a temporary beside ``.grad`` in
+    every backward of a step after the first (`mp_toolkit.partition.memory.StageMemory.accumulated`)."""
 
 
 def layer_costs(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str = "fp32",
@@ -129,17 +135,24 @@ def layer_costs(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str = 
     b, s, d = micro_batch, seq_len, ACT_BYTES[dtype]
     n, h, v = b * s, shape.hidden, shape.vocab_size
     msg = n * h * d + n * rules.mask_bytes
+    largest = rules.largest(shape, tp)  # gradients are in the parameters' dtype: d bytes per element
     params, kept = rules.embedding(shape, b, s, d, tp)
-    out = [LayerCost(*kinds.embedding, params, 0.0, 0.0, kept, msg)]
+    # at tp 1 the tables are nn.Embedding, accumulated by rows (`engine.embedding_rows`): a row per distinct
+    # token and a padding row; a vocabulary-parallel table is dense. A stage holding both ends of a tie keeps
+    # it dense too, beside the head's: its static bytes count the tied weight twice, which covers that.
+    rows = (min(n, v) + 1) * h if tp == 1 else largest.embedding
+    out = [LayerCost(*kinds.embedding, params, 0.0, 0.0, kept, msg, accumulated_bytes=rows * d)]
     params, flops, kept = rules.block(shape, b, s, d, tp)
     name, kind = kinds.block
-    out += [LayerCost(name.format(i=i), kind, params, flops, 2 * flops, kept, msg) for i in range(shape.num_layers)]
+    out += [LayerCost(name.format(i=i), kind, params, flops, 2 * flops, kept, msg,
+                      accumulated_bytes=largest.block * d) for i in range(shape.num_layers)]
     if rules.final_norm is not None:
         params, kept = rules.final_norm(shape, n, d)
-        out.append(LayerCost(*kinds.final_norm, params, 0.0, 0.0, kept, msg))
+        out.append(LayerCost(*kinds.final_norm, params, 0.0, 0.0, kept, msg, accumulated_bytes=largest.final_norm * d))
     params, flops, kept = rules.head(shape, b, s, d, tp)
     workspace = n * (v // tp) * (d + 8)  # logits, their fp32 copy and gradient during backward
-    out.append(LayerCost(*kinds.head, params, flops, 2 * flops, kept, n * (v // tp) * d, workspace))
+    out.append(LayerCost(*kinds.head, params, flops, 2 * flops, kept, n * (v // tp) * d, workspace,
+                         largest.head * d))
     return out
 
 

@@ -8,7 +8,7 @@
    tensor parallelism adds its all-reduces to each block;
 3. the cut (`cut`): uniform, parameters, flops, time, ``type:REGEX``, or memory (`memory.py`);
 4. per-stage static + in-flight memory, with the in-flight count taken from the schedule the
-   run would execute;
+   run would execute, and the running layer's workspace and accumulation temporary;
 5. the simulated timeline (`schedule.simulate`) with a latency/bandwidth term per message,
    plus the optimizer step and the data-parallel gradient all-reduce: bubble, step time, tokens/s.
 """
@@ -240,9 +240,11 @@ def make_plan(req: PlanRequest) -> Plan:
     zero_dp = req.dp if req.zero else 1
     bpp = bytes_per_param(req.precision, req.optimizer, zero_dp=zero_dp)
     msg_in = max(c.output_bytes for c in costs[:-1]) if len(costs) > 1 else 0
+    # one micro-batch per step: its gradients become .grad, nothing is accumulated beside them
+    accumulated = [c.accumulated_bytes for c in costs] if req.microbatches > 1 else []
     memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
-                         inflight=inflight, workspace=[c.workspace_bytes for c in costs], fixed=2 * msg_in + residue,
-                         step_transient=step_bytes, recorded=lt.recorded,
+                         inflight=inflight, workspace=[c.workspace_bytes for c in costs], accumulated=accumulated,
+                         fixed=2 * msg_in + residue, step_transient=step_bytes, recorded=lt.recorded,
                          held=held, rank_held=rank_held)
     try:
         bounds, choices = choose_recompute(req, shape, costs, times, memory, num_stages, lambda: cut(
