@@ -11,9 +11,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
-from model_zoo.config_io import check_type, read_config_json
-
 import torch.nn.functional as F
+
+from model_zoo.config_io import check_type, read_config_json
 
 # hidden_act -> the function (HF's ACT2FN spellings). HF's "gelu" is the exact erf form;
 # "gelu_new" is the tanh approximation, which F.gelu(approximate="tanh") computes to ~1e-7.

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from model_zoo.config_io import check_type, read_config_json
-from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules, transformer_rules
-from model_zoo.recompute import attention_core
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from model_zoo.config_io import check_type, read_config_json
+from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules, transformer_rules
+from model_zoo.recompute import attention_core
 
 # activation_function -> the ``approximate`` argument of F.gelu.
 # HF's "gelu_new" is the tanh approximation; "gelu" is the exact erf form.

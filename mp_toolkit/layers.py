@@ -47,7 +47,7 @@ class LayerList(nn.Module):
             raise ValueError(f"layer names must be unique, got {names}")
         self.names: tuple[str, ...] = tuple(names)
         self.layers = nn.ModuleList([module for _, module in layers])
-        self.tie_groups: tuple[TieGroup, ...] = tuple(tuple((l, p) for l, p in g) for g in tie_groups)
+        self.tie_groups: tuple[TieGroup, ...] = tuple(tuple((name, path) for name, path in g) for g in tie_groups)
         for group in self.tie_groups:
             for layer_name, param_path in group:
                 if layer_name not in self.names:

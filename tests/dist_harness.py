@@ -69,7 +69,8 @@ def _collect(results, procs: list, timeout_s: float) -> tuple[dict, list[str]]:
             for r, p in enumerate(procs):
                 if r not in out and p.exitcode is not None:
                     exited_at.setdefault(r, now)
-            silent = [r for r, at in exited_at.items() if r not in out and now - at > 2.0]  # a report sent at exit has arrived
+            # 2 s after a rank exits, a report it sent at exit has arrived
+            silent = [r for r, at in exited_at.items() if r not in out and now - at > 2.0]
             if silent:
                 errors.append(f"rank {silent[0]} exited with code {procs[silent[0]].exitcode} without reporting "
                               "(see its stderr)")

@@ -122,7 +122,8 @@ def tp_rank(rank: int, world: int, names):
         attn = sharded["h.0"].block.attn if name == "gpt2" else None
         local_sizes = (attn.split_size, attn.num_heads) if attn is not None else None
         # a tied pair (GPT-2's wte / lm_head) is still one Parameter: one vocab shard
-        tied = bool(sharded.tie_groups) and len({id(sharded[l].get_parameter(p)) for l, p in sharded.tie_groups[0]}) == 1
+        tied = bool(sharded.tie_groups) and len({id(sharded[layer].get_parameter(path))
+                                                 for layer, path in sharded.tie_groups[0]}) == 1
         out[name] = (gathered, full_logits.detach(), loss_tp.item(), loss_full.item(), worst, n_sharded, shapes,
                      local_sizes, tied)
     return out

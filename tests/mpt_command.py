@@ -60,7 +60,8 @@ class MptProcess:
         environ = dict(os.environ if env is None else env)
         self._proc = fork_context().Process(
             target=_entry, daemon=True,
-            args=(argv, environ, str(cwd or os.getcwd()), str(self._out), None if self._err is None else str(self._err)))
+            args=(argv, environ, str(cwd or os.getcwd()), str(self._out),
+                  None if self._err is None else str(self._err)))
         self._proc.start()
         self.pid = self._proc.pid
         self.returncode: int | None = None

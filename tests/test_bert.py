@@ -12,8 +12,15 @@ import torch
 from torch import nn
 
 from model_zoo.bert import (
-    PRESETS, TP_PLAN, BertConfig, BertForPreTraining, get_config, hf_state_dict_map, load_hf_state_dict,
-    pretraining_loss, to_hf_state_dict,
+    PRESETS,
+    TP_PLAN,
+    BertConfig,
+    BertForPreTraining,
+    get_config,
+    hf_state_dict_map,
+    load_hf_state_dict,
+    pretraining_loss,
+    to_hf_state_dict,
 )
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
@@ -30,7 +37,8 @@ HF_TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention
 
 def hf_model(attn="eager", **overrides):
     """A random HF BertForPreTraining from a tiny config (no hub access), in eval mode."""
-    from transformers import BertConfig as HFConfig, BertForPreTraining as HFBert
+    from transformers import BertConfig as HFConfig
+    from transformers import BertForPreTraining as HFBert
 
     torch.manual_seed(0)
     return HFBert(HFConfig(**(HF_TINY | overrides), attn_implementation=attn)).eval()
@@ -185,7 +193,8 @@ def test_tp_plan_names_real_modules_of_the_right_kind():
 # --- (b) preset sizes equal HF's -------------------------------------------------------------
 @pytest.mark.parametrize("name, expected", [("bert-base", 110_106_428), ("bert-large", 336_226_108)])
 def test_preset_parameter_counts_equal_hf(name, expected):
-    from transformers import BertConfig as HFConfig, BertForPreTraining as HFBert
+    from transformers import BertConfig as HFConfig
+    from transformers import BertForPreTraining as HFBert
 
     cfg = PRESETS[name]
     with torch.device("meta"):  # shapes only: bert-large is not allocated

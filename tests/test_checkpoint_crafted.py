@@ -82,7 +82,7 @@ def test_absurd_byte_counts_are_refused_before_reading(saved):
         manifest["files"]["layers/h.0.safetensors"]["bytes"] = size
         (saved / "manifest.json").write_text(json.dumps(manifest))
         ck = open_checkpoint(saved)
-        _refused(lambda: ck.read_layer("h.0"), "layers/h.0.safetensors", f"says {size}")
+        _refused(lambda ck=ck: ck.read_layer("h.0"), "layers/h.0.safetensors", f"says {size}")
         _refused(ck.verify, "layers/h.0.safetensors", f"says {size}")
 
 
@@ -100,4 +100,5 @@ def test_a_crafted_checkpoint_given_to_mpt_is_one_line_exit_2(saved, tmp_path, c
     base = ["train", "--model", "gpt-tiny", "--pp", "1", "--data", "synthetic", "--seq-len", "16", "--steps", "1",
             "--micro-batch", "1", "--microbatches", "1", "--threads", "1", "--no-progress"]
     assert_one_line_exit_2(capsys, base + ["--save-dir", root, "--resume", "auto"], mentions="not a regular file")
-    assert_one_line_exit_2(capsys, ["export", "--checkpoint", root, "--out", tmp_path / "hf"], mentions="not a regular file")
+    assert_one_line_exit_2(capsys, ["export", "--checkpoint", root, "--out", tmp_path / "hf"],
+                           mentions="not a regular file")

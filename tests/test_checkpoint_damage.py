@@ -11,13 +11,17 @@ import torch
 
 import mp_toolkit.checkpoint as ckpt_pkg
 from mp_toolkit.checkpoint import (
-    CheckpointError, begin, commit, latest_step, open_checkpoint, save_checkpoint, write_layer_shard,
+    CheckpointError,
+    begin,
+    commit,
+    latest_step,
+    open_checkpoint,
+    save_checkpoint,
+    write_layer_shard,
 )
+from tests.checkpoint_helpers import one_line_error, reseal, sample_layers
 
 torch.set_num_threads(1)
-
-
-from tests.checkpoint_helpers import one_line_error, reseal, sample_layers
 
 # -- damaged and hostile files ------------------------------------------------------------------
 

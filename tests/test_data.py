@@ -344,7 +344,8 @@ def test_caches_are_private_verified_and_rebuilt_when_damaged(corpus, tmp_path):
         if name == "truncated":
             tokens.write_bytes(damages[name])
         else:
-            bad = stream.astype(np.int64) if name == "int64" else np.where(np.arange(len(stream)) == 5, 10**6, stream).astype(np.int32)
+            bad = (stream.astype(np.int64) if name == "int64"
+                   else np.where(np.arange(len(stream)) == 5, 10**6, stream).astype(np.int32))
             with open(tokens, "wb") as f:
                 np.save(f, bad)
         assert torch.equal(build(corpus, tmp_path)[:]["input_ids"], want), name

@@ -5,7 +5,12 @@ import torch
 
 from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
 from mp_toolkit.data.mlm import (
-    IGNORE_INDEX, IS_NEXT, NOT_NEXT, MLMMicroBatches, build_mlm_corpus, mask_tokens,
+    IGNORE_INDEX,
+    IS_NEXT,
+    NOT_NEXT,
+    MLMMicroBatches,
+    build_mlm_corpus,
+    mask_tokens,
 )
 
 torch.set_num_threads(1)

@@ -57,7 +57,8 @@ def zoo_model(root):
     """Our model from the recorded config, holding the checkpoint's tensors (the tie loads once)."""
     ck = open_checkpoint(root)
     family, cfg = ck.manifest["model"]["family"], ck.manifest["model"]["config"]
-    model = gpt.GPT(gpt.GPTConfig.from_dict(cfg)) if family == "gpt" else bert.BertForPreTraining(bert.BertConfig.from_dict(cfg))
+    model = (gpt.GPT(gpt.GPTConfig.from_dict(cfg)) if family == "gpt"
+             else bert.BertForPreTraining(bert.BertConfig.from_dict(cfg)))
     state = {}
     for layer in ck.layer_names:
         state.update(ck.read_layer(layer))
@@ -248,7 +249,8 @@ def test_hf_loaded_checkpoint_goes_through_its_hf_config_or_config_flag(capsys, 
     state = {k: t.detach() for k, t in layer_state_dict(layers).items() if k != "lm_head.weight"}  # tied to wte
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "cat": 1}, unk_token="[UNK]"))
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
-    save_checkpoint(tmp_path / "ck", 1, split_by_layer(state, layers.names), manifest={"hf_config": model.config.to_dict()})
+    save_checkpoint(tmp_path / "ck", 1, split_by_layer(state, layers.names),
+                    manifest={"hf_config": model.config.to_dict()})
     line = export(capsys, tmp_path / "ck", tmp_path / "hf", "--tokenizer", tmp_path / "tok")
     assert "GPT2LMHeadModel" in line and "tokenizer.json" in line, line
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()

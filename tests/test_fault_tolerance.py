@@ -18,15 +18,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_workers import (
-    Job, bare_ranks, differing, log_hang, mpt_job, rank_pid, rows, tensors, torchrun_job, watch_hang,
-)
 from mp_toolkit.checkpoint import open_checkpoint
 from mp_toolkit.cli import main
-from mp_toolkit.run.launch import Faults, LaunchEnv
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
+from mp_toolkit.run.launch import Faults, LaunchEnv
 from mp_toolkit.run.skips import SkipStreak
 from mp_toolkit.run.watchdog import Judge
+from tests.fault_workers import (
+    Job,
+    bare_ranks,
+    differing,
+    log_hang,
+    mpt_job,
+    rank_pid,
+    rows,
+    tensors,
+    torchrun_job,
+    watch_hang,
+)
 
 
 def finish(job: Job, timeout: float) -> int:
@@ -140,7 +149,8 @@ def test_a_hung_rank_is_named_every_process_stops_and_restarts_resume_bitwise(tm
     start gone) go to $MPT_HANG_LOG when set; they are bounded by the watch, never asserted."""
     root, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     job = mpt_job(tmp_path, "--save-dir", str(root), "--save-every", "2", "--metrics", str(metrics),
-                  "--restarts", "1", "--hang-timeout", "5", faults={"kill": {"rank": 1, "step": 5, "signal": "SIGSTOP"}})
+                  "--restarts", "1", "--hang-timeout", "5",
+                  faults={"kill": {"rank": 1, "step": 5, "signal": "SIGSTOP"}})
     try:
         figures = watch_hang(job, (0, 1), hung=1, timeout=150)
         assert finish(job, 150) == 0, job.stderr
@@ -238,8 +248,8 @@ def test_a_preempted_run_saves_the_step_in_flight_and_resumes_bitwise(tmp_path, 
     args = ("--save-dir", str(root), "--save-every", "2", "--metrics", str(metrics), "--keep", "0")
     job = mpt_job(tmp_path, *args, faults={"kill": {"rank": 1, "step": 5, "signal": "SIGTERM"}})
     assert finish(job, 240) == 5, job.stderr
-    assert job.stderr.strip() == (f"mpt train: SIGTERM: every rank stopped after step 5 (saved {root / 'step-00000005'}; "
-                                  "continue with --resume auto)"), job.stderr
+    assert job.stderr.strip() == ("mpt train: SIGTERM: every rank stopped after step 5 "
+                                  f"(saved {root / 'step-00000005'}; continue with --resume auto)"), job.stderr
     assert (root / "latest").read_text() == "step-00000005\n" and [r["step"] for r in rows(metrics)] == [1, 2, 3, 4, 5]
     again = mpt_job(tmp_path, *args, "--resume", "auto", name="again",
                     faults={"kill": {"rank": 0, "step": 7, "signal": "SIGUSR1", "to": "launcher"}})

@@ -12,10 +12,10 @@ import math
 import torch
 
 from model_zoo.gpt import GPT, PRESETS
-from mp_toolkit.run.launch import device_and_backend
-from tests.dist_harness import run_world
 from mp_toolkit.parallel.host_staging import HostStagedP2P, make_p2p
 from mp_toolkit.parallel.p2p import P2P
+from mp_toolkit.run.launch import device_and_backend
+from tests.dist_harness import run_world
 from tests.p2p_workers import swap_messages
 from tools import gpu_check
 

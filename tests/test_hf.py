@@ -21,7 +21,15 @@ from mp_toolkit.parallel.context import build_context
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within
 from tests.hf_workers import (
-    CAUSAL, VOCAB, bert_tp_rank, causal_inputs, pp_rank, pp_tp_rank, tiny_config, tiny_hf, tp_rank,
+    CAUSAL,
+    VOCAB,
+    bert_tp_rank,
+    causal_inputs,
+    pp_rank,
+    pp_tp_rank,
+    tiny_config,
+    tiny_hf,
+    tp_rank,
 )
 
 torch.set_num_threads(1)
@@ -151,22 +159,22 @@ def test_layer_list_refuses_what_it_cannot_take(name):
 
 def test_layer_names_ties_and_shared_modules():
     gpt2, llama, bert = tiny_hf("gpt2"), tiny_hf("llama"), tiny_hf("bert-pretraining")
-    g, l, b = from_hf(gpt2), from_hf(llama), from_hf(bert)
+    g, ll, b = from_hf(gpt2), from_hf(llama), from_hf(bert)
     assert g.names == ("embed", "h.0", "h.1", "h.2", "h.3", "ln_f", "lm_head")
-    assert l.names == ("embed_tokens", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "lm_head")
+    assert ll.names == ("embed_tokens", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "lm_head")
     assert b.names == ("embeddings", "encoder.layer.0", "encoder.layer.1", "heads")
     assert g.tie_groups == ((("embed", "wte.weight"), ("lm_head", "weight")),)  # GPT-2 ties by default
     assert b.tie_groups == ((("embeddings", "embeddings.word_embeddings.weight"),
                              ("heads", "cls.predictions.decoder.weight")),)
-    assert l.tie_groups == () and from_hf(tiny_hf("gpt2", tie_word_embeddings=False)).tie_groups == ()
+    assert ll.tie_groups == () and from_hf(tiny_hf("gpt2", tie_word_embeddings=False)).tie_groups == ()
     assert from_hf(tiny_hf("llama", tie_word_embeddings=True)).tie_groups == (
         (("embed_tokens", "embed_tokens.weight"), ("lm_head", "weight")),)
     # HF's own modules, shared: the blocks are the model's, the LM head is the model's nn.Linear
     assert g["h.2"].block is gpt2.transformer.h[2] and g["lm_head"] is gpt2.lm_head
-    assert l["layers.3"].block is llama.model.layers[3] and l["layers.0"].rotary_emb is llama.model.rotary_emb
+    assert ll["layers.3"].block is llama.model.layers[3] and ll["layers.0"].rotary_emb is llama.model.rotary_emb
     # int tensors travel between layers: (hidden, mask) and, for rotary models, position ids
     ids, mask = causal_inputs()
-    hidden, passed, pos = l["embed_tokens"](ids, mask)
+    hidden, passed, pos = ll["embed_tokens"](ids, mask)
     assert hidden.shape == (3, 12, 32) and passed is mask and pos.tolist() == [list(range(12))]
     assert g["embed"](ids)[1].tolist() == torch.ones(3, 12, dtype=torch.long).tolist()  # no mask: ones
 
@@ -183,8 +191,10 @@ def test_hf_name_map_is_mechanical_and_round_trips(name):
                   "embed_tokens.embed_tokens.weight": ("model.embed_tokens.weight",),
                   "norm.norm.weight": ("model.norm.weight",), "lm_head.weight": ("lm_head.weight",)},
         "bert-pretraining": {"heads.pooler.dense.weight": ("bert.pooler.dense.weight",),
-                             "heads.cls.predictions.decoder.bias": ("cls.predictions.bias", "cls.predictions.decoder.bias"),
-                             "encoder.layer.1.block.output.dense.weight": ("bert.encoder.layer.1.output.dense.weight",)},
+                             "heads.cls.predictions.decoder.bias": ("cls.predictions.bias",
+                                                                    "cls.predictions.decoder.bias"),
+                             "encoder.layer.1.block.output.dense.weight":
+                                 ("bert.encoder.layer.1.output.dense.weight",)},
     }.get(name, {})
     for ours, theirs in expected.items():
         assert names[ours] == theirs
@@ -216,7 +226,8 @@ def test_unsupported_architecture_is_a_one_line_error(arch):
 
     if arch == "opt":
         model = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
-                                               num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16))
+                                               num_attention_heads=2, max_position_embeddings=32,
+                                               word_embed_proj_dim=16))
     elif arch == "t5":
         model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1,
                                                           num_heads=2, decoder_start_token_id=0))
@@ -259,7 +270,8 @@ def test_tp2_equals_unsharded_for_gpt2_and_llama():
                 assert shapes["h.0.block.attn.c_attn.weight"] == (32, 48)
                 assert shapes["h.0.block.attn.c_proj.weight"] == (16, 32)
                 assert sizes == (16, 2) and tied  # local split_size and heads; wte / lm_head one shard
-                assert n_sharded == 4 * 6 + 1  # per block 4 Conv1D weights + 2 column biases (row biases replicated); wte
+                # per block 4 Conv1D weights + 2 column biases (row biases replicated); wte
+                assert n_sharded == 4 * 6 + 1
             else:  # GQA: 4 q heads -> 2, 2 k/v heads -> 1 per rank (head_dim 8)
                 assert shapes["layers.0.block.self_attn.q_proj.weight"] == (16, 32)
                 assert shapes["layers.0.block.self_attn.k_proj.weight"] == (8, 32)
@@ -334,7 +346,7 @@ def test_pp2_tp2_equals_hf_single_process_training():
         n_params = len(list(tiny_hf(name).parameters()))
         # each tensor is compared on both tp ranks of its stage; GPT-2's tied weight on both stages
         assert sum(r[i][0] for r in reports) == 2 * (n_params + (name == "gpt2")), name
-        for n, diff, losses, ref_losses, floors in (r[i] for r in reports):
+        for n, _diff, losses, _ref_losses, floors in (r[i] for r in reports):
             assert len(floors) == n + 1 and losses[0] != losses[1], (name, sorted(floors))
             worst = assert_all_within(floors, f"{name} {optimizer}")
             print(f"\n{name} {optimizer}: worst err / floor {worst:.2f}")
@@ -352,7 +364,8 @@ def one_step(name, layers):
             torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), mlm.reshape(-1))
     else:
         ids, mask = causal_inputs()
-        loss = causal_lm_loss(layers(input_ids=ids, attention_mask=mask), shift_labels(torch.where(mask.bool(), ids, -100)))
+        loss = causal_lm_loss(layers(input_ids=ids, attention_mask=mask),
+                              shift_labels(torch.where(mask.bool(), ids, -100)))
     loss.backward()
     opt.step()
     layers.eval()
@@ -374,7 +387,8 @@ def assert_same_logits(name, layers, loaded):
             got = got if isinstance(got, tuple) else (got,)
         else:
             ids, mask = causal_inputs()
-            got, want = (layers(input_ids=ids, attention_mask=mask),), (loaded(input_ids=ids, attention_mask=mask).logits,)
+            got = (layers(input_ids=ids, attention_mask=mask),)
+            want = (loaded(input_ids=ids, attention_mask=mask).logits,)
     assert all(bitwise(a, b) for a, b in zip(got, want)) and len(got) == len(want)
 
 

@@ -81,6 +81,7 @@ def load_rank(rank, world, directories, pp, tp):
     """For each directory: this rank's layers as `mpt train` makes them (`compose.own_layers`), with
     a log of every tensor read. Returns per directory (held shares with their layouts, buffers of the
     kept layers, names of real parameters outside them, meta parameter count, reads, files opened)."""
+    from mp_toolkit.hf import weights
     from mp_toolkit.hf.weights import SafetensorsFiles
     from mp_toolkit.layers import LayerList
     from mp_toolkit.parallel.context import build_context
@@ -88,8 +89,6 @@ def load_rank(rank, world, directories, pp, tp):
     from mp_toolkit.run.compose import own_layers
     from mp_toolkit.run.families import resolve_hf
     from mp_toolkit.run.hf_family import hf_tensor_parallel
-
-    from mp_toolkit.hf import weights
 
     reads, plain_read, opened, plain_open = [], SafetensorsFiles.read, set(), weights.safe_open
 
@@ -201,8 +200,8 @@ def test_llama_gqa_pp2_and_tp2_load_their_own_parts_bitwise(dirs):
 
 
 def test_bert_pp2_loads_its_own_half_bitwise(dirs):
-    """BERT at pp=2 (its tensor-parallel plan is tested in tests/test_hf.py): the MLM decoder on stage 1 is tied to the word
-    embedding of stage 0, and its bias to cls.predictions.bias; both are read from the file's names."""
+    """BERT at pp=2 (its tensor-parallel plan is tested in tests/test_hf.py): the MLM decoder on stage 1 is tied to
+    the word embedding of stage 0, and its bias to cls.predictions.bias; both are read from the file's names."""
     for pp_rank, _, per_dir in check_world("bert-pretraining", dirs, pp=2, tp=1):
         reads = {r for r, _, _ in per_dir[0][5]}
         assert "bert.embeddings.word_embeddings.weight" in reads  # rank 1: for the tied decoder
@@ -244,7 +243,8 @@ def train_losses(tmp_path, tag, *args, **env):
     """The per-step losses of a 3-step `mpt train` that must succeed."""
     metrics = tmp_path / f"{tag}.jsonl"
     r = run_mpt([*TRAIN, "--steps", "3", "--lr", "1e-2", "--timeout", "60", "--metrics", metrics,
-                 "--cache-dir", tmp_path / "cache", *args], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+                 "--cache-dir", tmp_path / "cache", *args],
+                timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
     assert r.returncode == 0, r.stdout + r.stderr
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.cli_helpers import assert_one_line_exit_2
-from mp_toolkit.run.config import ConfigError
 from mp_toolkit.ds.config import read_ds_config
+from mp_toolkit.run.config import ConfigError
+from tests.cli_helpers import assert_one_line_exit_2
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

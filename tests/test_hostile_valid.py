@@ -5,11 +5,13 @@ JSON files for ``--config``; every run of a tiny model for 1-2 steps either trai
 refused in one line (exit 2): no traceback, no hang, no process left behind.
 
 In the suite: a few derandomized one-rank examples, each run in this process (`main`, as the CLI
-runs a one-rank job); ``MPT_FUZZ_IN_PROCESS=N`` draws N random ones instead. Outside it, ``MPT_FUZZ_EXAMPLES=200`` runs that many examples each as its own
-``mpt train`` process (up to 2 ranks, started by mpt itself) under a time limit, and checks that no
-process of the job outlives it::
+runs a one-rank job); ``MPT_FUZZ_IN_PROCESS=N`` draws N random ones instead. Outside it,
+``MPT_FUZZ_EXAMPLES=200`` runs that many examples each as its own ``mpt train`` process (up to 2
+ranks, started by mpt itself) under a time limit, and checks that no process of the job outlives
+it::
 
-    MPT_FUZZ_EXAMPLES=200 MPT_FUZZ_LOG=fuzz.jsonl .venv/bin/python -m pytest -q tests/test_hostile_valid.py -k process -s
+    MPT_FUZZ_EXAMPLES=200 MPT_FUZZ_LOG=fuzz.jsonl \\
+        .venv/bin/python -m pytest -q tests/test_hostile_valid.py -k process -s
 """
 
 import json
@@ -37,8 +39,9 @@ def shared(tmp_path_factory):
     """A tokenizer cache shared by every example (a BPE is trained once) and a small text corpus."""
     root = tmp_path_factory.mktemp("hostile_valid")
     corpus = root / "corpus.jsonl"  # 30 documents (BERT's sentence pairs need more than one)
-    corpus.write_text("\n".join(json.dumps({"text": "\n".join(" ".join(WORDS[(d + i * 7 + j) % len(WORDS)] for j in range(12))
-                                                               for i in range(10))}) for d in range(30)))
+    corpus.write_text("\n".join(
+        json.dumps({"text": "\n".join(" ".join(WORDS[(d + i * 7 + j) % len(WORDS)] for j in range(12))
+                                      for i in range(10))}) for d in range(30)))
     return {"cache": root / "cache", "corpus": corpus, "root": root}
 
 
@@ -111,9 +114,11 @@ def ds_configs(draw):
         if sched == "WarmupLR":
             cfg["scheduler"] = {"type": sched, "params": {"warmup_num_steps": draw(st.integers(1, 3))}}
         elif sched == "WarmupDecayLR":
-            cfg["scheduler"] = {"type": sched, "params": {"warmup_num_steps": 1, "total_num_steps": draw(st.integers(2, 10))}}
+            cfg["scheduler"] = {"type": sched,
+                                "params": {"warmup_num_steps": 1, "total_num_steps": draw(st.integers(2, 10))}}
         elif sched == "WarmupCosineLR":
-            cfg["scheduler"] = {"type": sched, "params": {"warmup_num_steps": 1, "total_num_steps": draw(st.integers(2, 10))}}
+            cfg["scheduler"] = {"type": sched,
+                                "params": {"warmup_num_steps": 1, "total_num_steps": draw(st.integers(2, 10))}}
     if draw(st.booleans()):
         cfg["zero_optimization"] = {"stage": draw(st.sampled_from([0, 1]))}
     if draw(st.booleans()):
@@ -146,7 +151,8 @@ def _check_outcome(code, err, argv) -> None:
         assert code == 0, (argv, code, err)
 
 
-@settings(max_examples=IN_PROCESS_EXAMPLES, derandomize=IN_PROCESS_EXAMPLES == 8, deadline=None, suppress_health_check=HEALTH, database=None)
+@settings(max_examples=IN_PROCESS_EXAMPLES, derandomize=IN_PROCESS_EXAMPLES == 8, deadline=None,
+          suppress_health_check=HEALTH, database=None)
 @given(data=st.data())
 def test_accepted_combinations_train_or_are_refused_in_one_line(shared, capsys, data):
     argv = data.draw(examples(1, shared))

@@ -131,12 +131,12 @@ def test_split_times_zbh1s_input_and_weight_passes(clock):
     # the layer's inputs, W exactly the work on the paths to its weights, and I + W is the backward.
     torch.manual_seed(0)
     layers = LayerList([("embed", WorkedEmbedding(1, clock)), ("lin", WorkedLinear(2, 3, clock))])
-    e, l = measure_layers(layers, torch.randint(0, 64, (4, 16)), warmup=0, repeats=1, split=True)
+    e, lin = measure_layers(layers, torch.randint(0, 64, (4, 16)), warmup=0, repeats=1, split=True)
     # token ids need no gradient: the embedding's backward is all weight work, as on a first stage
     assert (e.input_s, e.weight_s, e.backward_s) == (0.0, BWD, BWD)
-    assert (l.forward_s, l.input_s, l.weight_s, l.backward_s) == (5 * FWD, 2 * BWD, 3 * BWD, 5 * BWD)
+    assert (lin.forward_s, lin.input_s, lin.weight_s, lin.backward_s) == (5 * FWD, 2 * BWD, 3 * BWD, 5 * BWD)
     # I records the gradient of the product's output for W: (4 x 16 tokens, 32 features) fp32
-    assert l.recorded_bytes == 4 * 16 * 32 * 4 and e.recorded_bytes == 0
+    assert lin.recorded_bytes == 4 * 16 * 32 * 4 and e.recorded_bytes == 0
     plain = measure_layers(layers, torch.randint(0, 64, (4, 16)), warmup=0, repeats=1)
     assert plain[1].input_s == plain[1].weight_s == plain[1].recorded_bytes == 0  # not split: the whole backward
     assert plain[1].backward_s == 5 * BWD

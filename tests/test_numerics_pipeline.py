@@ -19,7 +19,7 @@ from tests.numerics_workers import lamb_clip_oracle, many_optimizers_oracle, ove
 @pytest.mark.parametrize("optimizer,schedule", [("lamb", "1f1b"), ("lars", "gpipe")])
 def test_lamb_lars_with_clipping_bitwise_equal_unsplit(optimizer, schedule):
     reports = run_world(lamb_clip_oracle, 2, optimizer, schedule, timeout_s=120)
-    for unequal, norms, ref_norms, trust in reports:
+    for unequal, norms, ref_norms, _trust in reports:
         assert unequal == [], f"not bitwise equal: {unequal}"
         assert norms == ref_norms  # the same pre-clip norm bits as clip_grad_norm_
         assert all(n > 0.05 for n in ref_norms)  # clipping really was active

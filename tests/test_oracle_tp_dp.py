@@ -106,7 +106,7 @@ def _check_case(results, layout, case_index, case) -> float:
     return max(ratios)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda l: "pp{}-tp{}-dp{}".format(*l))
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda layout: "pp{}-tp{}-dp{}".format(*layout))
 def test_grid_matches_single_process(layout):
     pp, tp, dp = layout
     cases = LAYOUTS[layout]

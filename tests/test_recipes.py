@@ -12,8 +12,8 @@ import pytest
 
 from mp_toolkit.cli import main
 from mp_toolkit.ds.config import read_ds_config
-from mp_toolkit.run.launch import free_port
 from mp_toolkit.optim.lr import WarmupDecayLR, WarmupLR
+from mp_toolkit.run.launch import free_port
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 BIN = Path(sys.executable).parent
@@ -41,7 +41,8 @@ def test_gpt_recipe_config_parses(dp, gas):
     s = read_ds_config(RECIPES / "gpt_pretrain" / "ds_config.json", dp=dp)
     assert (s.train_micro_batch_size_per_gpu, s.gradient_accumulation_steps, s.train_batch_size) == (8, gas, 64 * dp)
     assert (s.precision, s.gradient_clipping, s.pp, s.partition) == ("bf16", 1.0, 2, "parameters")
-    assert (s.optimizer.name, s.optimizer.lr, s.optimizer.min_trust, s.optimizer.max_trust) == ("lamb", 2e-3, 0.01, 10.0)
+    assert (s.optimizer.name, s.optimizer.lr, s.optimizer.min_trust, s.optimizer.max_trust) == (
+        "lamb", 2e-3, 0.01, 10.0)
     assert s.scheduler == WarmupDecayLR(warmup_min_lr=0.0, warmup_max_lr=2e-3, warmup_num_steps=200,
                                         total_num_steps=5000, warmup_type="linear")
     assert s.ignored == ("steps_per_print", "wall_clock_breakdown")
@@ -53,7 +54,8 @@ def test_bert_recipe_config_parses(dp, gas):
     s = read_ds_config(RECIPES / "bert_pretrain" / "ds_config.json", dp=dp)
     assert (s.train_batch_size, s.train_micro_batch_size_per_gpu, s.gradient_accumulation_steps) == (1024, 32, gas)
     assert (s.precision, s.fp16.loss_scale, s.fp16.hysteresis, s.pp, s.partition) == ("fp16", 0.0, 2, 2, "uniform")
-    assert (s.optimizer.name, s.optimizer.lr, s.optimizer.eps, s.optimizer.bias_correction) == ("lamb", 6e-3, 1e-6, True)
+    assert (s.optimizer.name, s.optimizer.lr, s.optimizer.eps, s.optimizer.bias_correction) == (
+        "lamb", 6e-3, 1e-6, True)
     assert s.scheduler == WarmupLR(warmup_min_lr=0.0, warmup_max_lr=6e-3, warmup_num_steps=2000, warmup_type="linear")
     assert s.recompute is None and "pipeline.activation_checkpoint_interval" not in s.ignored  # 0: read, off
 
@@ -97,8 +99,8 @@ def test_gpt_recipe_config_under_mpt_train(tmp_path, capsys):
     """`mpt train --config recipes/.../ds_config.json`, here on one process (--pp 1 overrides pipeline.stages)."""
     metrics = tmp_path / "m.jsonl"
     code = main(["train", "--config", str(RECIPES / "gpt_pretrain" / "ds_config.json"), "--pp", "1",
-                 "--model", str(RECIPES / "gpt_pretrain" / "smoke_model.json"), "--data", "synthetic", "--seq-len", "32",
-                 "--micro-batch", "2", "--microbatches", "2", "--steps", "3", "--precision", "fp32",
+                 "--model", str(RECIPES / "gpt_pretrain" / "smoke_model.json"), "--data", "synthetic",
+                 "--seq-len", "32", "--micro-batch", "2", "--microbatches", "2", "--steps", "3", "--precision", "fp32",
                  "--threads", "1", "--no-progress", "--metrics", str(metrics)])
     out = capsys.readouterr().out
     assert code == 0

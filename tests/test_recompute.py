@@ -27,10 +27,10 @@ from mp_toolkit.recompute import RecomputeError, apply_recompute, parse_layer_co
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within, assert_within
+from tests.mpt_command import run_mpt
 from tests.oracle_tp_dp_workers import oracle_grid
 from tests.oracle_workers import TINY
 from tests.recompute_workers import dropout_config, kept_bytes, recompute_vs_none
-from tests.mpt_command import run_mpt
 
 PIPELINE_CASES = [  # (schedule, m, chunks, mode, counts)
     ("gpipe", 3, 1, "full", None), ("gpipe", 3, 1, "selective", None),

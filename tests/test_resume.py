@@ -155,7 +155,8 @@ def test_resume_on_another_layout(tmp_path, lamb_pp2, reference, saved, m):
     worst = assert_within(*pair(losses(rows, steps), losses(ref_rows, steps), losses(source_rows, steps)), "losses")
     got, floor_run = tensors(tmp_path / "b", 6), tensors(source, 6)
     assert got.keys() == ref_tensors.keys() == floor_run.keys()
-    worst = max(worst, assert_all_within({k: pair(got[k], ref, floor_run[k]) for k, ref in ref_tensors.items()}, "step 6"))
+    worst = max(worst, assert_all_within({k: pair(got[k], ref, floor_run[k]) for k, ref in ref_tensors.items()},
+                                         "step 6"))
     print(f"\nworst err / floor: {worst:.2f}")
 
 

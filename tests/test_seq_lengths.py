@@ -81,7 +81,8 @@ def test_cut_keeps_one_dimensional_labels():
 
 
 def test_seq_len_beyond_the_models_positions_is_refused_on_resume(capsys, tmp_path):
-    assert_one_line_exit_2(capsys, [*RUN, "--seq-len", "128", "--pp", "2", "--save-dir", tmp_path, "--resume", "latest"],
+    assert_one_line_exit_2(capsys,
+                           [*RUN, "--seq-len", "128", "--pp", "2", "--save-dir", tmp_path, "--resume", "latest"],
                            mentions="--seq-len 128 exceeds gpt-tiny's 64 positions")
     assert_one_line_exit_2(capsys, [*RUN, "--seq-len", "16", "--length-buckets", "8,32"], mentions="32 > --seq-len 16")
     assert_one_line_exit_2(capsys, [*RUN, "--length-buckets", "16,x"], mentions="--length-buckets '16,x'")

@@ -23,7 +23,8 @@ def entry(argv):
     rank = int(os.environ["RANK"])
     name = open("/proc/self/comm").read().strip()
     assert name == f"mpt rank {rank}", name
-    assert (os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == ("2", str(rank), "127.0.0.1")
+    assert (os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == (
+        "2", str(rank), "127.0.0.1")
     os.write(int(os.environ["MPT_STATUS_FD"]), f"while saying {argv[0]}\\n".encode())
     if rank == 1 and argv[0] == "fail":
         raise RuntimeError("rank 1 fails on purpose")
@@ -84,7 +85,8 @@ def test_forked_ranks_and_fresh_interpreters_train_bitwise_alike(tmp_path):
 def test_a_served_command_exits_and_prints_as_the_mpt_script():
     """tests/mpt_command.py against ``python -m mp_toolkit.cli``: the same exit code and output for a
     refused flag and for ``mpt plan``."""
-    for argv in (["train", "--pp", "0", "--model", "gpt-tiny"], ["plan", "--model", "gpt-tiny", "--pp", "2", "--seq-len", "32", "--tflops", "1"]):
+    for argv in (["train", "--pp", "0", "--model", "gpt-tiny"],
+                 ["plan", "--model", "gpt-tiny", "--pp", "2", "--seq-len", "32", "--tflops", "1"]):
         fresh = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", *argv], capture_output=True, text=True,
                                timeout=120)
         served = run_mpt(argv, timeout=120)

@@ -138,11 +138,13 @@ def test_a_full_disk_during_a_run_stops_it_in_one_line_and_keeps_latest(tmp_path
 
     def save_file(tensors, filename, metadata=None):
         if "step-00000002" in str(filename):
-            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+            raise safetensors.SafetensorError("Error while serializing: I/O error: "
+                                              "No space left on device (os error 28)")
         return real(tensors, filename, metadata=metadata)
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
     line = assert_one_line_exit_2(capsys, TRAIN + ["--save-dir", root])
-    assert "saving step 2 failed" in line and "No space left on device" in line and "latest still names step-00000001" in line
+    assert ("saving step 2 failed" in line and "No space left on device" in line
+            and "latest still names step-00000001" in line)
     assert str(root) in line
     assert latest_step(root) == 1
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001"]  # no partial directory, no lock left

@@ -17,8 +17,13 @@ from model_zoo.gpt import GPT, PRESETS, TP_PLAN
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, apply_tensor_parallel,
-    check_tensor_parallel, shard_full, vocab_parallel_cross_entropy,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    shard_full,
+    vocab_parallel_cross_entropy,
 )
 from tests.dist_harness import run_world
 from tests.tp_workers import fairscale_checks, gpt_checks, layer_checks
@@ -31,7 +36,7 @@ def _close(pairs, prefix="", rtol=RTOL, atol=ATOL):
     assert picked, f"no results under {prefix!r}"
     for label, (got, want) in picked.items():
         assert got is not None and want is not None, label
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{label}: {m}")
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, label=label: f"{label}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,20 @@
 """Issue 22, item 4: two torchrun agents on one machine, as two nodes of a multi-node job.
 
 `torchrun --nnodes 2 --node-rank {0,1}` with c10d rendezvous on 127.0.0.1 (agent 0 hosts the
-store; c10d hands out the ranks itself and says it ignores --node-rank), two workers each: gpt-tiny at pp=2 x dp=2, saved every 2 steps. Rank 3 (agent 1's second
-worker) SIGKILLs itself at the start of step 5: both agents must stop their workers, meet again in
-the next rendezvous round (--max-restarts 1) and `--resume auto` must end bitwise as the same
-layout run once without a fault.
+store; c10d hands out the ranks itself and says it ignores --node-rank), two workers each: gpt-tiny
+at pp=2 x dp=2, saved every 2 steps. Rank 3 (agent 1's second worker) SIGKILLs itself at the start
+of step 5: both agents must stop their workers, meet again in the next rendezvous round
+(--max-restarts 1) and `--resume auto` must end bitwise as the same layout run once without a
+fault.
 """
 
 import json
 import sys
 from pathlib import Path
 
-from tests.fault_workers import TRAIN, Job, differing, mpt_job, rows, tensors
 from mp_toolkit.checkpoint import open_checkpoint
 from mp_toolkit.run.launch import free_port
+from tests.fault_workers import TRAIN, Job, differing, mpt_job, rows, tensors
 
 LAYOUT = ("--dp", "2")  # with TRAIN's --pp 2: four ranks, two per agent
 

@@ -73,7 +73,8 @@ def test_a_deepspeed_wandb_section_logs_every_row_offline_on_rank_0(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [row["_step"] for row in logged] == [row["step"] for row in rows] == [1, 2, 3, 4]
     for got, row in zip(logged, rows):
-        assert (got["train/loss"], got["train/lr"], got["train/grad_norm"]) == (row["loss"], row["lr"], row["grad_norm"])
+        assert (got["train/loss"], got["train/lr"], got["train/grad_norm"]) == (
+            row["loss"], row["lr"], row["grad_norm"])
         assert ("val/loss" in got) == ("val_loss" in row) == (row["step"] % 2 == 0)
         if "val_loss" in row:
             assert (got["val/loss"], got["val/ppl"]) == (row["val_loss"], row["val_ppl"])

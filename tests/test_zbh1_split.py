@@ -55,7 +55,7 @@ def test_split_equals_full_backward_bitwise_over_two_microbatches(start, stop, l
     for k, (x0, y) in enumerate(zip(xs, ys)):
         x = x0.clone().requires_grad_()
         roots, root_grads = stage_roots(stage, x, y, last, k)
-        full_flops += flops(lambda: torch.autograd.backward(roots, root_grads))
+        full_flops += flops(lambda roots=roots, root_grads=root_grads: torch.autograd.backward(roots, root_grads))
         full_dx.append(x.grad)
     full = grads_of(params)
 
@@ -65,7 +65,8 @@ def test_split_equals_full_backward_bitwise_over_two_microbatches(start, stop, l
         x = x0.clone().requires_grad_()
         roots, root_grads = stage_roots(stage, x, y, last, k)
         box = {}
-        split_flops += flops(lambda: box.update(out=split_backward_input(roots, root_grads, [x], params)))
+        split_flops += flops(lambda box=box, roots=roots, root_grads=root_grads, x=x:
+                             box.update(out=split_backward_input(roots, root_grads, [x], params)))
         (dx,), weight_pass = box["out"]
         assert weight_pass is not None
         assert torch.equal(dx, full_dx[k])

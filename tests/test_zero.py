@@ -87,7 +87,8 @@ def _check(results, layout) -> float:
     return worst
 
 
-@pytest.mark.parametrize("layout", [(1, 1, 2), (2, 1, 2), (1, 2, 2)], ids=lambda l: "pp{}-tp{}-dp{}".format(*l))
+@pytest.mark.parametrize("layout", [(1, 1, 2), (2, 1, 2), (1, 2, 2)],
+                         ids=lambda layout: "pp{}-tp{}-dp{}".format(*layout))
 def test_zero1_equals_plain_data_parallelism(layout):
     pp, tp, dp = layout
     t0 = time.perf_counter()

@@ -15,8 +15,14 @@ from model_zoo.gpt import GPT, PRESETS, TP_PLAN, GPTConfig, GPTLMHead, lm_loss
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead, apply_tensor_parallel,
-    gather_full, shard_full, vocab_parallel_cross_entropy,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    apply_tensor_parallel,
+    gather_full,
+    shard_full,
+    vocab_parallel_cross_entropy,
 )
 from mp_toolkit.parallel.tp_comms import gather_from_tensor_model_parallel_region
 
@@ -196,7 +202,7 @@ def fairscale_checks(rank, world):
         bias = torch.randn(24)
         with torch.no_grad():
             fs.bias.copy_(shard_full(bias, (0, stride), r, 2))
-        ours = twin(fs, bias, lambda lin: ColumnParallelLinear.from_full(lin, ctx, stride=stride))
+        ours = twin(fs, bias, lambda lin, stride=stride: ColumnParallelLinear.from_full(lin, ctx, stride=stride))
         pairs[f"{label}/weight"] = (ours.weight.detach(), fs.weight.detach())
         x, dy = torch.randn(3, 8), torch.randn(3, 12)
         xa, xb = _leaf(x), _leaf(x)

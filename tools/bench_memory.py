@@ -19,9 +19,9 @@ holds two stages (interleaved) is compared with the sum of their predictions.
 
 ``--compare-recompute`` runs only our 1F1B with activation recomputation none, full and selective
 (every block of each stage; issue 19), and ``auto`` under a cap 5% below the least the planner says
-any cut fits without recomputation: per rank the peak resident memory (a ``memory`` run) and the step time (a second run without
-the memory instrumentation, which slows kernels), beside the planner's predictions (layers
-measured here unless ``--no-measure``).
+any cut fits without recomputation: per rank the peak resident memory (a ``memory`` run) and the
+step time (a second run without the memory instrumentation, which slows kernels), beside the
+planner's predictions (layers measured here unless ``--no-measure``).
 
     python -m tools.bench_memory --compare-recompute --shape gpt-small-cpu
 
@@ -49,7 +49,8 @@ from tools.ranks import RunError
 from tools.report import header, json_line
 
 MB = 1e6
-SCHEDULES = [("GPipe", "gpipe", 1), ("1F1B", "1f1b", 1), ("ZBH1", "zbh1", 1), ("ZBDrain", "zbdrain", 1), ("Interleaved1F1B x2", "interleaved", 2)]
+SCHEDULES = [("GPipe", "gpipe", 1), ("1F1B", "1f1b", 1), ("ZBH1", "zbh1", 1), ("ZBDrain", "zbdrain", 1),
+             ("Interleaved1F1B x2", "interleaved", 2)]
 
 
 def plan_of(w: Workload, folder: Path, schedule: str, chunks: int, measure: bool, **request):
@@ -62,7 +63,8 @@ def plan_of(w: Workload, folder: Path, schedule: str, chunks: int, measure: bool
 
 SHAPES = {  # --shape: the workload's model and micro-batch; bench is Workload's default
     "bench": {},
-    "gpt-small-cpu": dict(n_layer=4, n_embd=128, n_head=4, vocab=4096, seq_len=128, micro_batch=8),  # mpt train's defaults
+    # mpt train's defaults
+    "gpt-small-cpu": dict(n_layer=4, n_embd=128, n_head=4, vocab=4096, seq_len=128, micro_batch=8),
 }
 
 
@@ -104,7 +106,8 @@ def main() -> None:
             measured_plan = None if args.no_measure else plan_of(w, folder, schedule, chunks, measure=True)
             cut = list(formula.boundaries)
             cut_1f1b = cut if schedule == "1f1b" else cut_1f1b
-            spec = {"peer": "mpt", "schedule": schedule, "chunks": chunks, "boundaries": cut, "free_sent": args.free_sent}
+            spec = {"peer": "mpt", "schedule": schedule, "chunks": chunks, "boundaries": cut,
+                    "free_sent": args.free_sent}
             try:
                 got = measure(w, spec, args.steps, args.timeout)
             except RunError as e:

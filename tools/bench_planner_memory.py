@@ -41,8 +41,8 @@ def cases(h: int, seq: int):
     for p in (0.0, 0.1):
         gd = {**gpt, "attn_pdrop": p, "resid_pdrop": p, "embd_pdrop": p}
         bd = {**bert, "hidden_dropout_prob": p, "attention_probs_dropout_prob": p}
-        yield "GPT (model_zoo)", p, lambda d=gd: (LayerList.from_model(GPT(GPTConfig(**d))), {"model_type": "gpt2", **d},
-                                                  False)
+        yield "GPT (model_zoo)", p, lambda d=gd: (LayerList.from_model(GPT(GPTConfig(**d))),
+                                                  {"model_type": "gpt2", **d}, False)
         yield "BERT (model_zoo)", p, lambda d=bd: (LayerList.from_model(BertForPreTraining(BertConfig(**d))),
                                                    {"model_type": "bert", **d}, False)
         yield "GPT-2 (HF)", p, lambda d=gd: _hf("GPT2Config", "GPT2LMHeadModel", d)
@@ -78,7 +78,8 @@ def main() -> None:
     head = header("bench_planner_memory")
     torch.set_num_threads(1)
     rows = []
-    print(f"{'family':18s} {'dropout':>7s} {'dtype':5s} {'measured MiB':>12s} {'planned MiB':>11s} {'planned/measured':>16s}")
+    print(f"{'family':18s} {'dropout':>7s} {'dtype':5s} "
+          f"{'measured MiB':>12s} {'planned MiB':>11s} {'planned/measured':>16s}")
     for label, p, build in cases(args.hidden, args.seq):
         for dtype in args.dtypes.split(","):
             m, planned = block_bytes(build, dtype, args.batch, args.seq)

@@ -158,7 +158,8 @@ def main() -> None:
                 print(f"{model:12s} pp {pp} tp {tp} {args.precision}: peak RSS from start per rank "
                       f"{[round(b / MIB) for b in r['peak_rss_bytes']]} MiB; steps above baseline "
                       f"{[round(b / MIB) for b in r['peak_memory_bytes']]} MiB vs planned "
-                      f"{[round(b / MIB) for b in r['predicted_bytes']]} MiB (x{max(r['ratio']):.2f} worst)", flush=True)
+                      f"{[round(b / MIB) for b in r['predicted_bytes']]} MiB (x{max(r['ratio']):.2f} worst)",
+                      flush=True)
     if args.largest:
         small = train("gpt-small-cpu", 1, 1, "fp32", [0, 7], out, args.timeout)
         baseline = small["peak_rss_bytes"][0]  # imports and a model of a few MB: the per-process floor

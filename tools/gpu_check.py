@@ -91,11 +91,13 @@ class Sizes:
     def for_run(cls, dry: bool) -> "Sizes":
         if dry:
             tiny = ("--seq-len", "32", "--micro-batch", "2", "--microbatches", "2")
-            return cls(GPTConfig(vocab_size=96, n_positions=32, n_embd=32, n_layer=4, n_head=4, tie_word_embeddings=False),
+            return cls(GPTConfig(vocab_size=96, n_positions=32, n_embd=32, n_layer=4, n_head=4,
+                                 tie_word_embeddings=False),
                        (2, 2, 2, 16),
                        "gpt-tiny", tiny, 3, (("gpt-tiny", tiny),), 4,
                        GPTConfig(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4))
-        return cls(GPTConfig(vocab_size=4096, n_positions=256, n_embd=256, n_layer=4, n_head=8, tie_word_embeddings=False),
+        return cls(GPTConfig(vocab_size=4096, n_positions=256, n_embd=256, n_layer=4, n_head=8,
+                             tie_word_embeddings=False),
                    (3, 4, 4, 64),
                    "gpt2", ("--seq-len", "1024", "--micro-batch", "8", "--microbatches", "4"), 20,
                    (("gpt2", ("--seq-len", "1024", "--micro-batch", "16", "--microbatches", "2")),
@@ -393,7 +395,8 @@ def run(args) -> dict:
         try:
             report[name] = fn()
         except Exception as e:  # one section's failure is recorded; the others still run
-            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                            "traceback": traceback.format_exc()[-3000:]}
         report[name]["seconds"] = time.perf_counter() - t
         print(f"gpu_check: {name} {'ok' if report[name]['ok'] else 'FAILED'} ({report[name]['seconds']:.0f} s)",
               flush=True)
@@ -422,7 +425,8 @@ def summary(report: dict, head: dict) -> str:
                      f"{v['skipped_steps']} skipped  {'ok' if v['ok'] else 'FAILED'}")
     for model, v in report.get("throughput", {}).get("models", {}).items():
         mfu = f"{100 * v['mfu']:.1f}% MFU" if v["mfu"] is not None else "MFU n/a"
-        tok = f"{v['tokens_per_s']:,.0f} tokens/s, {v['achieved_tflops']:.1f} TFLOP/s" if v["tokens_per_s"] else "no figure"
+        tok = (f"{v['tokens_per_s']:,.0f} tokens/s, {v['achieved_tflops']:.1f} TFLOP/s" if v["tokens_per_s"]
+               else "no figure")
         lines.append(f"throughput {model} pp=1 {report['throughput']['precision']}: {tok}, {mfu}")
     lam = report.get("lamb", {})
     if "x_bound" in lam:

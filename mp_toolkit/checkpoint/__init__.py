@@ -20,18 +20,29 @@ only after its SHA-256 matched the manifest, so opening an untrusted checkpoint 
 
 from mp_toolkit.checkpoint.files import FORMAT_VERSION, CheckpointError
 from mp_toolkit.checkpoint.optim_state import (
-    load_optimizer_state_by_name, optimizer_state_by_name, param_groups_by_name,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+    param_groups_by_name,
 )
 from mp_toolkit.checkpoint.reader import Checkpoint, latest_step, open_checkpoint
 from mp_toolkit.checkpoint.rng import RngState, capture_rng, restore_rng
 from mp_toolkit.checkpoint.writer import (
-    begin, clear_scratch, commit, discard, save_checkpoint, split_by_layer, write_layer_shard, write_optimizer_shard,
-    write_rng_shard, write_shard,
+    begin,
+    clear_scratch,
+    commit,
+    discard,
+    save_checkpoint,
+    split_by_layer,
+    write_layer_shard,
+    write_optimizer_shard,
+    write_rng_shard,
+    write_shard,
 )
 
 __all__ = [
     "FORMAT_VERSION", "CheckpointError", "Checkpoint", "open_checkpoint", "latest_step",
-    "begin", "clear_scratch", "discard", "write_shard", "write_layer_shard", "write_optimizer_shard", "write_rng_shard", "commit",
+    "begin", "clear_scratch", "discard", "write_shard", "write_layer_shard", "write_optimizer_shard", "write_rng_shard",
+    "commit",
     "save_checkpoint", "split_by_layer", "optimizer_state_by_name", "load_optimizer_state_by_name",
     "param_groups_by_name", "RngState", "capture_rng", "restore_rng",
 ]

@@ -23,6 +23,7 @@ from pathlib import Path
 import safetensors
 import safetensors.torch
 import torch
+
 from mp_toolkit.errors import CheckpointError
 
 FORMAT = "mp_toolkit.checkpoint"
@@ -165,7 +166,8 @@ def open_regular(path: Path, what: str, below: Path | None = None):
         raise CheckpointError(f"{what}: missing") from None
     except OSError as e:
         linked = e.errno in (errno.ELOOP, errno.ENOTDIR) or os.path.islink(path)
-        raise CheckpointError(f"{what}: {'a symbolic link (refused)' if linked else f'cannot be read ({e.strerror})'}") from None
+        reason = "a symbolic link (refused)" if linked else f"cannot be read ({e.strerror})"
+        raise CheckpointError(f"{what}: {reason}") from None
     f = os.fdopen(fd, "rb")
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         f.close()

@@ -14,8 +14,20 @@ from pathlib import Path
 import torch
 
 from mp_toolkit.checkpoint.files import (
-    FORMAT, FORMAT_VERSION, LATEST, MANIFEST, SHARD_SUFFIX, CheckpointError, check_relative,
-    file_digest, from_json, load_shard, parse_step_dir, read_bounded, read_verified, MAX_MANIFEST,
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    MAX_MANIFEST,
+    SHARD_SUFFIX,
+    CheckpointError,
+    check_relative,
+    file_digest,
+    from_json,
+    load_shard,
+    parse_step_dir,
+    read_bounded,
+    read_verified,
 )
 from mp_toolkit.checkpoint.rng import RngState
 from mp_toolkit.checkpoint.writer import layer_file, optimizer_file, read_latest, replaced_name, rng_file

@@ -33,9 +33,26 @@ import safetensors.torch
 import torch
 
 from mp_toolkit.checkpoint.files import (
-    FORMAT, FORMAT_VERSION, LATEST, MANIFEST, MAX_MANIFEST, SHARD_SUFFIX, TMP_PREFIX, CheckpointError,
-    atomic_write, check_name, check_relative, file_digest, from_json, fsync_dir, parse_step_dir,
-    prepare_tensors, read_bounded, step_dir_name, to_json, write_text_atomic,
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    MAX_MANIFEST,
+    SHARD_SUFFIX,
+    TMP_PREFIX,
+    CheckpointError,
+    atomic_write,
+    check_name,
+    check_relative,
+    file_digest,
+    from_json,
+    fsync_dir,
+    parse_step_dir,
+    prepare_tensors,
+    read_bounded,
+    step_dir_name,
+    to_json,
+    write_text_atomic,
 )
 
 
@@ -61,7 +78,7 @@ def split_by_layer(named: Mapping[str, object], layer_names: Iterable[str]) -> d
     layers = sorted(layer_names, key=len, reverse=True)
     out: dict[str, dict[str, object]] = {}
     for name, value in named.items():
-        layer = next((l for l in layers if name.startswith(l + ".")), None)
+        layer = next((candidate for candidate in layers if name.startswith(candidate + ".")), None)
         if layer is None:
             raise CheckpointError(f"parameter {name!r} belongs to none of the layers {sorted(layers)[:8]}")
         out.setdefault(layer, {})[name] = value
@@ -224,7 +241,8 @@ def read_latest(root: Path, strict: bool = True) -> str | None:
         text = read_bounded(path, 64, str(path)).decode("utf-8").strip()
     except (CheckpointError, UnicodeDecodeError) as e:
         if strict:
-            raise CheckpointError(f"{path}: cannot be read ({e})" if isinstance(e, UnicodeDecodeError) else str(e)) from None
+            raise CheckpointError(f"{path}: cannot be read ({e})" if isinstance(e, UnicodeDecodeError)
+                                  else str(e)) from None
         return None
     if parse_step_dir(text) is None:
         if strict:

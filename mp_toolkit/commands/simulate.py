@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 
 from mp_toolkit.errors import ConfigError
-from mp_toolkit.partition.request import MAX_MICROBATCHES
 from mp_toolkit.partition.report import write_json
+from mp_toolkit.partition.request import MAX_MICROBATCHES
 from mp_toolkit.schedule import simulate_report
 
 

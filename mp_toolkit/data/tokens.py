@@ -143,7 +143,8 @@ def _cached_stream(cache_file: Path, vocab_size: int) -> np.ndarray | None:
     return stream
 
 
-def token_stream(texts: list[str], tokenizer: Tokenizer, cache_dir: Path, key: str, eos: int | None = None) -> np.ndarray:
+def token_stream(texts: list[str], tokenizer: Tokenizer, cache_dir: Path, key: str,
+                 eos: int | None = None) -> np.ndarray:
     """All documents' ids, each followed by ``eos`` (default: the tokenizer's <|endoftext|>; none when
     it has none), as one int32 array, cached as ``tokens-<key>-<tokenizer digest>.npy`` (encoding is
     slow): the name changes with the tokenizer, and a damaged cache is encoded again (`_cached_stream`)."""

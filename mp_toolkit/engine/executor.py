@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from mp_toolkit.engine.free_sent import release, releasable
+from mp_toolkit.engine.free_sent import releasable, release
+from mp_toolkit.engine.shapes import ShapePass, StageSpecs
 from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import StageModule
-from mp_toolkit.engine.shapes import ShapePass, StageSpecs
 from mp_toolkit.parallel.p2p import P2P, Received, TensorSpec, as_tuple
 from mp_toolkit.schedule import Action, Kind
 from mp_toolkit.schedule.completion import comm_batches
@@ -129,7 +129,8 @@ class Executor:
                     continue
                 handler = self.handlers.get(actions[i].kind)
                 if handler is None:
-                    raise NotImplementedError(f"action kind {actions[i].kind.value} ({actions[i]}) is not supported by this executor")
+                    raise NotImplementedError(f"action kind {actions[i].kind.value} ({actions[i]}) "
+                                              "is not supported by this executor")
                 self._await(actions[i])
                 handler(actions[i])
                 if i in final:
@@ -243,7 +244,7 @@ class Executor:
         its leading receives whose specs are known. Each receive moves by at most one batch and in
         order, so the receives from each peer are posted in the schedule's order (gloo and NCCL
         pair a channel's messages in order, `mp_toolkit.schedule.completion._pairs`)."""
-        nxt = next(((f, l) for f, l in self._batches if f > last), None)
+        nxt = next(((first, end) for first, end in self._batches if first > last), None)
         out = []
         if nxt is not None:
             for a in actions[nxt[0]:nxt[1] + 1]:

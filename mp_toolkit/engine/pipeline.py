@@ -36,9 +36,9 @@ import torch
 
 from mp_toolkit.engine.embedding_rows import accumulate_by_rows
 from mp_toolkit.engine.executor import Executor, final_weight_grad_actions
-from mp_toolkit.engine.shapes import ShapePass
-from mp_toolkit.engine.reductions import global_mean_loss, trust_ratio_rows
 from mp_toolkit.engine.interface import StepStats
+from mp_toolkit.engine.reductions import global_mean_loss, trust_ratio_rows
+from mp_toolkit.engine.shapes import ShapePass
 from mp_toolkit.engine.step import OptimizerStep
 from mp_toolkit.engine.ties import TiedGradients
 from mp_toolkit.engine.zero import ShardedMasters
@@ -48,8 +48,8 @@ from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.master import MasterWeights, precision_dtype
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.data_parallel import BUCKET_BYTES, DataParallelGrads
-from mp_toolkit.parallel.layouts import TP_ATTRIBUTES
 from mp_toolkit.parallel.host_staging import make_p2p
+from mp_toolkit.parallel.layouts import TP_ATTRIBUTES
 from mp_toolkit.parallel.zero import ShardedGrads, sharded_buckets
 from mp_toolkit.schedule import Kind, Schedule, get_schedule, validate
 from mp_toolkit.schedule.completion import send_waits

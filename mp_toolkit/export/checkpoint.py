@@ -1,7 +1,7 @@
 """`mpt export`: one checkpoint -> one HF model directory, written whole or not at all.
 
-    mpt export --checkpoint runs/gpt --out hf/gpt                    # then AutoModelForCausalLM.from_pretrained("hf/gpt")
-    mpt export --checkpoint runs/bert/step-00000040 --out hf/bert    # BertForPreTraining.from_pretrained("hf/bert")
+    mpt export --checkpoint runs/gpt --out hf/gpt                  # then AutoModelForCausalLM.from_pretrained("hf/gpt")
+    mpt export --checkpoint runs/bert/step-00000040 --out hf/bert  # BertForPreTraining.from_pretrained("hf/bert")
     mpt export --checkpoint runs/hf-run --out hf/x --config gpt2/config.json --tokenizer gpt2/
 
 The model is streamed by `export_layers` (a `model_zoo` run as the model its manifest records, an

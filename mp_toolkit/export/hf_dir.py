@@ -77,7 +77,8 @@ def copy_tokenizer(tokenizer_dir, out_dir) -> list[str]:
 
 
 def export_hf(layer_list_or_state: LayerList | Mapping[str, torch.Tensor], config, out_dir,
-              tokenizer_dir=None, architecture: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD) -> Path:
+              tokenizer_dir=None, architecture: str | None = None,
+              max_shard_size: str | int = DEFAULT_MAX_SHARD) -> Path:
     """Write an HF model directory that ``from_pretrained`` loads with these weights.
 
     ``layer_list_or_state``: an unsharded LayerList from `from_hf`, or its full tensors under
@@ -98,7 +99,8 @@ def export_hf(layer_list_or_state: LayerList | Mapping[str, torch.Tensor], confi
     return Path(out_dir)
 
 
-def layer_tensors_as_hf(named: Iterable[tuple[str, torch.Tensor]], target: "HFTarget") -> Iterator[tuple[str, torch.Tensor]]:
+def layer_tensors_as_hf(named: Iterable[tuple[str, torch.Tensor]],
+                        target: "HFTarget") -> Iterator[tuple[str, torch.Tensor]]:
     """``(LayerList name, tensor)`` pairs of a `from_hf` model as ``(HF key, tensor)`` pairs of
     ``target`` (a tied tensor under each of its HF keys; `write_hf_dir` keeps one)."""
     names = hf_name_map(target.model)

@@ -77,7 +77,8 @@ def save_tokenizer(tokenizer: Tokenizer, family: str, max_length: int, out_dir) 
     else:
         names = dict(eos_token=EOS_TOKEN, bos_token=EOS_TOKEN)
     specials = {k: v for k, v in names.items() if v in vocab}
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=max_length, **specials).save_pretrained(out_dir)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=max_length, **specials)
+    fast.save_pretrained(out_dir)
 
 
 def write_tokenizer(source, manifest: Mapping, out_dir, cache_dir) -> str:

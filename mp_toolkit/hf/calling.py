@@ -94,7 +94,7 @@ class HFLayerList(LayerList):
         unsupported = [k for k in given if k not in self.inputs]
         if unsupported:
             raise ValueError(f"{self.hf_class} layer list does not take {', '.join(unsupported)}: it takes "
-                             f"{', '.join(self.inputs + tuple(l for l in LABELS if l in self.signature.parameters))}"
+                             f"{', '.join(self.inputs + tuple(k for k in LABELS if k in self.signature.parameters))}"
                              " (by keyword, or positionally in the HF model's order)")
         if "input_ids" not in given:
             raise ValueError(f"{self.hf_class} layer list needs input_ids (B, T)")

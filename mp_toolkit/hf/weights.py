@@ -65,7 +65,8 @@ class SafetensorsFiles:
             return dict.fromkeys(self._header(SINGLE), SINGLE)
         index = self.directory / INDEX
         if not index.is_file():
-            raise WeightsError(f"{self.directory} has neither {SINGLE} nor {INDEX}: save the model with save_pretrained")
+            raise WeightsError(f"{self.directory} has neither {SINGLE} nor {INDEX}: "
+                               "save the model with save_pretrained")
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):

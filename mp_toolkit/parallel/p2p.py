@@ -2,8 +2,8 @@
 
 Messages are tuples of tensors. Shapes and dtypes are agreed once per shape of the input (see
 `send_specs` / `recv_specs`, used by the engine's shape pass, `mp_toolkit.engine.shapes`) and
-cached by the caller, so a steady-state step sends only payload. Integer and bool tensors travel as they are (bool as uint8 bytes) and
-never carry gradients.
+cached by the caller, so a steady-state step sends only payload. Integer and bool tensors travel
+as they are (bool as uint8 bytes) and never carry gradients.
 
 All the transfers of one run of consecutive communication actions go into a single
 `torch.distributed.batch_isend_irecv` call, so a send to a peer and a receive from the same peer

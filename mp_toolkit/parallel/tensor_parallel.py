@@ -34,14 +34,25 @@ from torch import nn
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.layouts import (
-    TP_ATTRIBUTES, full_shape, gather_full, mark_tensor_parallel, shard_full, shard_parameter, shard_ranges,
+    TP_ATTRIBUTES,
+    full_shape,
+    gather_full,
+    mark_tensor_parallel,
+    shard_full,
+    shard_parameter,
+    shard_ranges,
 )
 from mp_toolkit.parallel.tp_comms import (
-    copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
 )
 from mp_toolkit.parallel.vocab_parallel import (
-    VocabParallelEmbedding, VocabParallelLMHead, gather_vocab_parallel_logits, padded_vocab_size,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    gather_vocab_parallel_logits,
+    padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
 

@@ -29,7 +29,10 @@ from torch import nn
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.layouts import shard_parameter
 from mp_toolkit.parallel.tp_comms import (
-    all_reduce, copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region, group_rank,
+    all_reduce,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    group_rank,
     reduce_from_tensor_model_parallel_region,
 )
 

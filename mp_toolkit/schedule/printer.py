@@ -90,7 +90,7 @@ def _cell_steps(acts, times, rank) -> list[int | None]:
     compute = [times[(rank, i)] if a.kind.is_compute else None for i, a in enumerate(acts)]
     steps: list[int | None] = list(compute)
     last = None
-    for i, a in enumerate(acts):  # sends (and trailing receives) look backwards
+    for i in range(len(acts)):  # sends (and trailing receives) look backwards
         if compute[i] is not None:
             last = compute[i]
         else:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from .actions import Action, Kind, Schedule
 from mp_toolkit.errors import ScheduleError
+
+from .actions import Action, Kind, Schedule
 
 __all__ = ["ScheduleError", "validate", "simulate_order"]
 
