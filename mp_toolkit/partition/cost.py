@@ -18,7 +18,8 @@ sequences of ``s`` tokens (``N = b*s``), hidden size ``h``, MLP size ``f``, voca
   fp32 log-softmax ``N*V*4``. `tests/test_cost.py` checks these against the hooks. BERT and
   Llama blocks follow the same accounting for their layers (Llama: gated MLP, rotated q/k).
 * **Static bytes** per parameter depend on precision and optimizer (`bytes_per_param`), and so do the
-  optimizer step's temporaries (`step_bytes_per_param`); both match a measured step.
+  optimizer step's temporaries (`step_bytes_per_param`); both match a measured step. Each optimizer's
+  share (`OPTIMIZER_BYTES`) depends on its momentum and weight decay where the optimizer's own does.
 * **Accumulation temporaries**: after a step's first micro-batch every backward hands each weight
   gradient to ``.grad`` as a temporary beside it (``grad += new``), the largest parameter's at once
   (`LayerCost.accumulated_bytes`); an embedding's, by rows, one row per distinct token (and one).
@@ -38,13 +39,11 @@ from mp_toolkit.arch.shape import ModelShape
 from mp_toolkit.arch.zoo import preset_family, preset_names
 from mp_toolkit.errors import CostModelError
 
-__all__ = ["ACT_BYTES", "MAX_LAYERS", "OPTIMIZER_STATE_BYTES", "OPTIMIZER_STEP_BYTES", "CostModelError", "LayerCost",
-           "ModelShape", "bytes_per_param", "dropout_mask_bytes", "layer_costs", "model_shape", "shape_from_hf_config",
-           "step_bytes_per_param", "total_parameters"]
+__all__ = ["ACT_BYTES", "MAX_LAYERS", "OPTIMIZER_BYTES", "OPTIMIZER_STATE_BYTES", "CostModelError", "LayerCost",
+           "ModelShape", "OptimizerBytes", "bytes_per_param", "dropout_mask_bytes", "layer_costs", "model_shape",
+           "optimizer_bytes", "shape_from_hf_config", "step_bytes_per_param", "total_parameters"]
 
 ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lamb": 8, "lars": 4, "sgd": 4, "adagrad": 4, "rmsprop": 4}
-"""fp32 optimizer state per parameter: two moments (Adam, LAMB) or one buffer (the others)."""
 
 MAX_LAYERS = 10_000
 """More blocks than any model trained so far; beyond it a plan would not fit in memory."""
@@ -156,13 +155,62 @@ def layer_costs(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str = 
     return out
 
 
-def bytes_per_param(precision: str, optimizer: str, zero_dp: int = 1) -> float:
+@dataclass(frozen=True)
+class OptimizerBytes:
+    """fp32 bytes per parameter of one optimizer as the run builds it (`mp_toolkit.optim.factory`: torch's
+    fused Adam / AdamW, torch's foreach SGD, Adagrad and RMSprop, our LAMB and LARS): the state it keeps
+    between steps and the temporaries of its step. `tests/test_optimizer_bytes.py` counts both on the
+    real optimizers at each momentum and weight decay."""
+
+    state: int
+    """Kept whatever its settings: Adam's and LAMB's two moments, Adagrad's and RMSprop's sum of squares."""
+    step: int = 0
+    """Made by every step: none by fused Adam / AdamW and LAMB (its direction goes into the gradient's
+    memory, beside a fixed 1 MiB scratch); LARS's scaled (and decayed) copy of the gradients; Adagrad's
+    square root of its sums and scaled gradients (or, with decay, the decayed copy they reuse); RMSprop's
+    square root of its averages."""
+    momentum: float | None = None
+    """The momentum it takes when none is given; None: it has none. A momentum buffer (4 B) is kept only
+    when the momentum is not 0 (torch's SGD ``momentum_buffer``, RMSprop's, LARS's)."""
+    decay_copy: bool = False
+    """Its step makes a decayed copy of the gradients (4 B, ``grad.add(p, alpha=wd)``) when weight decay is
+    not 0 (torch's foreach SGD and RMSprop); AdamW, LAMB and LARS decay in their own arithmetic."""
+
+    def state_bytes(self, momentum: float | None = None) -> int:
+        """State per parameter at ``momentum`` (None: the optimizer's default)."""
+        mu = self.momentum if momentum is None else momentum
+        return self.state + (4 if self.momentum is not None and mu else 0)
+
+    def step_bytes(self, weight_decay: float) -> int:
+        """Step temporaries per parameter at ``weight_decay``."""
+        return self.step + (4 if self.decay_copy and weight_decay else 0)
+
+
+OPTIMIZER_BYTES = {
+    "adamw": OptimizerBytes(8), "adam": OptimizerBytes(8), "lamb": OptimizerBytes(8),
+    "lars": OptimizerBytes(0, step=4, momentum=0.9), "sgd": OptimizerBytes(0, momentum=0.9, decay_copy=True),
+    "adagrad": OptimizerBytes(4, step=8), "rmsprop": OptimizerBytes(4, step=4, momentum=0.0, decay_copy=True),
+}
+"""Measured on CPU (`OptimizerBytes`); the default momenta are the factory's (SGD and LARS 0.9, RMSprop 0)."""
+OPTIMIZER_STATE_BYTES = {name: o.state_bytes() for name, o in OPTIMIZER_BYTES.items()}
+"""fp32 optimizer state per parameter at each optimizer's default momentum."""
+
+
+def optimizer_bytes(optimizer: str) -> OptimizerBytes:
+    """``optimizer``'s record; CostModelError (one line) for one the cost model does not know."""
+    if optimizer not in OPTIMIZER_BYTES:
+        raise CostModelError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_BYTES)}")
+    return OPTIMIZER_BYTES[optimizer]
+
+
+def bytes_per_param(precision: str, optimizer: str, zero_dp: int = 1, momentum: float | None = None) -> float:
     """Static bytes per parameter on its stage: what it holds from the first backward to the step.
 
     fp32: weight + gradient (4 + 4) + optimizer state. fp16/bf16: 2-byte weight and gradient and
     the fp32 master weight (2 + 2 + 4) + fp32 optimizer state: the fp32 master gradient exists only
     during the step (`MasterWeights.grads_to_master` frees each 2-byte gradient as it makes it;
-    `step_bytes_per_param`). So 8 + state in every precision: 16 for AdamW and LAMB, 12 for SGD;
+    `step_bytes_per_param`). So 8 + state in every precision: 16 for AdamW and LAMB, 12 for SGD with
+    momentum, 8 without (``momentum``: None is the optimizer's default, `OptimizerBytes.state_bytes`);
     `tests/test_cost_families.py` measures a real step.
 
     ``zero_dp``: ZeRO-1 over that many data-parallel replicas (`mp_toolkit.engine.zero`) divides
@@ -171,26 +219,16 @@ def bytes_per_param(precision: str, optimizer: str, zero_dp: int = 1) -> float:
     distributed-optimizer table, whose bf16 row keeps a 4-byte main gradient per parameter on every
     replica, reads 18 -> 6 + 12/dp). 1: no ZeRO.
     """
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise CostModelError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATE_BYTES)}")
-    state = OPTIMIZER_STATE_BYTES[optimizer]
+    state = optimizer_bytes(optimizer).state_bytes(momentum)
     kept, owned = (8, state) if precision == "fp32" else (4, 4 + state)  # replicated, partitioned by ZeRO-1
     return kept + owned / zero_dp
 
 
-OPTIMIZER_STEP_BYTES = {"adamw": 0, "adam": 0, "lamb": 0, "lars": 4, "sgd": 4, "adagrad": 8, "rmsprop": 8}
-"""Temporaries per parameter of the optimizer's own step, measured on CPU (weight decay 0.01): torch's
-fused Adam / AdamW and our LAMB (u in the gradient's memory, a fixed 1 MiB scratch) make none; torch's
-foreach SGD and our LARS a decayed copy of the gradients; Adagrad and RMSprop two fp32 buffers."""
-
-
-def step_bytes_per_param(precision: str, optimizer: str) -> int:
+def step_bytes_per_param(precision: str, optimizer: str, weight_decay: float = 0.01) -> int:
     """Bytes per parameter above `bytes_per_param` at the optimizer step's peak (activations are
     freed by then): fp16/bf16 replace each 2-byte gradient by the fp32 master gradient (+2), and
-    the optimizer's temporaries (`OPTIMIZER_STEP_BYTES`)."""
-    if optimizer not in OPTIMIZER_STEP_BYTES:
-        raise CostModelError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STEP_BYTES)}")
-    return (0 if precision == "fp32" else 2) + OPTIMIZER_STEP_BYTES[optimizer]
+    the optimizer's temporaries at ``weight_decay`` (`OptimizerBytes.step_bytes`)."""
+    return (0 if precision == "fp32" else 2) + optimizer_bytes(optimizer).step_bytes(weight_decay)
 
 
 def total_parameters(shape: ModelShape) -> int:

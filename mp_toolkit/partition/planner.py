@@ -27,7 +27,16 @@ from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
 from mp_toolkit.schedule import SPLIT_SCHEDULES, get_schedule, simulate
 
 from .build import measure_model
-from .cost import ACT_BYTES, LayerCost, ModelShape, bytes_per_param, layer_costs, model_shape, step_bytes_per_param
+from .cost import (
+    ACT_BYTES,
+    OPTIMIZER_BYTES,
+    LayerCost,
+    ModelShape,
+    bytes_per_param,
+    layer_costs,
+    model_shape,
+    step_bytes_per_param,
+)
 from .memory import MemoryCapError, StageMemory, min_max_memory
 from .recompute import apply_to_plan, choose_recompute
 from .request import PLAN_METHODS, PlanRequest, check_request
@@ -150,9 +159,10 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> 
     else:
         tflops = req.tflops or gemm_tflops(req.precision)
         times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
-        bpp_touched = bytes_per_param(req.precision, req.optimizer) + 8  # read + write of weights/states
+        bpp_touched = bytes_per_param(req.precision, req.optimizer, momentum=req.momentum) + 8  # read + write
         opt_s = [c.params * bpp_touched / (req.mem_gbps * GB) for c in costs]
-        step_bytes = [c.params * step_bytes_per_param(req.precision, req.optimizer) for c in costs]
+        step_bpp = step_bytes_per_param(req.precision, req.optimizer, req.weight_decay)
+        step_bytes = [c.params * step_bpp for c in costs]
         residue = 0
         source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None else "")
     if req.tp > 1:  # two all-reduces of the block's activations forward, two backward (Megatron)
@@ -226,7 +236,7 @@ def _split_backward_ms(stage: StagePlan, bounds: list[int],
 def make_plan(req: PlanRequest) -> Plan:
     """Plan ``req``; raises PartitionError / CostModelError / ValueError with one-line messages."""
     shape = model_shape(req.model, hf_modules=req.hf)
-    check_request(req, shape, len(layer_costs(shape, 1, 1)))
+    check_request(req, shape, len(layer_costs(shape, 1, 1)), OPTIMIZER_BYTES)
     # the run pads the vocabulary to a multiple of 128 x tp (`vocab_parallel`): those rows are held too
     shape = replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, req.tp))
     if req.hf and (req.method == "time" or req.measure):
@@ -238,7 +248,7 @@ def make_plan(req: PlanRequest) -> Plan:
     schedule, inflight, held, rank_held = _inflight(req)
     num_stages = schedule.num_stages
     zero_dp = req.dp if req.zero else 1
-    bpp = bytes_per_param(req.precision, req.optimizer, zero_dp=zero_dp)
+    bpp = bytes_per_param(req.precision, req.optimizer, zero_dp=zero_dp, momentum=req.momentum)
     msg_in = max(c.output_bytes for c in costs[:-1]) if len(costs) > 1 else 0
     # one micro-batch per step: its gradients become .grad, nothing is accumulated beside them
     accumulated = [c.accumulated_bytes for c in costs] if req.microbatches > 1 else []

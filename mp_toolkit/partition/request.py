@@ -5,14 +5,15 @@ Imports no torch: `mp_toolkit.cli_args` reads `PlanRequest`'s defaults for ``mpt
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mp_toolkit.errors import PartitionError
 from mp_toolkit.names import PLAN_METHODS, PRECISIONS, SCHEDULES
 
-if TYPE_CHECKING:  # the argument's type only
-    from .cost import ModelShape
+if TYPE_CHECKING:  # the argument's types only
+    from .cost import ModelShape, OptimizerBytes
 
 __all__ = ["MAX_MICROBATCHES", "PLAN_METHODS", "PlanRequest", "check_request"]
 
@@ -38,6 +39,13 @@ class PlanRequest:
     """Per-device cap; required by ``memory``, a warning threshold otherwise."""
     precision: str = "fp32"
     optimizer: str = "adamw"
+    momentum: float | None = None
+    """Momentum of SGD, LARS and RMSprop (``mpt train --momentum``); None: the optimizer's default
+    (SGD and LARS 0.9, RMSprop 0). Its buffer is 4 bytes per parameter of state, kept only when the
+    momentum is not 0 (`cost.OptimizerBytes`)."""
+    weight_decay: float = 0.01
+    """The run's weight decay (``mpt train --weight-decay``, whose default this is): torch's SGD and
+    RMSprop make a decayed copy of the gradients in each step (4 bytes per parameter) unless it is 0."""
     schedule: str = "1f1b"
     chunks: int = 1
     """Model chunks per rank (interleaved)."""
@@ -75,8 +83,9 @@ class PlanRequest:
     (`bytes_per_param`'s ``zero_dp``); each replica's optimizer step touches 1/dp of them."""
 
 
-def check_request(req: PlanRequest, shape: ModelShape, layers: int) -> None:
-    """Every bad combination as one line; ``layers``: how many the model's layer list has."""
+def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: Mapping[str, OptimizerBytes]) -> None:
+    """Every bad combination as one line; ``layers``: how many the model's layer list has; ``optimizers``:
+    what each optimizer keeps (`cost.OPTIMIZER_BYTES`; an unknown one is the cost model's error)."""
 
     for name in ("pp", "tp", "dp", "micro_batch", "microbatches", "seq_len", "chunks"):
         v = getattr(req, name)
@@ -91,6 +100,15 @@ def check_request(req: PlanRequest, shape: ModelShape, layers: int) -> None:
         raise PartitionError(f"unknown --method {req.method!r}: choose one of {', '.join(PLAN_METHODS)}")
     if req.zero not in (0, 1):
         raise PartitionError(f"--zero {req.zero}: ZeRO stage 0 (off) or 1 (optimizer state partitioned over dp)")
+    if req.momentum is not None and req.optimizer in optimizers:
+        if optimizers[req.optimizer].momentum is None:
+            takers = [name for name, o in optimizers.items() if o.momentum is not None]
+            raise PartitionError(f"--momentum {req.momentum:g} is not an option of --optimizer {req.optimizer}: "
+                                 f"it applies to {', '.join(takers)}")
+        if not 0 <= req.momentum < 1:
+            raise PartitionError(f"--momentum {req.momentum:g} must be in [0, 1)")
+    if not (math.isfinite(req.weight_decay) and req.weight_decay >= 0):
+        raise PartitionError(f"--weight-decay {req.weight_decay:g} must be a non-negative finite number")
     if req.precision not in PRECISIONS:
         raise PartitionError(f"unknown --precision {req.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if req.memory_gb is not None and not (math.isfinite(req.memory_gb) and req.memory_gb > 0):
