@@ -1,8 +1,9 @@
 """`mpt`'s flags: the parser of ``mpt train``, ``plan``, ``simulate`` and ``export`` (`build_parser`).
 
 Every ``train`` flag defaults to `UNSET`, so a flag given on the command line (which overrides the
-DeepSpeed config) can be told from one left out; `FIELDS` are the flags that are `TrainConfig` fields,
-and each of those takes its help from the field's docstring (`field_docs`). Nothing here imports
+DeepSpeed config) can be told from one left out; `FIELDS` are the flags that are `TrainConfig` fields
+(by their flat names: `mp_toolkit.run.config.SECTION_OF`), and each of those takes its help from the
+field's docstring in its section (`field_docs`). Nothing here imports
 torch: ``mpt --help`` is the parser alone, and each command imports its code when it runs (`mp_toolkit.cli`).
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -18,7 +18,16 @@ from pathlib import Path
 from mp_toolkit.flag_values import BucketError, RecomputeError, parse_buckets, parse_layer_counts
 from mp_toolkit.names import LAMB_RULES, PLAN_METHODS, PRECISIONS as COMPUTE_PRECISIONS, RECOMPUTE_MODES
 from mp_toolkit.partition.request import PlanRequest
-from mp_toolkit.run.config import ENGINES, LR_DECAYS, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
+from mp_toolkit.run.config import (
+    ENGINES,
+    LR_DECAYS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    SECTION_OF,
+    SECTIONS,
+    TrainConfig,
+)
 
 DEPRECATED = "deprecated_flags"
 """Where `_Deprecated` notes the deprecated flags given (removed from the parsed namespace)."""
@@ -66,14 +75,22 @@ class _Unset:
 
 UNSET = _Unset()
 RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
-FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+FIELDS = frozenset(SECTION_OF)
 
 
-def field_docs(cls: type = TrainConfig) -> dict[str, str]:
+def field_docs() -> dict[str, str]:
+    """Each TrainConfig field by its flat name (`SECTION_OF`: the top-level fields and every section's)
+    with its docstring, on one line; the help of ``mpt train``'s flags can only say what they say."""
+    docs = {}
+    for cls in (TrainConfig, *SECTIONS.values()):
+        docs.update(class_field_docs(cls))
+    return {name: docs[name] for name in SECTION_OF if name in docs}
+
+
+def class_field_docs(cls: type) -> dict[str, str]:
     """Each field of dataclass ``cls`` with a docstring (the string literal under it), on one line.
 
-    Read from the class's source with `ast`, once per parser: cheap and torch-free, and the help of
-    ``mpt train``'s flags can only say what the fields' documentation says.
+    Read from the class's source with `ast`, once per parser: cheap and torch-free.
     """
     tree = ast.parse(Path(sys.modules[cls.__module__].__file__).read_text(encoding="utf-8"))
     body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls.__name__).body
@@ -104,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_parser(sub) -> None:
-    d, docs = TrainConfig(), field_docs()
+    d, docs = TrainConfig().flat(), field_docs()
     t = sub.add_parser("train", help="train a model over a pp x tp x dp grid of ranks")
 
     def opt(*flags, **kw):
@@ -114,7 +131,7 @@ def _add_train_parser(sub) -> None:
         """A flag that sets the TrainConfig field of its dest: help from the field's docstring."""
         action = t.add_argument(*flags, default=UNSET, **kw)
         if show_default:
-            extra = f"{extra} (default {getattr(d, action.dest)})".lstrip()
+            extra = f"{extra} (default {d[action.dest]})".lstrip()
         action.help = flag_help(docs[action.dest], extra, negates=kw.get("const") is False)
 
     opt("--config", "--deepspeed_config", "--deepspeed-config", dest="ds_config", type=Path,

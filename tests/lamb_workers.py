@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.optim import LAMB, LARS
+from mp_toolkit.optim.lamb import LAMB
+from mp_toolkit.optim.lars import LARS
 
 OPTIMIZERS = {"lamb": LAMB, "lars": LARS}
 

@@ -9,6 +9,7 @@ from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
+from mp_toolkit.optim.settings import Optim
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.partition import uniform
 from tests.oracle_workers import TINY, make_batches
@@ -31,7 +32,7 @@ def _engine(cfg, world, optimizer="lamb", precision="fp32", scaler=None, m=3, cl
     torch.manual_seed(0)
     layers = LayerList.from_model(GPT(cfg))
     return PipelineEngine(layers, build_context(world), uniform(len(layers), world), m, schedule,
-                          optimizer=lambda named: build_optimizer(optimizer, named, lr, WD),
+                          optimizer=lambda named: build_optimizer(Optim(optimizer, lr=lr, weight_decay=WD), named),
                           loss_fn=lm_loss, clip_grad=clip, precision=precision, loss_scaler=scaler)
 
 
@@ -42,7 +43,7 @@ def lamb_clip_oracle(rank, world, optimizer, schedule, steps=3, m=3):
     torch.manual_seed(0)
     ref = LayerList.from_model(GPT(cfg))
     named = _named(ref)
-    opt = build_optimizer(optimizer, named, LR, WD)
+    opt = build_optimizer(Optim(optimizer, lr=LR, weight_decay=WD), named)
     ref_norms = []
     for step in batches:
         for x, y in step:

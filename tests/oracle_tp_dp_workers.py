@@ -27,6 +27,7 @@ from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.groups import is_tensor_parallel
+from mp_toolkit.optim.settings import Optim
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import gather_full
 from mp_toolkit.parallel.tp_comms import all_gather
@@ -58,7 +59,7 @@ def reference(cfg, batches, held_out, dtype=torch.float32, optimizer: str = "lam
     torch.manual_seed(0)
     model = LayerList.from_model(GPT(cfg)).to(dtype)  # the same initial values, widened
     named = _named(model)
-    opt = build_optimizer(optimizer, named, LR, WD)
+    opt = build_optimizer(Optim(optimizer, lr=LR, weight_decay=WD), named)
     losses, norms, first_grads = [], [], None
     for step in batches:
         total = torch.zeros((), dtype=dtype)
@@ -146,10 +147,10 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", le
     *batches, held_out = make_batches(STEPS + 1, dp * m, cfg.vocab_size, lengths=lengths)
     ref32 = reference(cfg, batches, held_out)
     ref64 = reference(cfg, batches, held_out, torch.float64)
-    train_cfg = TrainConfig(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,
-                            partition="uniform", optimizer="lamb", lr=LR, weight_decay=WD, clip_grad=CLIP,
-                            precision="fp32", dp_bucket_mb=bucket_mb,
-                            chunks=2 if schedule == "interleaved" else 1, recompute=recompute)
+    train_cfg = TrainConfig.of(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,
+                               partition="uniform", optimizer="lamb", lr=LR, weight_decay=WD, clip_grad=CLIP,
+                               precision="fp32", dp_bucket_mb=bucket_mb,
+                               chunks=2 if schedule == "interleaved" else 1, recompute=recompute)
     torch.manual_seed(0)
     with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers and shards
         model = GPT(cfg)

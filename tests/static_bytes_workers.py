@@ -18,7 +18,8 @@ from model_zoo.gpt import GPT, GPTConfig
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
-from mp_toolkit.optim.loss_scaler import LossScaleSettings
+from mp_toolkit.optim.loss_scaler import Numerics
+from mp_toolkit.optim.settings import Optim
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.partition.memstats import map_large_blocks, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes
 from mp_toolkit.run.families import loss_function
@@ -56,9 +57,9 @@ def measure(precision: str, optimizer: str) -> dict:
     layers = LayerList.from_model(model)
     ctx = ParallelContext()
     engine = PipelineEngine(layers, ctx, [0, len(layers)], 1, "1f1b",
-                            optimizer=lambda named: build_optimizer(optimizer, named, 1e-3, 0.01),
+                            optimizer=lambda named: build_optimizer(Optim(optimizer, weight_decay=0.01), named),
                             loss_fn=loss_function(model, ctx), clip_grad=1.0, precision=precision,
-                            loss_scaler=LossScaleSettings().scaler() if precision == "fp16" else None)
+                            loss_scaler=Numerics().scaler() if precision == "fp16" else None)
     del model, layers
     ids = torch.randint(0, 2048, (2, 17))
     engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]))  # the optimizer state exists from here on

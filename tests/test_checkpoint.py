@@ -15,7 +15,9 @@ from mp_toolkit.checkpoint import (
 )
 from mp_toolkit.checkpoint.files import check_name
 from mp_toolkit.layers import LayerList
-from mp_toolkit.optim import LAMB, LARS, DynamicLossScaler
+from mp_toolkit.optim.lamb import LAMB
+from mp_toolkit.optim.lars import LARS
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 
 torch.set_num_threads(1)
 

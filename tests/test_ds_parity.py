@@ -23,7 +23,8 @@ import torch
 
 from mp_toolkit.ds.config import read_ds_config
 from mp_toolkit.ds.defaults import DOCUMENTED, deepspeed_defaults, read_installed
-from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
+from mp_toolkit.optim.factory import build_optimizer
+from mp_toolkit.optim.settings import Optim
 from mp_toolkit.engine.reductions import trust_ratio_rows
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import ConfigError
@@ -292,9 +293,9 @@ def test_lamb_rule_deepspeed_steps_as_fused_lamb_on_every_tensor(bias_correction
              for _ in range(3)]
     grads[0][-1].zero_()  # a zero gradient on the zero bias: both norms 0 on step 1 -> coefficient 1
     init = [p.detach().clone() for _, p in named]
-    opt = build_optimizer("lamb", named, hp["lr"], decay, options=OptimizerOptions(
-        betas=hp["betas"], eps=hp["eps"], min_trust=hp["min_coeff"], max_trust=hp["max_coeff"],
-        bias_correction=bias_correction, lamb_rule="deepspeed"))
+    opt = build_optimizer(Optim(
+        "lamb", lr=hp["lr"], weight_decay=decay, betas=hp["betas"], eps=hp["eps"], min_trust=hp["min_coeff"],
+        max_trust=hp["max_coeff"], bias_correction=bias_correction, lamb_rule="deepspeed"), named)
     for step_grads in grads:
         for (_, p), g in zip(named, step_grads):
             p.grad = g.clone()
@@ -317,7 +318,7 @@ def test_lamb_rule_mp_toolkit_keeps_its_exclusions_and_says_so():
     torch.manual_seed(0)
     model = Tiny()
     named = list(model.named_parameters())
-    opt = build_optimizer("lamb", named, 1e-2, 0.01, options=OptimizerOptions(max_trust=0.3))
+    opt = build_optimizer(Optim("lamb", lr=1e-2, weight_decay=0.01, max_trust=0.3), named)
     for _, p in named:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -329,5 +330,4 @@ def test_lamb_rule_mp_toolkit_keeps_its_exclusions_and_says_so():
 
 def test_lamb_rule_is_for_lamb_only():
     with pytest.raises(ValueError, match="--lamb-rule deepspeed applies to --optimizer lamb only"):
-        build_optimizer("adamw", list(Tiny().named_parameters()), 1e-3,
-                        options=OptimizerOptions(lamb_rule="deepspeed"))
+        build_optimizer(Optim("adamw", lr=1e-3, lamb_rule="deepspeed"), list(Tiny().named_parameters()))

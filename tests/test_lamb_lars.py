@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import mp_toolkit.optim.lamb as lamb_module
-from mp_toolkit.optim import LAMB, LARS, lamb_param_groups
+from mp_toolkit.optim.groups import lamb_param_groups
+from mp_toolkit.optim.lamb import LAMB
+from mp_toolkit.optim.lars import LARS
 from tests.dist_harness import run_world
 from tests.lamb_workers import sharded_cases
 

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from mp_toolkit.optim import DynamicLossScaler, has_inf_or_nan
-from mp_toolkit.optim.clip import tensor_norms
+from mp_toolkit.optim.clip import has_inf_or_nan, tensor_norms
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 
 
 def scales_after(scaler, overflows):

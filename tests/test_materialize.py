@@ -109,8 +109,8 @@ def grid_rank(rank, world, pp, tp, schedule, tied):
     ctx = build_context(pp, tp, 1)
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
     model = _meta(lambda: GPT(cfg))
-    train_cfg = TrainConfig(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, schedule=schedule, microbatches=2 * pp,
-                            partition="uniform", chunks=2 if schedule == "interleaved" else 1)
+    train_cfg = TrainConfig.of(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, schedule=schedule, microbatches=2 * pp,
+                               partition="uniform", chunks=2 if schedule == "interleaved" else 1)
     engine = build_engine(resolve_run(train_cfg), ctx, model)
     held = {n: p for n, p in engine.named_parameters()}
     return {

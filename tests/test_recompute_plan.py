@@ -71,6 +71,8 @@ def _instance(rng: random.Random):
         held = [tuple({(a, rng.randint(0, a - 1)) for a in (rng.randint(1, 3) for _ in range(rng.randint(1, 3)))})
                 for _ in range(p)]
         memory = dataclasses.replace(memory, recorded=[rng.randint(0, 30) for _ in range(n)], held=held)
+    if rng.random() < 0.5:  # several micro-batches: each layer's accumulation temporary (`StageMemory.accumulated`)
+        memory = dataclasses.replace(memory, accumulated=[rng.randint(0, 30) for _ in range(n)])
     full_saved = [rng.randint(0, a) if b else 0 for a, b in zip(act, block)]
     sel_saved = [rng.randint(0, s) if b else 0 for s, b in zip(full_saved, block)]
     rc = RecomputeCosts(block, full_saved, [a if b else 0 for a, b in zip(act, block)],
@@ -115,7 +117,7 @@ def test_auto_fits_a_cap_none_cannot_and_is_faster_than_full():
         assert all(s.memory_bytes <= cap * 1e9 for s in auto.stages + full.stages)
         assert any(c.mode != "none" for c in auto.recompute)
         assert auto.max_stage_time_ms < full.max_stage_time_ms and auto.step_time_ms < full.step_time_ms
-    with pytest.raises(Exception, match="use --memory-gb 0.090 or more"):  # the least cap selective fits
+    with pytest.raises(Exception, match="use --memory-gb 0.091 or more"):  # the least cap selective fits
         make_plan(PlanRequest(**base, memory_gb=0.085, recompute="selective"))
 
 
@@ -125,7 +127,7 @@ def test_mpt_plan_prints_the_choice_per_stage_and_train_applies_the_same():
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "recomputes:" in line]
     assert len(lines) == 2 and any("full x" in line or "selective x" in line for line in lines)
-    train = TrainConfig(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, recompute="auto", memory_gb=0.08)
+    train = TrainConfig.of(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, recompute="auto", memory_gb=0.08)
     plan = make_plan(auto_request(train))
     printed = [line.split(": ", 1)[1] for line in lines]
     names = [c.name for c in plan.layers]
@@ -161,11 +163,11 @@ def test_schedule_auto_takes_the_fastest_candidate_that_fits():
 
 
 def test_train_schedule_auto_resolves_alike_and_says_so():
-    cfg = TrainConfig(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, schedule="auto")
+    cfg = TrainConfig.of(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, schedule="auto")
     first, line = resolve_auto_schedule(cfg)
     again, _ = resolve_auto_schedule(cfg)
-    assert first == again and first.schedule in CANDIDATES and line.startswith("--schedule auto: ")
-    assert (first.chunks == 2) == (first.schedule == "interleaved")
+    assert first == again and first.parallel.schedule in CANDIDATES and line.startswith("--schedule auto: ")
+    assert (first.parallel.chunks == 2) == (first.parallel.schedule == "interleaved")
 
 
 @pytest.mark.parametrize("microbatches,expected", [(4, "zbh1"), (8, "zbdrain")])
@@ -173,15 +175,15 @@ def test_a_run_naming_no_schedule_takes_the_planners_pick_of_1f1b_and_the_zero_b
     """Issue 23: without --schedule our engine at pp > 1 runs what the planner predicts fastest of 1F1B,
     ZB-drain and ZB-H1 on the run's own cut (ZB-H1 pays the split's cost on every micro-batch, ZB-drain
     once: from 8 micro-batches on, ZB-drain); DeepSpeed's engine, one stage, or a named schedule keep theirs."""
-    cfg = TrainConfig(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, microbatches=microbatches)
+    cfg = TrainConfig.of(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, microbatches=microbatches)
     picked, line = default_schedule(cfg)
     _, auto_line = resolve_auto_schedule(cfg, candidates=DEFAULT_CANDIDATES)
     times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) ms", auto_line)}
-    assert set(times) == set(DEFAULT_CANDIDATES) and picked.schedule == min(times, key=times.get)
-    assert picked.schedule == expected and picked.chunks == 1 and "--schedule 1f1b to keep 1F1B" in line
-    assert dataclasses.replace(picked, schedule="1f1b") == cfg  # nothing else changes: the cut is --partition's
-    for kept in (dataclasses.replace(cfg, engine="deepspeed"), dataclasses.replace(cfg, pp=1),
-                 dataclasses.replace(cfg, schedule="gpipe")):
+    assert set(times) == set(DEFAULT_CANDIDATES) and picked.parallel.schedule == min(times, key=times.get)
+    assert picked.parallel.schedule == expected and picked.parallel.chunks == 1
+    assert "--schedule 1f1b to keep 1F1B" in line
+    assert picked.replace(schedule="1f1b") == cfg  # nothing else changes: the cut is --partition's
+    for kept in (cfg.replace(engine="deepspeed"), cfg.replace(pp=1), cfg.replace(schedule="gpipe")):
         assert default_schedule(kept) == (kept, None)
 
 
@@ -189,19 +191,19 @@ def test_a_run_naming_no_schedule_weighs_interleaved_where_the_cut_is_the_planne
     """bert-base at pp 2 (its heads a light last chunk) gets interleaved x2 by default, re-cut into 4 stages
     by --partition; a run that fixes the cut, counts recomputed layers per stage or names --chunks keeps
     the one-stage-per-rank candidates."""
-    cfg = TrainConfig(model="bert-base", pp=2, micro_batch=8, seq_len=128, microbatches=8)
+    cfg = TrainConfig.of(model="bert-base", pp=2, micro_batch=8, seq_len=128, microbatches=8)
     picked, line = default_schedule(cfg)
     times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) ms", line)}
     assert default_candidates(cfg) == DEFAULT_CANDIDATES and set(times) == set(DEFAULT_CANDIDATES)
-    assert (picked.schedule, picked.chunks) == ("interleaved", 2) and min(times, key=times.get) == "interleaved"
+    assert (picked.parallel.schedule, picked.parallel.chunks) == ("interleaved", 2)
+    assert min(times, key=times.get) == "interleaved"
     assert validate(picked).boundaries[-1] == 14 and len(validate(picked).boundaries) == 5  # pp x chunks stages over bert-base's 14 layers
     one_per_rank = tuple(c for c in DEFAULT_CANDIDATES if c != "interleaved")
-    for fixed in (dataclasses.replace(cfg, partition="0,7,14"), dataclasses.replace(cfg, recompute="full",
-                                                                                    recompute_layers=(1, 2)),
-                  dataclasses.replace(cfg, chunks=3)):
+    for fixed in (cfg.replace(partition="0,7,14"), cfg.replace(recompute="full", recompute_layers=(1, 2)),
+                  cfg.replace(chunks=3)):
         assert default_candidates(fixed) == one_per_rank
-        assert default_schedule(fixed)[0].schedule in one_per_rank + ("1f1b",)
-    assert default_candidates(dataclasses.replace(cfg, recompute="full", recompute_layers=(1,))) == DEFAULT_CANDIDATES
+        assert default_schedule(fixed)[0].parallel.schedule in one_per_rank + ("1f1b",)
+    assert default_candidates(cfg.replace(recompute="full", recompute_layers=(1,))) == DEFAULT_CANDIDATES
 
 
 def test_auto_takes_selective_where_it_pays_and_only_the_modes_allowed():
@@ -217,4 +219,4 @@ def test_auto_takes_selective_where_it_pays_and_only_the_modes_allowed():
     assert {c.mode for c in both.recompute} == {"none", "selective"}
     assert {c.mode for c in full.recompute} == {"none", "full"}
     assert sum(s.time_ms for s in both.stages) < sum(s.time_ms for s in full.stages)
-    assert auto_request(TrainConfig(hf="some/dir", recompute="auto", memory_gb=1.0)).recompute_modes == ("full",)
+    assert auto_request(TrainConfig.of(hf="some/dir", recompute="auto", memory_gb=1.0)).recompute_modes == ("full",)

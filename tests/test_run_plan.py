@@ -49,12 +49,12 @@ def _plan(*flags: str) -> RunPlan:
 def test_the_default_schedule_plans_each_candidate_once_and_predicts_from_the_winner(monkeypatch):
     calls = _count_plans(monkeypatch)
     run = _plan()
-    cfg = TrainConfig(model="gpt-tiny", seq_len=64, pp=2, microbatches=4, data="synthetic")
+    cfg = TrainConfig.of(model="gpt-tiny", seq_len=64, pp=2, microbatches=4, data="synthetic")
     assert [r.schedule for r in calls] == list(default_candidates(cfg))  # nothing planned twice
-    assert run.prediction is not None and run.prediction.request.schedule == run.cfg.schedule
+    assert run.prediction is not None and run.prediction.request.schedule == run.cfg.parallel.schedule
     assert tuple(run.prediction.boundaries) == run.boundaries
     assert run.stage_bytes == tuple(s.memory_bytes for s in run.prediction.stages)
-    assert run.schedule.num_stages == len(run.boundaries) - 1 == run.cfg.pp * run.cfg.chunks
+    assert run.schedule.num_stages == len(run.boundaries) - 1 == run.cfg.parallel.pp * run.cfg.parallel.chunks
 
 
 def test_a_cut_no_candidate_planned_is_planned_once_more(monkeypatch):
@@ -68,7 +68,7 @@ def test_a_cut_no_candidate_planned_is_planned_once_more(monkeypatch):
 def test_a_named_schedule_plans_only_the_prediction(monkeypatch):
     calls = _count_plans(monkeypatch)
     run = _plan("--schedule", "gpipe")
-    assert len(calls) == 1 and run.cfg.schedule == "gpipe" and run.notes == ()
+    assert len(calls) == 1 and run.cfg.parallel.schedule == "gpipe" and run.notes == ()
 
 
 def test_recompute_auto_takes_its_cut_from_the_winning_candidate(monkeypatch):
@@ -84,9 +84,9 @@ def test_a_rank_started_by_mpt_receives_the_plan_and_plans_nothing(monkeypatch, 
     run = _plan(*flags)
     doc = json.loads(json.dumps(run.to_json()))  # as MPT_RUN_PLAN carries it
     _count_plans(monkeypatch, fail=True)
-    given = TrainConfig(model="gpt-tiny", seq_len=64, pp=2, microbatches=4, data="synthetic",
-                        **({"schedule": "interleaved", "chunks": 2, "recompute": "full", "recompute_layers": (1,)}
-                           if flags else {}))
+    given = TrainConfig.of(model="gpt-tiny", seq_len=64, pp=2, microbatches=4, data="synthetic",
+                           **({"schedule": "interleaved", "chunks": 2, "recompute": "full", "recompute_layers": (1,)}
+                              if flags else {}))
     received = RunPlan.received(given, doc)
     assert received.cfg == run.cfg and received.spec == run.spec
     assert (received.boundaries, received.recompute, received.stage_bytes) == \
@@ -98,7 +98,7 @@ def test_a_rank_started_by_mpt_receives_the_plan_and_plans_nothing(monkeypatch, 
 
 def test_a_run_plan_from_elsewhere_is_refused_in_one_line():
     with pytest.raises(ValueError, match="MPT_RUN_PLAN is not a run plan"):
-        RunPlan.received(TrainConfig(model="gpt-tiny", seq_len=64), {"format": 99})
+        RunPlan.received(TrainConfig.of(model="gpt-tiny", seq_len=64), {"format": 99})
 
 
 def test_dry_run_plans_the_precision_the_ranks_train_in(capsys):

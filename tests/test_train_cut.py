@@ -39,7 +39,7 @@ def plan_cut(tmp_path, model, pp, chunks, micro_batch, seq_len):
 def test_train_flops_cut_is_the_plan_flops_cut(tmp_path, model, build, pp, chunks, seq_len):
     with torch.device("meta"):
         m = build()
-    cfg = TrainConfig(model=model, pp=pp, chunks=chunks, partition="flops", micro_batch=8, seq_len=seq_len)
+    cfg = TrainConfig.of(model=model, pp=pp, chunks=chunks, partition="flops", micro_batch=8, seq_len=seq_len)
     got = plan_boundaries(LayerList.from_model(m), pp, "flops", chunks, CutWorkload.of(cfg, config_of(m)))
     assert got == plan_cut(tmp_path, model, pp, chunks, 8, seq_len)
     if model == "gpt-small-cpu" and chunks == 1:
@@ -50,7 +50,7 @@ def test_train_flops_cut_is_the_plan_flops_cut(tmp_path, model, build, pp, chunk
 
 
 def test_flops_is_the_default_and_needs_a_workload():
-    assert TrainConfig().partition == "flops"
+    assert TrainConfig().parallel.partition == "flops"
     with torch.device("meta"):
         layers = LayerList.from_model(gpt.GPT(gpt.PRESETS["gpt-tiny"]))
     with pytest.raises(ConfigError, match="--partition flops: needs the model's config"):

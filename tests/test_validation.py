@@ -219,8 +219,8 @@ def bert_eval_rank(rank, world, pp, tp, cache):
     config = dataclasses.replace(bert.PRESETS["bert-tiny"], pad_token_id=corpus.special.pad)
     m, mbs = 2, 4
     data = MLMMicroBatches(corpus, mbs, seed=0, holdout=2 * m * mbs)
-    cfg = TrainConfig(model="bert-tiny", pp=pp, tp=tp, microbatches=m, micro_batch=mbs, seq_len=32,
-                      partition="uniform", precision="fp32")
+    cfg = TrainConfig.of(model="bert-tiny", pp=pp, tp=tp, microbatches=m, micro_batch=mbs, seq_len=32,
+                         partition="uniform", precision="fp32")
     ctx = build_context(pp, tp, 1)
     torch.manual_seed(0)
     with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers

@@ -37,7 +37,7 @@ def test_padded_size_is_megatrons_rule():
 
 
 def test_gpt2_preset_is_no_longer_refused_at_tp2():
-    validate(TrainConfig(model="gpt2", pp=1, tp=2, dp=1))  # was: "--tp 2 does not divide vocab=50257"
+    validate(TrainConfig.of(model="gpt2", pp=1, tp=2, dp=1))  # was: "--tp 2 does not divide vocab=50257"
 
 
 def test_padded_layers_and_loss_match_the_unsplit_ones():

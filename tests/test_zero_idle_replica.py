@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.groups import PartialSums, ZeroPiece
+from mp_toolkit.optim.settings import Optim
 from mp_toolkit.parallel.zero import ShardedBucket
 from tests.dist_harness import run_world
 from tests.floor import check
 
 DP, STEPS = 3, 3
 SHAPES = {"w": (2, 2), "b": (2,)}  # a bucket each: 4 and 2 elements, ranges of 2 and 1 at dp 3
-SETTINGS = {"lamb": dict(lr=1e-2, weight_decay=0.01), "lars": dict(lr=0.5, weight_decay=0.01)}
+SETTINGS = {"lamb": Optim("lamb", lr=1e-2, weight_decay=0.01), "lars": Optim("lars", lr=0.5, weight_decay=0.01)}
 
 
 def tensors(dtype=torch.float32) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
@@ -56,7 +57,7 @@ def zero_rank(rank: int, world: int, name: str) -> dict[str, torch.Tensor]:
         piece.zero_piece = ZeroPiece(shape, slot, start == 0 and length > 0, partials)
         named.append((n, piece))
         where[n] = (start, length)
-    optimizer = build_optimizer(name, named, **SETTINGS[name])
+    optimizer = build_optimizer(SETTINGS[name], named)
     for step in grads:
         for n, piece in named:
             start, length = where[n]
@@ -69,7 +70,7 @@ def whole(name: str, dtype) -> dict[str, torch.Tensor]:
     """One process stepping the whole tensors (no ZeRO) in ``dtype``."""
     init, grads = tensors(dtype)
     params = {n: t.clone().requires_grad_(True) for n, t in init.items()}
-    optimizer = build_optimizer(name, list(params.items()), **SETTINGS[name])
+    optimizer = build_optimizer(SETTINGS[name], list(params.items()))
     for step in grads:
         for n, p in params.items():
             p.grad = step[n].clone()

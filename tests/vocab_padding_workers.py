@@ -56,8 +56,8 @@ def padded_oracle(rank, world, optimizer: str, tied: bool) -> dict:
     ref64 = reference(config, batches, held_out, torch.float64, optimizer=optimizer)
     model_file = Path(tempfile.mkdtemp(prefix="vocab-padding-")) / "config.json"  # the run names its model
     model_file.write_text(json.dumps(config.to_dict()))
-    cfg = TrainConfig(model=str(model_file), seq_len=SEQ, pp=1, tp=2, dp=1, microbatches=M, partition="uniform",
-                      optimizer=optimizer, lr=LR, weight_decay=WD, clip_grad=CLIP, precision="fp32")
+    cfg = TrainConfig.of(model=str(model_file), seq_len=SEQ, pp=1, tp=2, dp=1, microbatches=M, partition="uniform",
+                         optimizer=optimizer, lr=LR, weight_decay=WD, clip_grad=CLIP, precision="fp32")
     torch.manual_seed(0)
     engine = build_engine(resolve_run(cfg), ctx, GPT(config))
     named = engine.named_parameters()

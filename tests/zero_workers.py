@@ -89,9 +89,9 @@ def train(ctx, pp, tp, dp, case: Case, zero: int, batches) -> dict:
     from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
     from mp_toolkit.run.plan import resolve_run
 
-    cfg = TrainConfig(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, dp=dp, schedule="1f1b", microbatches=M, partition="uniform",
-                      optimizer=case.optimizer, lr=LR, weight_decay=WD, clip_grad=case.clip,
-                      precision=case.precision, dp_bucket_mb=case.bucket_mb, zero=zero, initial_scale_power=8)
+    cfg = TrainConfig.of(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, dp=dp, schedule="1f1b", microbatches=M,
+                         partition="uniform", optimizer=case.optimizer, lr=LR, weight_decay=WD, clip_grad=case.clip,
+                         precision=case.precision, dp_bucket_mb=case.bucket_mb, zero=zero, initial_scale_power=8)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(PRESETS["gpt-tiny"])

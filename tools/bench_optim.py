@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from mp_toolkit.optim import LAMB
+from mp_toolkit.optim.lamb import LAMB
 from tools.report import header, json_line
 
 

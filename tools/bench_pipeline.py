@@ -104,7 +104,7 @@ def defaults_of(w: Workload) -> tuple[str, int, list[int]]:
     is named: its run plan (`mp_toolkit.run.plan.resolve_run`)."""
     with tempfile.TemporaryDirectory() as d:
         run = resolve_run(workload_config(w, Path(d)), schedule_named=False, device=torch.device("cpu"))
-    return run.cfg.schedule, run.cfg.chunks, list(run.boundaries)
+    return run.cfg.parallel.schedule, run.cfg.parallel.chunks, list(run.boundaries)
 
 
 def default_cut(w: Workload, chunks: int = 1) -> list[int]:

@@ -35,6 +35,7 @@ from model_zoo.gpt import GPT, GPTConfig, lm_loss
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
+from mp_toolkit.optim.settings import Optim
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.partition import memstats
 from mp_toolkit.recompute import StageRecompute, apply_recompute
@@ -103,7 +104,7 @@ def optimizer(w: Workload, spec: dict, named) -> torch.optim.Optimizer:
     """The peers' shared torch AdamW (foreach), or with ``spec["optimizer"] == "mpt"`` the one
     ``mpt train --optimizer adamw`` builds (`build_optimizer`: torch's fused AdamW kernel)."""
     if spec.get("optimizer") == "mpt":
-        return build_optimizer("adamw", list(named), w.lr, w.weight_decay)
+        return build_optimizer(Optim("adamw", lr=w.lr, weight_decay=w.weight_decay), list(named))
     return adamw(w, (p for _, p in named))
 
 

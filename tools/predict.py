@@ -5,7 +5,7 @@ itself plans with --, or `resolve_run` for everything ``mpt train`` decides befo
 
     cfg = train_config("gpt-small-cpu", pp=2, microbatches=8, optimizer="adamw")
     plan = predict(cfg, method="flops")           # the cut and each stage's bytes and time
-    rank_bytes(plan, cfg.pp)                      # predicted bytes of each rank
+    rank_bytes(plan, cfg.parallel.pp)             # predicted bytes of each rank
     resolve_run(cfg, schedule_named=False).boundaries   # the cut mpt train would run
 
 Not imported by the library.
@@ -25,8 +25,8 @@ __all__ = ["model_file", "predict", "rank_bytes", "resolve_run", "train_config",
 
 
 def train_config(model: str, **fields) -> TrainConfig:
-    """The ``mpt train`` run of ``model`` (a preset or a config.json) with ``fields`` (TrainConfig's names)."""
-    return TrainConfig(model=model, **fields)
+    """The ``mpt train`` run of ``model`` (a preset or a config.json) with ``fields`` (TrainConfig's flat names)."""
+    return TrainConfig.of(model=model, **fields)
 
 
 def workload_config(w: Workload, folder: Path, **fields) -> TrainConfig:

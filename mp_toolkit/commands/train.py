@@ -78,19 +78,20 @@ def run(args: argparse.Namespace, argv: list[str], main: Callable | None = None)
         print(dry_run_report(cfg, plan.boundaries, plan.prediction, "mpt train itself"), flush=True)
         return 0
     if env is None:  # no launcher: start the pp*tp*dp ranks ourselves
-        for path in (cfg.metrics, cfg.plot):
+        for path in (cfg.logging.metrics, cfg.logging.plot):
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-        if cfg.world_size == 1 and not cfg.restarts and cfg.engine == "mp_toolkit":  # DeepSpeed reads a launcher's env
+        world, restarts = cfg.parallel.world_size, cfg.faults.restarts
+        if world == 1 and not restarts and cfg.engine == "mp_toolkit":  # DeepSpeed reads a launcher's env
             return _run(plan, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, faults=local_faults()))
         fork_with = main if main is not None and can_fork_ranks() else None
-        return spawn_local(argv, cfg.world_size, restarts=cfg.restarts, save_dir=cfg.save_dir, fork_with=fork_with,
+        return spawn_local(argv, world, restarts=restarts, save_dir=cfg.checkpoint.save_dir, fork_with=fork_with,
                            run_env={"MPT_RUN_PLAN": json.dumps(plan.to_json())})
-    if cfg.restarts and not env.started_by_mpt:
-        raise ConfigError(f"--restarts {cfg.restarts} is for mpt train starting the ranks itself; under a launcher "
-                          "restart with it (torchrun --max-restarts N) and pass --resume auto")
+    if cfg.faults.restarts and not env.started_by_mpt:
+        raise ConfigError(f"--restarts {cfg.faults.restarts} is for mpt train starting the ranks itself; under a "
+                          "launcher restart with it (torchrun --max-restarts N) and pass --resume auto")
     try:
-        check_grid(env.world_size, cfg.pp, cfg.tp, cfg.dp)
+        check_grid(env.world_size, cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp)
     except GridError as e:
         raise ConfigError(f"the launcher started {env.world_size} processes: {e}") from None
     if dry_run:

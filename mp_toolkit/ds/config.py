@@ -1,7 +1,7 @@
 """Read a DeepSpeed JSON config into typed settings::
 
     settings = read_ds_config("ds_config.json", dp=2)
-    cfg = dataclasses.replace(TrainConfig(), **settings.train_config_overrides())
+    cfg = TrainConfig.of(**settings.train_config_overrides())
     if settings.ignored:
         print(settings.ignored_message())
 
@@ -23,7 +23,7 @@ and explicit boundaries ("0,3,7") as ``partition_method``. Understood but unused
 profiling, ZeRO stage 0, ...) are listed in ``ignored``. Unknown keys fail where DeepSpeed fails
 (inside ``fp16``, ``bf16``, ``optimizer.params``, ``scheduler.params``: DeepSpeed validates those or
 passes them to a constructor) and elsewhere, where DeepSpeed tolerates them, are listed in ``ignored``
-as "(unknown)". ``zero_optimization.stage`` 1 is mp_toolkit's ZeRO-1 (TrainConfig.zero); stages 2 and 3,
+as "(unknown)". ``zero_optimization.stage`` 1 is mp_toolkit's ZeRO-1 (TrainConfig.parallel.zero); stages 2 and 3,
 torch autocast, options mp_toolkit cannot honour and every wrong
 type or range are a ConfigError: one line naming the dotted key and the file; so are the keys DeepSpeed
 itself refuses (``sparse_attention``, ``amp``, ``elasticity``, ...: features removed from DeepSpeed),
@@ -40,13 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from mp_toolkit.names import schedule_name
-from mp_toolkit.run.config import SCHEDULES, ConfigError, TrainConfig
+from mp_toolkit.run.config import SCHEDULES, SECTION_OF, ConfigError
 from mp_toolkit.ds.defaults import DeepSpeedDefaults, deepspeed_defaults
 from mp_toolkit.ds.json_doc import Block, load_json, show
 from mp_toolkit.ds.optimizer import OptimizerSettings, read_optimizer, read_scheduler
 from mp_toolkit.ds.recompute import read_recompute
 from mp_toolkit.ds.sections import read_monitors, read_zero, refuse_autocast, refuse_removed
-from mp_toolkit.optim.loss_scaler import LossScaleSettings
+from mp_toolkit.optim.loss_scaler import LOSS_SCALE_FIELDS, Numerics
 from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR
 
 _IGNORED_TOP = frozenset("""steps_per_print wall_clock_breakdown memory_breakdown dump_state disable_python_gc
@@ -58,19 +58,19 @@ _IGNORED_TOP = frozenset("""steps_per_print wall_clock_breakdown memory_breakdow
     sequence_parallel_size vocabulary_size""".split())
 _IGNORED_PIPELINE = ("partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
                      "grad_partitioned", "use_reentrant")
-_TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+_TRAIN_FIELDS = frozenset(SECTION_OF)  # TrainConfig's flat field names
 
 
 # DeepSpeed's ``fp16`` block (its defaults where a key is absent): ``enabled`` (fp16 training with fp32
-# master weights), then the six loss-scale fields of `LossScaleSettings`, in its order and with its
-# defaults and meanings (built from it, so the six are declared once).
+# master weights), then the six loss-scale fields of `Numerics` (`LOSS_SCALE_FIELDS`), in its order and
+# with its defaults and meanings (built from it, so the six are declared once).
 FP16Settings = dataclasses.make_dataclass(
     "FP16Settings", [("enabled", bool, dataclasses.field(default=False))]
-    + [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(LossScaleSettings)],
+    + [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(Numerics)
+       if f.name in LOSS_SCALE_FIELDS],
     frozen=True)
 FP16Settings.__module__ = __name__  # pickling and repr name this module, as for a class statement
-FP16Settings.__doc__ = ("DeepSpeed's ``fp16`` block: ``enabled`` and `LossScaleSettings`'s six fields "
-                        "(``LossScaleSettings.of(fp16)``).")
+FP16Settings.__doc__ = "DeepSpeed's ``fp16`` block: ``enabled`` and `Numerics`' six loss-scale fields."
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ class DeepSpeedSettings:
     train_batch_size: int
     """Sequences per optimizer step over all data-parallel ranks."""
     train_micro_batch_size_per_gpu: int
-    """Sequences per micro-batch (TrainConfig.micro_batch)."""
+    """Sequences per micro-batch (TrainConfig.batch.micro_batch)."""
     gradient_accumulation_steps: int
-    """Micro-batches per optimizer step on each rank (TrainConfig.microbatches)."""
+    """Micro-batches per optimizer step on each rank (TrainConfig.batch.microbatches)."""
     gradient_clipping: float
     """Max global gradient norm; 0 means no clipping; absent is DeepSpeed's default (1.0 since 0.19.3)."""
     precision: str
@@ -100,9 +100,10 @@ class DeepSpeedSettings:
     pp: int | None
     """``pipeline.stages``; None when absent or "auto"."""
     partition: str | None
-    """``pipeline.partition_method`` as TrainConfig.partition (uniform, parameters, 0,3,7); None when absent."""
+    """``pipeline.partition_method`` as TrainConfig.parallel.partition (uniform, parameters, 0,3,7); None when
+    absent."""
     schedule: str | None
-    """``pipeline.schedule`` (mp_toolkit's extension) as TrainConfig.schedule; None when absent."""
+    """``pipeline.schedule`` (mp_toolkit's extension) as TrainConfig.parallel.schedule; None when absent."""
     chunks: int | None
     """``pipeline.chunks`` (mp_toolkit's extension): model chunks per rank; None when absent."""
     ignored: tuple[str, ...] = ()
@@ -116,15 +117,15 @@ class DeepSpeedSettings:
     recompute: str | None = None
     """``pipeline.activation_checkpoint_interval`` > 0: "full" (`mp_toolkit.ds.recompute`); None when off."""
     zero: int = 0
-    """``zero_optimization.stage`` (0 or 1; TrainConfig.zero)."""
+    """``zero_optimization.stage`` (0 or 1; TrainConfig.parallel.zero)."""
 
     def _overrides(self) -> dict[str, Any]:
-        """Every TrainConfig-style field the file determines, whether TrainConfig has it yet or not."""
+        """Every TrainConfig-style field (by flat name) the file determines, whether TrainConfig has it yet or not."""
         fp = self.fp16
         out: dict[str, Any] = dict(
             micro_batch=self.train_micro_batch_size_per_gpu, microbatches=self.gradient_accumulation_steps,
             clip_grad=self.gradient_clipping or None, precision=self.precision,
-            **LossScaleSettings.of(fp).as_dict())
+            **{name: getattr(fp, name) for name in LOSS_SCALE_FIELDS})
         opt = self.optimizer
         if opt is not None:
             out.update(optimizer=opt.name, lr=opt.lr, weight_decay=opt.weight_decay, eps=opt.eps)
@@ -159,7 +160,7 @@ class DeepSpeedSettings:
         return out
 
     def train_config_overrides(self) -> dict[str, Any]:
-        """The fields of TrainConfig this config sets: ``dataclasses.replace(TrainConfig(), **these)``."""
+        """The fields of TrainConfig this config sets, by flat name: ``TrainConfig.of(**these)``."""
         return {k: v for k, v in self._overrides().items() if k in _TRAIN_FIELDS}
 
     def pending_overrides(self) -> dict[str, Any]:

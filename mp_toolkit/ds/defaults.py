@@ -35,7 +35,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from mp_toolkit.optim.loss_scaler import LossScaleSettings
+from mp_toolkit.optim.loss_scaler import LOSS_SCALE_FIELDS, Numerics
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class DeepSpeedDefaults:
     """True when read from an installed deepspeed package."""
     gradient_clipping: float = 1.0
     """``GRADIENT_CLIPPING_DEFAULT``: the max global gradient norm when the key is absent."""
-    fp16: LossScaleSettings = LossScaleSettings()
-    """The ``fp16`` block's loss-scale keys (``FP16_*_DEFAULT``)."""
+    fp16: Numerics = Numerics(precision="fp16")
+    """The ``fp16`` block's loss-scale keys (`LOSS_SCALE_FIELDS`, ``FP16_*_DEFAULT``)."""
     bf16_enabled: bool = False
     """``BFLOAT16_ENABLED_DEFAULT``."""
     lamb: tuple[tuple[str, object], ...] = (("lr", 1e-3), ("bias_correction", True), ("betas", (0.9, 0.999)),
@@ -102,7 +102,7 @@ _CONSTANTS = {"gradient_clipping": ("gradient_clipping", "GRADIENT_CLIPPING_DEFA
 _REFUSALS = {"removed_top": ("top-level", "_REMOVED_TOP_LEVEL_CONFIG_KEYS"),
              "removed_zero": ("zero_optimization", "_REMOVED_ZERO_CONFIG_KEYS")}
 """Our field -> (what it lists, in words; the dict in ``deepspeed/runtime/config.py``)."""
-DEFAULT_KEYS = (*(key for key, _ in _CONSTANTS.values()), *(f"fp16.{f.name}" for f in dataclasses.fields(LossScaleSettings)),
+DEFAULT_KEYS = (*(key for key, _ in _CONSTANTS.values()), *(f"fp16.{name}" for name in LOSS_SCALE_FIELDS),
                 *(f"Lamb's {name}" for name, _ in DOCUMENTED.lamb))
 """Every key whose default is read from the sources, as `DeepSpeedDefaults.fallback` names them."""
 
@@ -169,9 +169,9 @@ def read_installed(root: Path, version: str) -> DeepSpeedDefaults:
 
     values: dict[str, object] = {field: constant(key, name, getattr(DOCUMENTED, field))
                                  for field, (key, name) in _CONSTANTS.items()}
-    values["fp16"] = LossScaleSettings(**{f.name: constant(f"fp16.{f.name}", f"FP16_{f.name.upper()}_DEFAULT",
-                                                           getattr(DOCUMENTED.fp16, f.name))
-                                          for f in dataclasses.fields(LossScaleSettings)})
+    values["fp16"] = Numerics(precision="fp16", **{
+        name: constant(f"fp16.{name}", f"FP16_{name.upper()}_DEFAULT", getattr(DOCUMENTED.fp16, name))
+        for name in LOSS_SCALE_FIELDS})
     lamb = _module(root / "ops" / "lamb" / "fused_lamb.py")
     init = _init_defaults(lamb, "FusedLamb") if lamb is not None else {}
     fallback += [f"Lamb's {k}" for k, _ in DOCUMENTED.lamb if k not in init]

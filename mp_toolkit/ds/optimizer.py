@@ -20,7 +20,7 @@ class OptimizerSettings:
     type: str
     """``optimizer.type`` as the file spells it."""
     name: str
-    """mp_toolkit's optimizer (TrainConfig.optimizer): adam, adamw, lamb or lars."""
+    """mp_toolkit's optimizer (TrainConfig.optim.optimizer): adam, adamw, lamb or lars."""
     lr: float
     """``params.lr`` (DeepSpeed's fused optimizers default to 1e-3)."""
     weight_decay: float

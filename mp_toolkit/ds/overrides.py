@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from mp_toolkit.ds.config import read_ds_config
-from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.config import ConfigError, Parallel, TrainConfig
 
 _FLAG_NAMES = {"timeout_s": "--timeout", "hang_timeout_s": "--hang-timeout", "progress": "--no-progress", "bias_correction": "--no-bias-correction"}
 _SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_decay", "min_lr")
@@ -39,12 +39,13 @@ def flag_name(field: str) -> str:
 
 
 def merge(given: dict, from_file: dict) -> TrainConfig:
-    """TrainConfig's defaults, then the DeepSpeed config's values (``from_file``), then the flags given."""
+    """TrainConfig's defaults, then the DeepSpeed config's values (``from_file``), then the flags given
+    (both by flat field name, `mp_toolkit.run.config.SECTION_OF`)."""
     if "model" in given and "hf" in given:
         raise ConfigError(f"--model {given['model']} and --hf {given['hf']} both name the model: give one of them")
     merged = {**from_file, **given}
-    merged.setdefault("chunks", 2 if merged.get("schedule", TrainConfig.schedule) == "interleaved" else 1)
-    return TrainConfig(**merged)
+    merged.setdefault("chunks", 2 if merged.get("schedule", Parallel.schedule) == "interleaved" else 1)
+    return TrainConfig.of(**merged)
 
 
 def pipeline_stages(path: Path) -> int | None:
@@ -64,9 +65,9 @@ def ds_overrides(path: Path, given: dict, world_size: int | None) -> tuple[dict,
     if dp is None:
         dp = 1
         if world_size is not None:  # DeepSpeed's data-parallel size: what pp x tp leave of the world
-            model_parallel = (given.get("pp") or pipeline_stages(path) or TrainConfig.pp) * given.get("tp", 1)
+            model_parallel = (given.get("pp") or pipeline_stages(path) or Parallel.pp) * given.get("tp", 1)
             dp = world_size // model_parallel if model_parallel and world_size % model_parallel == 0 else 1
-    settings = read_ds_config(path, dp=dp, tp=given.get("tp", TrainConfig.tp))
+    settings = read_ds_config(path, dp=dp, tp=given.get("tp", Parallel.tp))
     base = {**settings.train_config_overrides(), "dp": dp}
     notes = []
     if "optimizer" in given and given["optimizer"] != base.get("optimizer"):

@@ -39,7 +39,7 @@ from mp_toolkit.engine.interface import StepStats
 from mp_toolkit.engine.reductions import trust_ratio_rows
 from mp_toolkit.errors import ConfigError
 from mp_toolkit.layers import LayerList
-from mp_toolkit.optim.loss_scaler import LossScaleSettings
+from mp_toolkit.optim.loss_scaler import Numerics
 from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.parallel.context import ParallelContext
 
@@ -95,7 +95,7 @@ class DeepSpeedPipeline:
     def __init__(self, layers: LayerList, ctx: ParallelContext, boundaries: list[int], microbatches: int,
                  optimizer: Callable[[list], torch.optim.Optimizer], loss_fn: Callable, *, micro_batch: int,
                  precision: str, optimizer_name: str, clip_grad: float | None = None,
-                 loss_scale: LossScaleSettings | None = None, timeout_s: float = 300.0, dynamic_shape: bool = False):
+                 loss_scale: Numerics | None = None, timeout_s: float = 300.0, dynamic_shape: bool = False):
         """``optimizer``: (named parameters of this stage) -> the client optimizer (its ``optimizer_name``
         for the log and `check_precision`); ``precision`` may be "auto" (`resolve_precision`);
         ``loss_scale``: fp16's settings (None: DeepSpeed's dynamic defaults); ``timeout_s``: of the

@@ -33,8 +33,14 @@ import torch.distributed as dist
 
 from mp_toolkit.engine.ties import TiedGradients
 from mp_toolkit.engine.zero import ShardedMasters
-from mp_toolkit.optim.clip import clip_by_global_norm, global_grad_norm, partitioned_grad_norm, tensor_norms
-from mp_toolkit.optim.loss_scaler import DynamicLossScaler, has_inf_or_nan
+from mp_toolkit.optim.clip import (
+    clip_by_global_norm,
+    global_grad_norm,
+    has_inf_or_nan,
+    partitioned_grad_norm,
+    tensor_norms,
+)
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.master import MasterWeights
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.data_parallel import DataParallelGrads

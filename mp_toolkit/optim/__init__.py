@@ -1,10 +1,6 @@
-"""Optimizer-side pieces of the step: global-norm clipping, LAMB, LARS, param groups, loss scaling."""
+"""Optimizer-side pieces of the step: global-norm clipping and the overflow test (`clip`), LAMB, LARS,
+param groups, loss scaling, fp32 masters, LR schedules, the optimizer factory and the run's optimizer
+and precision sections (`settings.Optim`, `loss_scaler.Numerics`).
 
-from mp_toolkit.optim.clip import clip_by_global_norm, global_grad_norm
-from mp_toolkit.optim.groups import lamb_param_groups
-from mp_toolkit.optim.lamb import LAMB
-from mp_toolkit.optim.lars import LARS
-from mp_toolkit.optim.loss_scaler import DynamicLossScaler, has_inf_or_nan
-
-__all__ = ["clip_by_global_norm", "global_grad_norm", "LAMB", "LARS", "lamb_param_groups",
-           "DynamicLossScaler", "has_inf_or_nan"]
+Re-exports nothing, so that the torch-free modules (`settings`, `loss_scaler`, `lr`) import without
+torch: ``mpt --help`` reads the config sections through them."""

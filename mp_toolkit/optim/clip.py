@@ -1,5 +1,5 @@
-"""Gradient norm over every stage and tensor shard of the model, and clipping by it (DESIGN.md
-invariant 6).
+"""Gradient norm over every stage and tensor shard of the model, clipping by it, and the overflow
+test (`has_inf_or_nan`) that reuses its per-tensor norms (DESIGN.md invariant 6).
 
 The arithmetic is `torch.nn.utils.clip_grad_norm_`'s, spread over ranks: each rank takes the
 2-norm of each of its gradients (`tensor_norms`, one multi-tensor pass that the step's inf/nan
@@ -116,3 +116,26 @@ def clip_by_global_norm(params: Iterable[torch.Tensor], total_norm: torch.Tensor
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
     return coef
+
+
+def has_inf_or_nan(tensors: Iterable[torch.Tensor | None], norms: torch.Tensor | None = None) -> bool:
+    """True when any element of any tensor is inf or nan.
+
+    One multi-tensor 2-norm per tensor (or ``norms``: the `tensor_norms` the caller already took
+    of the same non-empty tensors, in order, for clipping), then one host sync: inf and nan
+    propagate into a 2-norm, so a finite one proves its tensor finite. A tensor whose 2-norm is
+    not finite is scanned element by element, because squares of large finite values overflow
+    (|x| > ~1.8e19 in fp32): large finite gradients are not mistaken for overflow. ``None`` and
+    empty tensors are skipped.
+    """
+    ts = [t for t in tensors if t is not None and t.numel() > 0]
+    if not ts:
+        return False
+    if norms is None:
+        norms = tensor_norms(ts)
+    if len(norms) != len(ts):
+        raise ValueError(f"has_inf_or_nan: {len(norms)} norms for {len(ts)} tensors")
+    finite = torch.isfinite(norms)
+    if bool(finite.all()):
+        return False
+    return any(not bool(torch.isfinite(ts[i]).all()) for i in (~finite).nonzero().flatten().tolist())

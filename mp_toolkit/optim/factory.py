@@ -1,44 +1,24 @@
 """Optimizers by name. Every one runs through the same master-weight, overflow and clipping path
 (`mp_toolkit.engine.step`); LAMB and LARS are ours, the others torch's.
 
-The hyper-parameters beyond lr and weight decay (betas, eps, LAMB's trust clamp and bias
-correction, momentum, LARS's trust coefficient) are DeepSpeed's ``optimizer.params``; None
-leaves each optimizer's own default, so a run that sets none of them is unchanged.
+What to build is the run's optimizer section (`mp_toolkit.optim.settings.Optim`, ``TrainConfig.optim``): its
+hyper-parameters beyond lr and weight decay (betas, eps, LAMB's trust clamp and bias correction, momentum,
+LARS's trust coefficient) are DeepSpeed's ``optimizer.params``; None leaves each optimizer's own default,
+so a run that sets none of them is unchanged.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from mp_toolkit.optim.groups import lamb_param_groups
 from mp_toolkit.optim.lamb import LAMB
 from mp_toolkit.optim.lars import LARS
+from mp_toolkit.optim.settings import Optim
 from mp_toolkit.names import LAMB_RULES, OPTIMIZERS  # OPTIMIZERS: what `build_optimizer` makes (``--optimizer``)
-
-
-@dataclass(frozen=True)
-class OptimizerOptions:
-    """The optional hyper-parameters (None: the optimizer's default); see TrainConfig's fields."""
-
-    betas: tuple[float, float] | None = None
-    eps: float | None = None
-    min_trust: float | None = None
-    max_trust: float | None = None
-    bias_correction: bool = True
-    momentum: float | None = None
-    trust_coefficient: float | None = None
-    lamb_rule: str = "mp_toolkit"
-
-    @classmethod
-    def of(cls, cfg) -> "OptimizerOptions":
-        """The options a TrainConfig holds."""
-        return cls(betas=cfg.betas, eps=cfg.eps, min_trust=cfg.min_trust, max_trust=cfg.max_trust,
-                   bias_correction=cfg.bias_correction, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient,
-                   lamb_rule=cfg.lamb_rule)
 
 
 # Which optimizers read each option (the others would silently ignore it: refused instead).
@@ -52,8 +32,9 @@ _TAKES = {
 }
 
 
-def check_optimizer_options(name: str, opts: OptimizerOptions) -> None:
-    """ValueError (one line naming the flag) for an option ``name`` does not read or a value out of range."""
+def check_optimizer_options(opts: Optim) -> None:
+    """ValueError (one line naming the flag) for an option ``opts.optimizer`` does not read or a value out of range."""
+    name = opts.optimizer
     for key, users in _TAKES.items():
         if getattr(opts, key) is not None and name not in users:
             raise ValueError(f"--{key.replace('_', '-')} is not an option of --optimizer {name}: "
@@ -94,20 +75,21 @@ def _adam_kernel(params: Sequence[torch.Tensor]) -> dict:
     return {"fused": True} if fused else {"foreach": True}
 
 
-def build_optimizer(name: str, named_params: Sequence[tuple[str, torch.nn.Parameter]], lr: float,
-                    weight_decay: float = 0.0, tp_group=None,
-                    options: OptimizerOptions = OptimizerOptions()) -> torch.optim.Optimizer:
-    """One optimizer over ``named_params`` (names as in the unsplit LayerList).
+def build_optimizer(o: Optim, named_params: Sequence[tuple[str, torch.nn.Parameter]],
+                    tp_group=None) -> torch.optim.Optimizer:
+    """The optimizer ``o.optimizer`` with ``o``'s lr, weight decay and options over ``named_params`` (names
+    as in the unsplit LayerList); the schedule and clipping fields are the step's (`mp_toolkit.engine.step`).
 
     LAMB and LARS exclude biases and norm weights from decay and layer adaptation
-    (`lamb_param_groups`; LAMB's ``options.lamb_rule="deepspeed"`` adapts them too, FusedLamb's rule); torch's optimizers get one group, as a user would write them, and
+    (`lamb_param_groups`; LAMB's ``o.lamb_rule="deepspeed"`` adapts them too, FusedLamb's rule); torch's
+    optimizers get one group, as a user would write them, and
     their multi-tensor kernels (Adam and AdamW the fused one, `_adam_kernel`).
     ``tp_group`` (the tensor-parallel group, `ParallelContext.tp_group`) lets LAMB and LARS sum the
     squared norms of tensor-parallel shards into whole-tensor trust ratios; torch's optimizers are
-    element-wise and need no group. ``options`` are checked by `check_optimizer_options`.
+    element-wise and need no group. ``o`` is checked by `check_optimizer_options`.
     """
-    check_optimizer_options(name, options)
-    o = options
+    check_optimizer_options(o)
+    name, lr, weight_decay = o.optimizer, o.lr, o.weight_decay
     params = [p for _, p in named_params]
     if name == "lamb":  # rule deepspeed: FusedLamb adapts every tensor and corrects the step size
         fused = o.lamb_rule == "deepspeed"

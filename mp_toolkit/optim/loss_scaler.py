@@ -1,4 +1,6 @@
-"""Dynamic loss scaling for fp16 (DeepSpeed's ``fp16.*`` semantics) and the overflow test.
+"""Dynamic loss scaling for fp16 (DeepSpeed's ``fp16.*`` semantics), and the run's precision and
+loss-scale settings (`Numerics`). Imports no torch (the overflow test is `mp_toolkit.optim.clip.has_inf_or_nan`):
+``mpt --help`` reads `Numerics`' defaults and docstrings.
 
 The state machine of DeepSpeed's ``DynamicLossScaler.update_scale`` (taken from Megatron's
 ``fp16/loss_scaler.py``), with DeepSpeed's config names::
@@ -27,35 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
-
-import torch
-
-from mp_toolkit.optim.clip import tensor_norms
-
-
-def has_inf_or_nan(tensors: Iterable[torch.Tensor | None], norms: torch.Tensor | None = None) -> bool:
-    """True when any element of any tensor is inf or nan.
-
-    One multi-tensor 2-norm per tensor (or ``norms``: the `tensor_norms` the caller already took
-    of the same non-empty tensors, in order, for clipping), then one host sync: inf and nan
-    propagate into a 2-norm, so a finite one proves its tensor finite. A tensor whose 2-norm is
-    not finite is scanned element by element, because squares of large finite values overflow
-    (|x| > ~1.8e19 in fp32): large finite gradients are not mistaken for overflow. ``None`` and
-    empty tensors are skipped.
-    """
-    ts = [t for t in tensors if t is not None and t.numel() > 0]
-    if not ts:
-        return False
-    if norms is None:
-        norms = tensor_norms(ts)
-    if len(norms) != len(ts):
-        raise ValueError(f"has_inf_or_nan: {len(norms)} norms for {len(ts)} tensors")
-    finite = torch.isfinite(norms)
-    if bool(finite.all()):
-        return False
-    return any(not bool(torch.isfinite(ts[i]).all()) for i in (~finite).nonzero().flatten().tolist())
 
 
 def _check_number(name: str, value, need: str, ok) -> None:
@@ -69,31 +43,30 @@ def _check_int(name: str, value, lowest: int) -> None:
 
 
 @dataclass(frozen=True)
-class LossScaleSettings:
-    """The six loss-scale settings, as DeepSpeed's ``fp16`` block spells them (and `mpt train`'s flags
-    ``--loss-scale``, ``--initial-scale-power``, ...); its defaults are DeepSpeed's."""
+class Numerics:
+    """The precision a run computes in and its fp16 loss scale: the precision and loss-scale section of
+    a run's config (`mp_toolkit.run.config.TrainConfig` holds it as ``numerics``). The loss-scale fields
+    (`LOSS_SCALE_FIELDS`) are DeepSpeed's ``fp16`` block, with its names and defaults."""
 
+    precision: str = "fp32"
+    """fp32, fp16 (fp32 masters, dynamic loss scaling), bf16 (fp32 masters, no scaling), or auto:
+    bf16 where this device multiplies bf16 fast (CUDA, AMX / AVX512-BF16 CPUs), else fp32."""
     loss_scale: float = 0.0
-    """A static loss scale when > 0; 0 means dynamic scaling."""
+    """fp16: a static loss scale when > 0 (DeepSpeed's fp16.loss_scale); 0 means dynamic."""
     initial_scale_power: int = 16
-    """Dynamic scaling starts at 2**initial_scale_power."""
+    """fp16 dynamic scaling starts at 2**initial_scale_power."""
     loss_scale_window: int = 1000
-    """Clean steps before the scale doubles."""
+    """fp16: clean steps before the scale doubles."""
     hysteresis: int = 2
-    """Overflows tolerated before the scale halves."""
+    """fp16: overflows tolerated before the scale halves."""
     min_loss_scale: float = 1.0
-    """The scale never drops below this."""
+    """fp16: the scale never drops below this."""
     consecutive_hysteresis: bool = False
-    """Refill the hysteresis on every clean step, not only when the scale grows."""
-
-    @classmethod
-    def of(cls, source) -> "LossScaleSettings":
-        """The six settings of anything that has them as attributes (a TrainConfig, DeepSpeed's fp16 block)."""
-        return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
+    """fp16: refill the hysteresis on every clean step, not only when the scale grows."""
 
     def as_dict(self) -> dict:
-        """The settings by name: DeepSpeed's ``fp16`` keys, and TrainConfig's fields."""
-        return dataclasses.asdict(self)
+        """The loss-scale settings by name (`LOSS_SCALE_FIELDS`): DeepSpeed's ``fp16`` keys."""
+        return {name: getattr(self, name) for name in LOSS_SCALE_FIELDS}
 
     def scaler(self) -> "DynamicLossScaler":
         """The scaler these settings describe (static when loss_scale > 0)."""
@@ -102,6 +75,10 @@ class LossScaleSettings:
             hysteresis=self.hysteresis, min_loss_scale=self.min_loss_scale,
             consecutive_hysteresis=self.consecutive_hysteresis,
             static_scale=self.loss_scale if self.loss_scale > 0 else None)
+
+
+LOSS_SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(Numerics) if f.name != "precision")
+"""`Numerics`' six loss-scale fields, in order: DeepSpeed's ``fp16`` keys (``--loss-scale``, ...)."""
 
 
 class DynamicLossScaler:

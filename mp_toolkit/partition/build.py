@@ -17,6 +17,7 @@ from mp_toolkit.arch.zoo import zoo_family_on
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.master import PRECISIONS
+from mp_toolkit.optim.settings import Optim
 from mp_toolkit.schedule import SPLIT_SCHEDULES
 
 from .contention import concurrent_load, default_threads, helpers_for
@@ -57,7 +58,7 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
         layers = layers.to(PRECISIONS[req.precision])
         inputs, labels = batch(req.micro_batch, req.seq_len)
         named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in layers.named_parameters()]
-        build = lambda nps: build_optimizer(req.optimizer, nps, 1e-3, 0.01)  # noqa: E731
+        build = lambda nps: build_optimizer(Optim(req.optimizer, lr=1e-3, weight_decay=0.01), nps)  # noqa: E731
         rounds = min(req.microbatches, TIMED_MICROBATCHES)  # per timing round: gradients accumulate as in a step
         with concurrent_load(req.model, req.micro_batch, req.seq_len, req.precision, threads, helpers):
             release_free_memory()

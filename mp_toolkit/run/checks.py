@@ -13,7 +13,7 @@ import torch
 from mp_toolkit.data.buckets import BucketError
 from mp_toolkit.run.engines import check_engine
 from mp_toolkit.layers import LayerList
-from mp_toolkit.optim.factory import OptimizerOptions, check_optimizer_options
+from mp_toolkit.optim.factory import check_optimizer_options
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute
@@ -37,60 +37,64 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
 
 
 def _validate_numbers(cfg: TrainConfig) -> None:
+    flat = cfg.flat()  # the checks below name each value by its flag
     for name in ("pp", "tp", "dp", "chunks", "microbatches", "micro_batch", "seq_len", "steps"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be at least 1")
+        if flat[name] < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {flat[name]} must be at least 1")
     for name in ("lr", "min_lr", "weight_decay", "loss_scale", "min_loss_scale"):
-        value = getattr(cfg, name)
+        value = flat[name]
         if not (value >= 0 and math.isfinite(value)) or (name == "lr" and value == 0):
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be a {'positive' if name == 'lr' else 'non-negative'} finite number")
-    if not (cfg.dp_bucket_mb > 0 and math.isfinite(cfg.dp_bucket_mb)):
-        raise ConfigError(f"--dp-bucket-mb {cfg.dp_bucket_mb} must be a positive finite number")
-    if cfg.zero not in (0, 1):
-        raise ConfigError(f"--zero {cfg.zero}: mp_toolkit implements ZeRO stage 0 (off) and 1 (optimizer state "
-                          "partitioned over data-parallel replicas); use --zero 1")
-    if cfg.clip_grad is not None and not (cfg.clip_grad > 0 and math.isfinite(cfg.clip_grad)):
-        raise ConfigError(f"--clip-grad {cfg.clip_grad} must be a positive finite number (or none)")
+    if not (cfg.parallel.dp_bucket_mb > 0 and math.isfinite(cfg.parallel.dp_bucket_mb)):
+        raise ConfigError(f"--dp-bucket-mb {cfg.parallel.dp_bucket_mb} must be a positive finite number")
+    if cfg.parallel.zero not in (0, 1):
+        raise ConfigError(f"--zero {cfg.parallel.zero}: mp_toolkit implements ZeRO stage 0 (off) and 1 (optimizer "
+                          "state partitioned over data-parallel replicas); use --zero 1")
+    clip = cfg.optim.clip_grad
+    if clip is not None and not (clip > 0 and math.isfinite(clip)):
+        raise ConfigError(f"--clip-grad {clip} must be a positive finite number (or none)")
     for name in ("warmup_steps", "loss_scale_window", "hysteresis", "initial_scale_power", "save_every", "restarts",
                  "max_skips"):
-        if getattr(cfg, name) < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
+        if flat[name] < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
+            raise ConfigError(f"--{name.replace('_', '-')} {flat[name]} is out of range")
     try:
-        cfg.bucket_lengths  # noqa: B018 -- each bucket at most --seq-len
+        cfg.batch.bucket_lengths  # noqa: B018 -- each bucket at most --seq-len
     except BucketError as e:
         raise ConfigError(str(e)) from None
-    if not (math.isfinite(cfg.hang_timeout_s) and cfg.hang_timeout_s >= 0):
-        raise ConfigError(f"--hang-timeout {cfg.hang_timeout_s} must be a positive finite number of seconds "
+    if not (math.isfinite(cfg.faults.hang_timeout_s) and cfg.faults.hang_timeout_s >= 0):
+        raise ConfigError(f"--hang-timeout {cfg.faults.hang_timeout_s} must be a positive finite number of seconds "
                           "(or 0: no heartbeats)")
-    if cfg.eval_every < 0 or cfg.eval_batches < 1:
-        raise ConfigError(f"--eval-every {cfg.eval_every} / --eval-batches {cfg.eval_batches}: give N >= 0 steps "
+    log, optim = cfg.logging, cfg.optim
+    if log.eval_every < 0 or log.eval_batches < 1:
+        raise ConfigError(f"--eval-every {log.eval_every} / --eval-batches {log.eval_batches}: give N >= 0 steps "
                           "(0: no validation) and K >= 1 global batches")
-    if cfg.min_lr > cfg.lr:
-        raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}: the decay must end at or below the peak")
+    if optim.min_lr > optim.lr:
+        raise ConfigError(f"--min-lr {optim.min_lr} exceeds --lr {optim.lr}: the decay must end at or below the peak")
     try:
-        check_optimizer_options(cfg.optimizer, OptimizerOptions.of(cfg))
+        check_optimizer_options(optim)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def _validate_paths(cfg: TrainConfig) -> None:
-    if cfg.data not in ("stdlib", "synthetic"):
-        path = Path(cfg.data)
+    data, ck = cfg.dataset.data, cfg.checkpoint
+    if data not in ("stdlib", "synthetic"):
+        path = Path(data)
         if not path.exists() or not os.access(path, os.R_OK):
-            raise ConfigError(f"--data {cfg.data!r} is not a readable file or folder (or use stdlib / synthetic)")
-    if cfg.keep is not None and cfg.keep < 1:
-        raise ConfigError(f"--keep {cfg.keep} must be at least 1 (0 keeps every checkpoint)")
-    if cfg.resume in ("latest", "auto") and cfg.save_dir is None:
-        raise ConfigError(f"--resume {cfg.resume} needs --save-dir (the checkpoint root it resumes from), "
+            raise ConfigError(f"--data {data!r} is not a readable file or folder (or use stdlib / synthetic)")
+    if ck.keep is not None and ck.keep < 1:
+        raise ConfigError(f"--keep {ck.keep} must be at least 1 (0 keeps every checkpoint)")
+    if ck.resume in ("latest", "auto") and ck.save_dir is None:
+        raise ConfigError(f"--resume {ck.resume} needs --save-dir (the checkpoint root it resumes from), "
                           "or give --resume DIR")
-    if cfg.resume not in (None, "latest", "auto") and not Path(cfg.resume).is_dir():
-        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint directory")
-    if cfg.save_every and cfg.save_dir is None:
-        raise ConfigError(f"--save-every {cfg.save_every} needs --save-dir")
+    if ck.resume not in (None, "latest", "auto") and not Path(ck.resume).is_dir():
+        raise ConfigError(f"--resume {ck.resume}: no such checkpoint directory")
+    if ck.save_every and ck.save_dir is None:
+        raise ConfigError(f"--save-every {ck.save_every} needs --save-dir")
     check_fresh(cfg)
-    if cfg.restarts and (cfg.save_dir is None or not cfg.save_every):
-        raise ConfigError(f"--restarts {cfg.restarts} needs --save-dir and --save-every N: a restart resumes from "
-                          "the latest checkpoint, and without one it would start over")
+    if cfg.faults.restarts and (ck.save_dir is None or not ck.save_every):
+        raise ConfigError(f"--restarts {cfg.faults.restarts} needs --save-dir and --save-every N: a restart resumes "
+                          "from the latest checkpoint, and without one it would start over")
 
 
 @dataclass(frozen=True)
@@ -115,16 +119,17 @@ def validate(cfg: TrainConfig, planned=None, spec: ModelSpec | None = None) -> C
     spec = find_model(cfg) if spec is None else spec
     check_spec(spec, cfg)
     try:
-        check_tensor_parallel(cfg.tp, **spec.tp_sizes())
+        check_tensor_parallel(cfg.parallel.tp, **spec.tp_sizes())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     with torch.device("meta"):
         layers = LayerList.from_model(spec.build())
-    if cfg.recompute != "none" and cfg.engine != "mp_toolkit":
-        raise ConfigError(f"--recompute {cfg.recompute} is ours: --engine {cfg.engine} runs DeepSpeed's pipeline "
+    recompute, memory_gb = cfg.recomputation.recompute, cfg.recomputation.memory_gb
+    if recompute != "none" and cfg.engine != "mp_toolkit":
+        raise ConfigError(f"--recompute {recompute} is ours: --engine {cfg.engine} runs DeepSpeed's pipeline "
                           "(use --engine mp_toolkit, or --recompute none)")
-    if cfg.memory_gb is not None and not (cfg.memory_gb > 0 and math.isfinite(cfg.memory_gb)):
-        raise ConfigError(f"--memory-gb {cfg.memory_gb} must be a positive finite number")
+    if memory_gb is not None and not (memory_gb > 0 and math.isfinite(memory_gb)):
+        raise ConfigError(f"--memory-gb {memory_gb} must be a positive finite number")
     boundaries, choices = cut_and_recompute(cfg, layers, spec.config, planned=planned)
     apply_choices(layers, boundaries, choices)  # refuses selective where unsupported
     return Checked(spec, tuple(boundaries), tuple(choices), _schedule(cfg))
@@ -138,6 +143,7 @@ def check_received(cfg: TrainConfig, boundaries: tuple[int, ...], recompute: tup
 
 def _schedule(cfg: TrainConfig) -> Schedule:
     try:
-        return get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, chunks=cfg.chunks)
+        par = cfg.parallel
+        return get_schedule(par.schedule, par.pp, cfg.batch.microbatches, chunks=par.chunks)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -11,8 +11,8 @@ from mp_toolkit.engine.deepspeed_bridge import DeepSpeedPipeline
 from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
-from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
-from mp_toolkit.optim.loss_scaler import DynamicLossScaler, LossScaleSettings
+from mp_toolkit.optim.factory import build_optimizer
+from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.materialize import is_meta, materialize, rank_layers
 from mp_toolkit.run.config import TrainConfig
@@ -61,18 +61,17 @@ def build_engine(run: RunPlan, ctx: ParallelContext, model: torch.nn.Module, val
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         layers = tensor_parallel(model, layers, ctx)  # 2: shapes only on meta
     apply_choices(layers, boundaries, recompute)
-    if cfg.recompute != "none" and ctx.rank == 0:
-        print(f"--recompute {cfg.recompute}: {describe(layers, boundaries, recompute)}", flush=True)
+    if cfg.recomputation.recompute != "none" and ctx.rank == 0:
+        print(f"--recompute {cfg.recomputation.recompute}: {describe(layers, boundaries, recompute)}", flush=True)
     own_layers(model, layers, rank_layers(boundaries, run.stages_of(ctx.pp_rank)), ctx, values)  # 3
     tp_group = ctx.tp_group  # LAMB / LARS: whole-tensor norms of the shards in their trust ratios
-    options = OptimizerOptions.of(cfg)
+    par = cfg.parallel
     return PipelineEngine(  # 4 and 5
-        layers, ctx, boundaries, cfg.microbatches, run.schedule,
-        optimizer=lambda named: build_optimizer(cfg.optimizer, named, cfg.lr, cfg.weight_decay, tp_group=tp_group,
-                                                options=options),
-        loss_fn=loss_function(model, ctx), clip_grad=cfg.clip_grad, precision=cfg.precision,
-        loss_scaler=loss_scaler(cfg), chunks=cfg.chunks, dp_bucket_bytes=max(1, int(cfg.dp_bucket_mb * 2**20)),
-        zero=cfg.zero,
+        layers, ctx, boundaries, cfg.batch.microbatches, run.schedule,
+        optimizer=lambda named: build_optimizer(cfg.optim, named, tp_group=tp_group),
+        loss_fn=loss_function(model, ctx), clip_grad=cfg.optim.clip_grad, precision=cfg.numerics.precision,
+        loss_scaler=loss_scaler(cfg), chunks=par.chunks, dp_bucket_bytes=max(1, int(par.dp_bucket_mb * 2**20)),
+        zero=par.zero,
     )
 
 
@@ -106,8 +105,8 @@ def cut_of(run: RunPlan, layers: LayerList, model: torch.nn.Module, ctx: Paralle
                          "plan the run for the model it trains")
     if not run.measured_cut:
         return list(run.boundaries)
-    cfg = run.cfg
-    return plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks, CutWorkload.of(cfg, config_of(model), ctx))
+    par = run.cfg.parallel
+    return plan_boundaries(layers, par.pp, par.partition, par.chunks, CutWorkload.of(run.cfg, config_of(model), ctx))
 
 
 def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: ParallelContext,
@@ -128,6 +127,6 @@ def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: 
 
 def loss_scaler(cfg: TrainConfig) -> DynamicLossScaler | None:
     """fp16 scales the loss (static when --loss-scale > 0); fp32 and bf16 need no scaling."""
-    if cfg.precision != "fp16":
+    if cfg.numerics.precision != "fp16":
         return None
-    return LossScaleSettings.of(cfg).scaler()
+    return cfg.numerics.scaler()

@@ -25,7 +25,7 @@ from mp_toolkit.partition import PartitionError, by_parameters, explicit, unifor
 from mp_toolkit.partition.cost import CostModelError, layer_costs, shape_from_hf_config
 from mp_toolkit.partition.measure import TIMED_MICROBATCHES, measure_layers
 from mp_toolkit.partition.solvers import min_max
-from mp_toolkit.run.config import ConfigError, parse_boundaries
+from mp_toolkit.run.config import Batch, ConfigError, TrainConfig, parse_boundaries
 
 
 @dataclass(frozen=True)
@@ -35,19 +35,20 @@ class CutWorkload:
     config: object
     """The model's config: model_zoo's GPTConfig / BertConfig, or anything whose ``to_dict()`` is a
     HuggingFace config dict (an HF model's config, `mp_toolkit.hf.model.HFSource`)."""
-    micro_batch: int
-    seq_len: int
-    microbatches: int = 4
+    batch: Batch
+    """The run's batch section: a micro-batch of micro_batch x seq_len is costed or timed, over at most
+    `TIMED_MICROBATCHES` of its micro-batches."""
     precision: str = "fp32"
+    """What the timed layers compute in (``time``)."""
     ctx: object = None
     """The ParallelContext whose global rank 0 measures a ``time`` cut and broadcasts it; None
     (checking a config before any rank starts) checks that the model can be timed, and the FLOPs
     cut stands in for the measured one."""
 
     @classmethod
-    def of(cls, cfg, config, ctx=None) -> "CutWorkload":
-        """From a TrainConfig and the model's config."""
-        return cls(config, cfg.micro_batch, cfg.seq_len, cfg.microbatches, cfg.precision, ctx)
+    def of(cls, cfg: TrainConfig, config, ctx=None) -> "CutWorkload":
+        """The workload of ``cfg``'s run (its batch section and precision) for the model of ``config``."""
+        return cls(config, cfg.batch, cfg.numerics.precision, ctx)
 
 
 def config_of(model) -> object:
@@ -95,7 +96,7 @@ def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
         raise PartitionError("time measures model_zoo GPT and BERT models so far: use flops or parameters")
     ctx = work.ctx
     if ctx is None:  # a check before the ranks start: the layers are shapes only
-        return flops_cut(work.config, len(layer_list), num_stages, work.micro_batch, work.seq_len)
+        return flops_cut(work.config, len(layer_list), num_stages, work.batch.micro_batch, work.batch.seq_len)
     shared = dist.is_initialized() and dist.get_world_size() > 1
     bounds = None
     if not shared or dist.get_rank() == 0:
@@ -124,10 +125,10 @@ def _measured_layer_times(layer_list, measure_batch, work: CutWorkload) -> list[
             for p in layers.parameters():
                 torch.nn.init.normal_(p, std=0.02)
         layers = layers.to(device=device, dtype=PRECISIONS.get(work.precision, torch.float32))
-        inputs, labels = batch(work.micro_batch, work.seq_len)
+        inputs, labels = batch(work.batch.micro_batch, work.batch.seq_len)
         move = lambda x: tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)  # noqa: E731
         timings = measure_layers(layers, move(inputs), loss_fn, move(labels),
-                                 microbatches=min(work.microbatches, TIMED_MICROBATCHES))
+                                 microbatches=min(work.batch.microbatches, TIMED_MICROBATCHES))
     return [t.forward_s + t.backward_s for t in timings]
 
 
@@ -151,7 +152,7 @@ def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int 
             if workload is None:
                 raise PartitionError("needs the model's config and batch (a CutWorkload)")
             if partition == "flops":
-                return flops_cut(workload.config, n, pp, workload.micro_batch, workload.seq_len)
+                return flops_cut(workload.config, n, pp, workload.batch.micro_batch, workload.batch.seq_len)
             return time_cut(layer_list, pp, workload)
         return by_parameters(layer_list.layer_parameter_counts(), pp)
     except PartitionError as e:

@@ -7,8 +7,7 @@ from collections.abc import Callable
 
 from mp_toolkit.engine.deepspeed_bridge import DeepSpeedPipeline, check_precision, fp16_available
 from mp_toolkit.layers import LayerList
-from mp_toolkit.optim.factory import OptimizerOptions, build_optimizer
-from mp_toolkit.optim.loss_scaler import LossScaleSettings
+from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import ENGINES, ConfigError, TrainConfig
 
@@ -19,22 +18,22 @@ def check_engine(cfg: TrainConfig) -> None:
         raise ConfigError(f"--engine {cfg.engine!r} is unknown: choose one of {', '.join(ENGINES)}")
     if cfg.engine != "deepspeed":
         return
-    other = "or --engine mp_toolkit"
-    if cfg.tp != 1:
-        raise ConfigError(f"--tp {cfg.tp} with --engine deepspeed: its PipelineModule is run without tensor "
+    other, par, ck = "or --engine mp_toolkit", cfg.parallel, cfg.checkpoint
+    if par.tp != 1:
+        raise ConfigError(f"--tp {par.tp} with --engine deepspeed: its PipelineModule is run without tensor "
                           f"parallelism here; use --tp 1 {other}")
-    if cfg.zero:
-        raise ConfigError(f"--zero {cfg.zero} with --engine deepspeed: ZeRO is mp_toolkit's own here (DeepSpeed's "
+    if par.zero:
+        raise ConfigError(f"--zero {par.zero} with --engine deepspeed: ZeRO is mp_toolkit's own here (DeepSpeed's "
                           f"pipeline engine takes stage 0 or 1 of its own); use --zero 0 {other}")
-    if cfg.schedule != "1f1b":
-        raise ConfigError(f"--schedule {cfg.schedule} with --engine deepspeed: DeepSpeed's pipeline engine runs "
+    if par.schedule != "1f1b":
+        raise ConfigError(f"--schedule {par.schedule} with --engine deepspeed: DeepSpeed's pipeline engine runs "
                           f"its own 1F1B only; use --schedule 1f1b {other}")
-    if cfg.save_dir is not None or cfg.resume is not None:
-        flag = "--save-dir" if cfg.save_dir is not None else "--resume"
+    if ck.save_dir is not None or ck.resume is not None:
+        flag = "--save-dir" if ck.save_dir is not None else "--resume"
         raise ConfigError(f"{flag} with --engine deepspeed: checkpoints are not written or read by this engine; "
                           f"drop {flag} {other}")
-    check_precision(cfg.precision, cfg.optimizer)
-    if cfg.precision == "fp16" and not fp16_available():
+    check_precision(cfg.numerics.precision, cfg.optim.optimizer)
+    if cfg.numerics.precision == "fp16" and not fp16_available():
         raise ConfigError("--precision fp16 with --engine deepspeed: DeepSpeed's CPU accelerator runs fp16 only where "
                           f"oneDNN has fp16 kernels, not on this CPU; use --precision fp32 or bf16 {other}")
 
@@ -42,12 +41,12 @@ def check_engine(cfg: TrainConfig) -> None:
 def deepspeed_pipeline(cfg: TrainConfig, ctx: ParallelContext, layers: LayerList, boundaries: list[int],
                        loss_fn: Callable) -> DeepSpeedPipeline:
     """DeepSpeed's engine for this rank over the unsplit ``layers`` cut at ``boundaries``, with the run's
-    batch, optimizer (the client optimizer `build_optimizer` makes), clipping, precision and loss scale."""
-    options = OptimizerOptions.of(cfg)
+    batch, optimizer (the client optimizer `build_optimizer` makes of the optimizer section), clipping,
+    precision and loss scale (the numerics section)."""
+    batch, optim = cfg.batch, cfg.optim
     return DeepSpeedPipeline(
-        layers, ctx, boundaries, cfg.microbatches,
-        optimizer=lambda named: build_optimizer(cfg.optimizer, named, cfg.lr, cfg.weight_decay, options=options),
-        loss_fn=loss_fn, micro_batch=cfg.micro_batch, precision=cfg.precision, optimizer_name=cfg.optimizer,
-        clip_grad=cfg.clip_grad, loss_scale=LossScaleSettings.of(cfg), timeout_s=cfg.timeout_s,
-        dynamic_shape=bool(cfg.length_buckets),
+        layers, ctx, boundaries, batch.microbatches, optimizer=lambda named: build_optimizer(optim, named),
+        loss_fn=loss_fn, micro_batch=batch.micro_batch, precision=cfg.numerics.precision,
+        optimizer_name=optim.optimizer, clip_grad=optim.clip_grad, loss_scale=cfg.numerics,
+        timeout_s=cfg.faults.timeout_s, dynamic_shape=bool(batch.length_buckets),
     )

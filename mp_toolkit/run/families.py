@@ -174,8 +174,8 @@ def check_spec(spec: ModelSpec, cfg: TrainConfig) -> None:
     tokenizer (`hf_family.check_hf`)."""
     if spec.family == "hf":
         _hf().check_hf(spec.config, cfg)
-    elif cfg.seq_len > spec.positions:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s {spec.positions} positions: "
+    elif cfg.batch.seq_len > spec.positions:
+        raise ConfigError(f"--seq-len {cfg.batch.seq_len} exceeds {cfg.model}'s {spec.positions} positions: "
                           f"use at most {spec.positions}")
 
 
@@ -208,7 +208,7 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
     """(this replica's micro-batches, the spec to build the model from). Every rank of a
     data-parallel replica (its tp and pp ranks) reads the same shard. BERT's padding id is the
     corpus's [PAD], so the spec returned carries it."""
-    if not cfg.progress or rank != 0:
+    if not cfg.logging.progress or rank != 0:
         datasets.disable_progress_bars()  # the corpus's map() would draw one per rank (and `mp_toolkit.progress`'s)
     try:
         data, config = spec.family_record.micro_batches(spec.config, cfg, ctx, rank)
@@ -218,18 +218,21 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
 
 
 def _gpt_micro_batches(config: gpt.GPTConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
-    ds = rank0_first(lambda: build_lm_dataset(cfg.data, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir), rank,
-                     lambda error: agree(error, ctx))
-    return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                        holdout=cfg.held_out_sequences, length_buckets=cfg.bucket_lengths), config
+    data = cfg.dataset
+    ds = rank0_first(lambda: build_lm_dataset(data.data, config.vocab_size, cfg.batch.seq_len, cfg.seed,
+                                              data.cache_dir),
+                     rank, lambda error: agree(error, ctx))
+    return MicroBatches(ds, cfg.batch.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
+                        holdout=cfg.held_out_sequences, length_buckets=cfg.batch.bucket_lengths), config
 
 
 def _bert_micro_batches(config: bert.BertConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
-    source = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
-    corpus = rank0_first(lambda: build_mlm_corpus(source, config.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir),
+    source = synthetic_documents(cfg.seed) if cfg.dataset.data == "synthetic" else cfg.dataset.data
+    corpus = rank0_first(lambda: build_mlm_corpus(source, config.vocab_size, cfg.batch.seq_len, cfg.seed,
+                                                  cfg.dataset.cache_dir),
                          rank, lambda error: agree(error, ctx))
-    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                           holdout=cfg.held_out_sequences, length_buckets=cfg.bucket_lengths)
+    data = MLMMicroBatches(corpus, cfg.batch.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
+                           holdout=cfg.held_out_sequences, length_buckets=cfg.batch.bucket_lengths)
     return data, dataclasses.replace(config, pad_token_id=corpus.special.pad)
 
 

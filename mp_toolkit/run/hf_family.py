@@ -68,18 +68,18 @@ def read_source(directory: str) -> HFSource:
 
 def check_hf(source: HFSource, cfg: TrainConfig) -> None:
     """Checks of ``--hf`` against the run that need no process group (seq-len, tp, tokenizer)."""
-    if cfg.seq_len > source.positions:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds {source.path}'s {source.positions} positions "
+    if cfg.batch.seq_len > source.positions:
+        raise ConfigError(f"--seq-len {cfg.batch.seq_len} exceeds {source.path}'s {source.positions} positions "
                           f"(max_position_embeddings): use at most {source.positions}")
     try:
-        check_hf_tensor_parallel(load_config(source.config), cfg.tp)
+        check_hf_tensor_parallel(load_config(source.config), cfg.parallel.tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_weights(source)
-    if source.tokenizer_file is not None and cfg.data != "synthetic":
+    if source.tokenizer_file is not None and cfg.dataset.data != "synthetic":
         _check_tokenizer(source)
     need = MIN_VOCAB + len(SPECIAL_TOKENS) * source.is_bert  # `data.tokens.train_tokenizer`'s floor
-    if source.tokenizer_file is None and cfg.data != "synthetic" and source.vocab_size < need:
+    if source.tokenizer_file is None and cfg.dataset.data != "synthetic" and source.vocab_size < need:
         raise ConfigError(f"--hf {source.path} has no tokenizer.json and its vocab_size {source.vocab_size} is too "
                           f"small to train one (byte-level BPE needs at least {need}): add DIR/tokenizer.json "
                           "or use --data synthetic")
@@ -134,33 +134,35 @@ def hf_micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, r
     """(this replica's micro-batches, the HFSource to build from): a BERT corpus's [PAD] becomes the
     model's pad_token_id. Rank 0 builds (and caches) first; it alone says which tokenizer is used."""
     tok = source.tokenizer_file
-    if rank == 0 and cfg.data != "synthetic":
+    if rank == 0 and cfg.dataset.data != "synthetic":
         print(f"tokenizer: {tok}" if tok is not None else
-              f"tokenizer: {source.path} has no tokenizer.json, training a byte-level BPE on --data {cfg.data} "
-              f"with the model's vocab_size {source.vocab_size}", flush=True)
+              f"tokenizer: {source.path} has no tokenizer.json, training a byte-level BPE on --data "
+              f"{cfg.dataset.data} with the model's vocab_size {source.vocab_size}", flush=True)
     if not source.is_bert:  # a DataError is the caller's (`families.micro_batches`: one ConfigError line)
-        ds = rank0_first(lambda: build_lm_dataset(cfg.data, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir,
-                                                  tokenizer_file=tok, eos=_eos(source.config) if tok else None),
+        data = cfg.dataset
+        ds = rank0_first(lambda: build_lm_dataset(data.data, source.vocab_size, cfg.batch.seq_len, cfg.seed,
+                                                  data.cache_dir, tokenizer_file=tok,
+                                                  eos=_eos(source.config) if tok else None),
                          rank, lambda error: agree(error, ctx))
-        return MicroBatches(ds, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                            holdout=cfg.held_out_sequences, length_buckets=cfg.bucket_lengths), source
+        return MicroBatches(ds, cfg.batch.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
+                            holdout=cfg.held_out_sequences, length_buckets=cfg.batch.bucket_lengths), source
     corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank, lambda error: agree(error, ctx))
-    data = MLMMicroBatches(corpus, cfg.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
+    data = MLMMicroBatches(corpus, cfg.batch.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
                            hf_order=True,  # HF BERT's first layer: (input_ids, attention_mask, token_type_ids)
-                           holdout=cfg.held_out_sequences, length_buckets=cfg.bucket_lengths)
+                           holdout=cfg.held_out_sequences, length_buckets=cfg.batch.bucket_lengths)
     return data, dataclasses.replace(source, config={**source.config, "pad_token_id": corpus.special.pad})
 
 
 def mlm_corpus(source: HFSource, cfg: TrainConfig, log: bool):
     """MLM + NSP sentence pairs: with the directory's tokenizer when it has all four BERT special
     tokens, else `build_mlm_corpus`'s own tokenizer (trained with the model's vocab_size)."""
-    texts = synthetic_documents(cfg.seed) if cfg.data == "synthetic" else cfg.data
+    texts = synthetic_documents(cfg.seed) if cfg.dataset.data == "synthetic" else cfg.dataset.data
     if source.tokenizer_file is not None:
         tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
         ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
         if None not in ids:
-            return tokenized_mlm_corpus(texts, tokenizer, ids, source.vocab_size, cfg.seq_len, cfg.seed)
+            return tokenized_mlm_corpus(texts, tokenizer, ids, source.vocab_size, cfg.batch.seq_len, cfg.seed)
         if log:
             print(f"{source.tokenizer_file} lacks {', '.join(t for t, i in zip(SPECIAL_TOKENS, ids) if i is None)}: "
                   f"training a byte-level BPE with BERT's special tokens instead", flush=True)
-    return build_mlm_corpus(texts, source.vocab_size, cfg.seq_len, cfg.seed, cfg.cache_dir)
+    return build_mlm_corpus(texts, source.vocab_size, cfg.batch.seq_len, cfg.seed, cfg.dataset.cache_dir)

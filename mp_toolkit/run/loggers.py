@@ -44,10 +44,10 @@ def scalars_of(row: dict) -> dict[str, float]:
 
 def check_loggers(cfg: TrainConfig) -> None:
     """Before any rank starts: the packages the asked-for loggers need are installed."""
-    if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(f"--tensorboard {cfg.tensorboard} needs the tensorboard package: pip install tensorboard "
-                          "(make setup installs it)")
-    if cfg.wandb is not None and importlib.util.find_spec("wandb") is None:
+    if cfg.logging.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(f"--tensorboard {cfg.logging.tensorboard} needs the tensorboard package: pip install "
+                          "tensorboard (make setup installs it)")
+    if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
         raise ConfigError("wandb.enabled is true but the wandb package is not installed: pip install wandb "
                           "(it logs offline), or set wandb.enabled to false")
 
@@ -90,7 +90,7 @@ class WandbLog:
         import wandb  # optional dependency: only a DeepSpeed config with wandb.enabled
 
         self.wandb = wandb
-        self.run = wandb.init(project=project, mode="offline", config={k: str(v) for k, v in vars(cfg).items()})
+        self.run = wandb.init(project=project, mode="offline", config={k: str(v) for k, v in cfg.flat().items()})
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
@@ -104,12 +104,13 @@ class ScalarLogs:
 
     def __init__(self, cfg: TrainConfig, start_step: int = 0):
         self.logs: list = []
-        if cfg.tensorboard is not None:
-            self.logs.append(TensorBoardLog(cfg.tensorboard, start_step))
-        if cfg.csv is not None:
-            self.logs.append(CsvLog(cfg.csv, start_step))
-        if cfg.wandb is not None:
-            self.logs.append(WandbLog(cfg.wandb, cfg))
+        log = cfg.logging
+        if log.tensorboard is not None:
+            self.logs.append(TensorBoardLog(log.tensorboard, start_step))
+        if log.csv is not None:
+            self.logs.append(CsvLog(log.csv, start_step))
+        if log.wandb is not None:
+            self.logs.append(WandbLog(log.wandb, cfg))
 
     def write(self, row: dict) -> None:
         if self.logs:

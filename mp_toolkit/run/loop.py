@@ -55,9 +55,10 @@ __all__ = ["Diverged", "Preempted", "lr_at", "run_training"]
 def lr_at(cfg: TrainConfig, progress: Progress, step: int) -> float:
     """The rate of optimizer step ``step``. A DeepSpeed schedule counts applied steps only (its engine
     does not step the scheduler after an fp16 overflow); WarmupDecay counts every step."""
-    if cfg.lr_schedule is not None:
-        return cfg.lr_schedule(progress.applied + 1)
-    return WarmupDecay(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.lr_decay, cfg.min_lr)(step)
+    o = cfg.optim
+    if o.lr_schedule is not None:
+        return o.lr_schedule(progress.applied + 1)
+    return WarmupDecay(o.lr, cfg.steps, o.warmup_steps, o.lr_decay, o.min_lr)(step)
 
 
 def run_training(run: RunPlan, env: LaunchEnv) -> list[dict]:
@@ -70,10 +71,10 @@ def run_training(run: RunPlan, env: LaunchEnv) -> list[dict]:
     peers, lost, lock, heartbeat = None, False, SaveDirLock(), None
     signals = PreemptSignals().install()
     try:
-        device = init_distributed(env, cfg.timeout_s)
+        device = init_distributed(env, cfg.faults.timeout_s)
         if env.world_size > 1:
-            if cfg.hang_timeout_s:  # its first beat now; judging once every rank has beaten (the exchange)
-                heartbeat = Heartbeat(env, status, cfg.hang_timeout_s)
+            if cfg.faults.hang_timeout_s:  # its first beat now; judging once every rank has beaten (the exchange)
+                heartbeat = Heartbeat(env, status, cfg.faults.hang_timeout_s)
             peers = Peers.exchange(env.rank, env.world_size, device)
             if heartbeat is not None:
                 heartbeat.arm()
@@ -105,8 +106,9 @@ def _resume(cfg: TrainConfig, path, engine, ctx, names, data, spec, log_rank0: b
     """(Progress after restoring ``path``, ``--resume``'s checkpoint, the run's id): a fresh
     Progress and a new id when None; a resumed run keeps the id its checkpoint records."""
     if path is None:
-        if cfg.resume and log_rank0:
-            print(f"--resume {cfg.resume}: {cfg.save_dir} holds no committed checkpoint yet, starting from step 0")
+        ck = cfg.checkpoint
+        if ck.resume and log_rank0:
+            print(f"--resume {ck.resume}: {ck.save_dir} holds no committed checkpoint yet, starting from step 0")
         return Progress(), new_run_id()
     resumed = load_state(path, cfg, engine, ctx, names, data, spec)
     if log_rank0:
@@ -123,7 +125,7 @@ def _one_step(cfg: TrainConfig, env: LaunchEnv, ctx: ParallelContext, engine: Tr
     (one small all-gather a step), else dp x micro-batches x micro-batch x seq-len."""
     lr = lr_at(cfg, progress, step)
     set_lr(engine.optimizer, lr)
-    drawn = DrawnTokens(data) if cfg.length_buckets else None
+    drawn = DrawnTokens(data) if cfg.batch.length_buckets else None
     t0 = time.perf_counter()
     with injected_nonfinite(engine, env.faults.nonfinite_at(env.rank, step)):
         stats = engine.train_batch(data if drawn is None else drawn)
@@ -140,26 +142,27 @@ def _one_step(cfg: TrainConfig, env: LaunchEnv, ctx: ParallelContext, engine: Tr
 
 
 def _preempted_line(cfg: TrainConfig, signal_name: str, step: int, saved: bool) -> str:
-    if cfg.save_dir is None:
+    save_dir = cfg.checkpoint.save_dir
+    if save_dir is None:
         where = "no --save-dir, nothing saved"
     elif saved:
-        where = f"saved {cfg.save_dir / f'step-{step:08d}'}; continue with --resume auto"
+        where = f"saved {save_dir / f'step-{step:08d}'}; continue with --resume auto"
     else:
-        where = f"step {step} was skipped, so `latest` in {cfg.save_dir} stays on the last good step"
+        where = f"step {step} was skipped, so `latest` in {save_dir} stays on the last good step"
     return f"{signal_name}: every rank stopped after step {step} ({where})"
 
 
 def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatus, lock: SaveDirLock,
            signals: PreemptSignals) -> list[dict]:
-    cfg, spec, rank0 = run.cfg, run.spec, env.rank == 0
+    cfg, spec, rank0, par = run.cfg, run.spec, env.rank == 0, run.cfg.parallel
     if rank0:
-        padded = padded_vocab_size(spec.vocab_size, cfg.tp)  # the vocab shards' rows (vocab_parallel)
+        padded = padded_vocab_size(spec.vocab_size, par.tp)  # the vocab shards' rows (vocab_parallel)
         pad = f" (vocab {spec.vocab_size} padded to {padded})" if padded != spec.vocab_size else ""
-        print(f"model {cfg.hf or cfg.model} ({spec.label}), precision {cfg.precision}, optimizer {cfg.optimizer}, "
-              f"schedule {cfg.schedule}, pp {cfg.pp}, tp {cfg.tp}{pad}, dp {cfg.dp}"
-              f"{f', ZeRO-1 (masters and optimizer state 1/{cfg.dp} per replica)' if cfg.zero and cfg.dp > 1 else ''}",
+        print(f"model {cfg.hf or cfg.model} ({spec.label}), precision {cfg.numerics.precision}, "
+              f"optimizer {cfg.optim.optimizer}, schedule {par.schedule}, pp {par.pp}, tp {par.tp}{pad}, dp {par.dp}"
+              f"{f', ZeRO-1 (masters and optimizer state 1/{par.dp} per replica)' if par.zero and par.dp > 1 else ''}",
               flush=True)
-    ctx = build_context(cfg.pp, cfg.tp, cfg.dp, device=device)
+    ctx = build_context(par.pp, par.tp, par.dp, device=device)
     data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
     # Peak memory is the device's figure above this baseline (`memstats.DeviceMemory`): on CPU the RSS,
     # which follows live tensors closely only when large blocks are mapped one by one
@@ -173,7 +176,7 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
     with torch.device("meta") if spec.builds_on_meta else contextlib.nullcontext():
         model = spec.build()
     names = ModelNames.of(model)
-    if cfg.save_dir is not None:  # locked for the run's life, scratch cleared, room for one checkpoint
+    if cfg.checkpoint.save_dir is not None:  # locked for the run's life, scratch cleared, room for one
         error = None
         if rank0:
             try:
@@ -181,7 +184,7 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
             except (ConfigError, CheckpointError) as e:
                 error = e
         agree(error, ctx)
-    resume_from = find_checkpoint(cfg) if cfg.resume else None
+    resume_from = find_checkpoint(cfg) if cfg.checkpoint.resume else None
     engine = make_engine(run, ctx, model, values=resume_from is None)  # resuming: the checkpoint fills them
     del model
     planned = predicted_bytes(run, engine.boundaries, ctx.pp_rank)  # mpt plan's figure for this rank
@@ -198,14 +201,14 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
     log = MetricsLog(cfg, enabled=rank0, start_step=progress.step)
     # BERT pre-training: MLM and NSP losses and MLM accuracy beside the validation loss (our engine)
     metrics = bert_metrics(spec.family_record.mlm, getattr(spec.config, "architecture", None), engine, ctx.tp_group)
-    scaler, streak, saves = engine.scaler, SkipStreak(cfg.max_skips), SaveSchedule(cfg)
+    scaler, streak, saves = engine.scaler, SkipStreak(cfg.faults.max_skips), SaveSchedule(cfg)
 
     def save(step: int, row: dict) -> None:
         status.set(f"while saving step {step}")
         meta = manifest(cfg, engine, ctx, data, progress, spec, row["lr"], run_id) if rank0 else None
-        save_state(cfg.save_dir, meta, engine, ctx, names, step, cfg.keep,
+        save_state(cfg.checkpoint.save_dir, meta, engine, ctx, names, step, cfg.checkpoint.keep,
                    after_shards=lambda: env.faults.kill_here(env, step, "save"))
-        log.note(f"saved step {step} to {cfg.save_dir}")
+        log.note(f"saved step {step} to {cfg.checkpoint.save_dir}")
 
     first = progress.step + 1
     for step in range(first, cfg.steps + 1):
@@ -223,7 +226,7 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
             memory.reset_peak()
         if evaluates_at(cfg, step):
             status.set(f"while evaluating after step {step}")
-            row.update(validation_row(engine, data, cfg.eval_batches, metrics))
+            row.update(validation_row(engine, data, cfg.logging.eval_batches, metrics))
         log.step(row)
         counted = streak.update(step, stats, scaler)
         if stats.skipped:
@@ -231,12 +234,12 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
         saved = saves.now(step, counted, log)
         if saved:
             save(step, row)
-        if streak.count >= cfg.max_skips:
+        if streak.count >= cfg.faults.max_skips:
             log.close()
             raise Diverged(streak.stop_message(step, stats, cfg))
         stop = signals.agreed(ctx.device) if step < cfg.steps else None  # every rank, the same step
         if stop is not None:
-            if cfg.save_dir is not None and not saved and not counted:
+            if cfg.checkpoint.save_dir is not None and not saved and not counted:
                 save(step, row)
             log.close()
             raise Preempted(_preempted_line(cfg, stop.name, step, saved or not counted))

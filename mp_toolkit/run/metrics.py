@@ -27,16 +27,17 @@ class MetricsLog:
         self.cfg, self.enabled, self.rows, self.earlier = cfg, enabled, [], []
         self.last_val: dict | None = None  # the latest row with a validation loss
         self.file = None
-        if enabled and cfg.metrics:
-            if start_step > 0 and Path(cfg.metrics).is_file():
-                kept = [(line, row) for line in Path(cfg.metrics).read_text().splitlines()
+        metrics = cfg.logging.metrics
+        if enabled and metrics:
+            if start_step > 0 and Path(metrics).is_file():
+                kept = [(line, row) for line in Path(metrics).read_text().splitlines()
                         if (row := _row(line)) is not None and row["step"] <= start_step]
                 self.earlier = [row for _, row in kept]
-                Path(cfg.metrics).write_text("".join(line + "\n" for line, _ in kept))
-            self.file = open(cfg.metrics, "a" if start_step > 0 else "w")
+                Path(metrics).write_text("".join(line + "\n" for line, _ in kept))
+            self.file = open(metrics, "a" if start_step > 0 else "w")
         self.scalars = ScalarLogs(cfg, start_step) if enabled else None  # TensorBoard, CSV, wandb
         self.bar = None
-        if enabled and cfg.progress:
+        if enabled and cfg.logging.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=cfg.steps, initial=start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
 
@@ -76,8 +77,8 @@ class MetricsLog:
         self.scalars.close()
         if not self.rows:
             return
-        if self.cfg.plot:
-            plot_losses(self.earlier + self.rows, self.cfg.plot)
+        if self.cfg.logging.plot:
+            plot_losses(self.earlier + self.rows, self.cfg.logging.plot)
         first, last = self.rows[0], self.rows[-1]
         timed = self.rows[1:] or self.rows  # the first step includes the shape pass (of its lengths)
         tok_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
@@ -100,11 +101,12 @@ class MetricsLog:
         for t in last.get("trust_ratio", []):
             print(f"  stage {t['stage']} trust ratio ({t['rule']} rule, {t['tensors']} tensors) min {t['min']:.4g} "
                   f"median {t['median']:.4g} max {t['max']:.4g}")
-        if self.cfg.metrics:
-            print(f"metrics: {self.cfg.metrics}")
-        if self.cfg.plot:
-            print(f"loss plot: {self.cfg.plot}")
-        for what, where in (("tensorboard", self.cfg.tensorboard), ("csv", self.cfg.csv)):
+        log = self.cfg.logging
+        if log.metrics:
+            print(f"metrics: {log.metrics}")
+        if log.plot:
+            print(f"loss plot: {log.plot}")
+        for what, where in (("tensorboard", log.tensorboard), ("csv", log.csv)):
             if where is not None:
                 print(f"{what}: {where}")
 

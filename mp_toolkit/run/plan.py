@@ -24,7 +24,6 @@ its prediction planned then.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +72,8 @@ class RunPlan:
     def measured_cut(self) -> bool:
         """Whether rank 0 measures the cut when the ranks start (``--partition time``): ``boundaries``
         and ``stage_bytes`` are the flops cut's until then."""
-        return self.cfg.partition == "time" and self.cfg.recompute != "auto"  # auto: the planner's cut
+        cfg = self.cfg  # recompute auto: the planner's cut
+        return cfg.parallel.partition == "time" and cfg.recomputation.recompute != "auto"
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank ``pp_rank`` runs (interleaved: one per chunk)."""
@@ -88,9 +88,9 @@ class RunPlan:
 
     def to_json(self) -> dict:
         """The decisions a rank cannot repeat without planning: what `received` takes back."""
-        return {"format": RUN_PLAN_FORMAT, "seq_len": self.cfg.seq_len, "precision": self.cfg.precision,
-                "schedule": self.cfg.schedule,
-                "chunks": self.cfg.chunks, "boundaries": list(self.boundaries),
+        cfg = self.cfg
+        return {"format": RUN_PLAN_FORMAT, "seq_len": cfg.batch.seq_len, "precision": cfg.numerics.precision,
+                "schedule": cfg.parallel.schedule, "chunks": cfg.parallel.chunks, "boundaries": list(self.boundaries),
                 "recompute": [[c.mode, c.layers] for c in self.recompute],
                 "stage_bytes": None if self.stage_bytes is None else list(self.stage_bytes)}
 
@@ -101,8 +101,8 @@ class RunPlan:
         if not isinstance(doc, dict) or doc.get("format") != RUN_PLAN_FORMAT:
             raise ConfigError("MPT_RUN_PLAN is not a run plan of this mpt: start the ranks with mpt train or a "
                               "launcher, not with MPT_RUN_PLAN set by hand")
-        cfg = dataclasses.replace(cfg, seq_len=doc["seq_len"], precision=doc["precision"], schedule=doc["schedule"],
-                                  chunks=doc["chunks"])
+        cfg = cfg.replace(seq_len=doc["seq_len"], precision=doc["precision"], schedule=doc["schedule"],
+                          chunks=doc["chunks"])
         recompute = tuple(StageRecompute(mode, layers) for mode, layers in doc["recompute"])
         checked = check_received(cfg, tuple(doc["boundaries"]), recompute)
         stage_bytes = doc["stage_bytes"]
@@ -123,10 +123,11 @@ def resolve_run(cfg: TrainConfig, *, schedule_named: bool = True, chunks_given: 
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = find_model(cfg)
-    if not seq_len_given and 0 < spec.positions < cfg.seq_len:
-        notes = (*notes, f"--seq-len {spec.positions}: the model's positions (the default, {cfg.seq_len}, exceeds them)")
-        cfg = dataclasses.replace(cfg, seq_len=spec.positions)
-    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))
+    if not seq_len_given and 0 < spec.positions < cfg.batch.seq_len:
+        notes = (*notes, f"--seq-len {spec.positions}: the model's positions (the default, {cfg.batch.seq_len}, "
+                         "exceeds them)")
+        cfg = cfg.replace(seq_len=spec.positions)
+    cfg = cfg.replace(precision=resolve_precision(cfg.numerics.precision, device))
     cfg, line, candidate = choose_schedule(cfg, schedule_named, chunks_given)
     notes = (*notes, line) if line else tuple(notes)
     checked = validate(cfg, planned=candidate, spec=spec)

@@ -33,13 +33,14 @@ def cut_and_recompute(cfg: TrainConfig, layers: LayerList, config, ctx=None,
     """(boundaries, one `StageRecompute` per stage) for ``cfg`` over the unsplit ``layers``.
     ``planned``: a plan of ``cfg``'s own ``--recompute auto`` request already made (the schedule
     candidate `choose_schedule` kept), taken instead of planning it again."""
-    if cfg.recompute != "auto":
-        bounds = plan_boundaries(layers, cfg.pp, cfg.partition, cfg.chunks, CutWorkload.of(cfg, config, ctx))
+    rec, par = cfg.recomputation, cfg.parallel
+    if rec.recompute != "auto":
+        bounds = plan_boundaries(layers, par.pp, par.partition, par.chunks, CutWorkload.of(cfg, config, ctx))
         try:
-            return bounds, stage_choices(cfg.recompute, cfg.recompute_layers, len(bounds) - 1)
+            return bounds, stage_choices(rec.recompute, rec.recompute_layers, len(bounds) - 1)
         except RecomputeError as e:
             raise ConfigError(str(e)) from None
-    if cfg.memory_gb is None:
+    if rec.memory_gb is None:
         raise ConfigError("--recompute auto plans for a memory cap: give --memory-gb GB (per rank)")
     request = auto_request(cfg)
     try:
@@ -72,7 +73,7 @@ def choose_schedule(cfg: TrainConfig, named: bool = True,
     candidate's plan or None). ``--schedule auto`` takes the planner's fastest (`resolve_auto_schedule`);
     a run that names none (``named`` False) the planner's default pick (`default_schedule`); a named
     schedule stays, and nothing is planned."""
-    if cfg.schedule == "auto":
+    if cfg.parallel.schedule == "auto":
         choice = _auto_choice(cfg, chunks_given, None)
         return _with_choice(cfg, choice), choice.describe(), choice.plan
     if named or not _default_applies(cfg):
@@ -82,7 +83,7 @@ def choose_schedule(cfg: TrainConfig, named: bool = True,
     except ConfigError:  # e.g. a model the cost model does not describe: 1F1B, as before the planner
         return cfg, None, None
     picked = _with_choice(cfg, choice)
-    if picked.schedule == cfg.schedule:
+    if picked.parallel.schedule == cfg.parallel.schedule:
         return cfg, None, choice.plan
     line = choice.describe().replace("--schedule auto:", "schedule (default, the planner's pick):", 1)
     return picked, line + "; --schedule 1f1b to keep 1F1B", choice.plan
@@ -92,10 +93,11 @@ def _auto_choice(cfg: TrainConfig, chunks_given: bool, candidates: tuple[str, ..
     """The planner's fastest schedule for ``cfg`` among ``candidates`` (default: all): FLOP times at
     `PLAN_TFLOPS`, the cut ``--recompute auto`` or ``--partition flops`` would make, fitting
     ``--memory-gb`` when given."""
-    request = dataclasses.replace(auto_request(cfg), chunks=cfg.chunks if chunks_given else 1)
-    if cfg.recompute != "auto":
-        request = dataclasses.replace(request, method="flops", recompute=cfg.recompute,
-                                      recompute_layers=cfg.recompute_layers)
+    request = dataclasses.replace(auto_request(cfg), chunks=cfg.parallel.chunks if chunks_given else 1)
+    rec = cfg.recomputation
+    if rec.recompute != "auto":
+        request = dataclasses.replace(request, method="flops", recompute=rec.recompute,
+                                      recompute_layers=rec.recompute_layers)
     try:
         return fastest_schedule(request, *(() if candidates is None else (candidates,)))
     except (PartitionError, CostModelError) as e:
@@ -104,12 +106,12 @@ def _auto_choice(cfg: TrainConfig, chunks_given: bool, candidates: tuple[str, ..
 
 def _with_choice(cfg: TrainConfig, choice: ScheduleChoice) -> TrainConfig:
     r = choice.plan.request
-    return dataclasses.replace(cfg, schedule=r.schedule, chunks=r.chunks)
+    return cfg.replace(schedule=r.schedule, chunks=r.chunks)
 
 
 def _default_applies(cfg: TrainConfig) -> bool:
     """The planner picks the schedule of a run naming none with our engine at pp > 1."""
-    return cfg.engine == "mp_toolkit" and cfg.pp >= 2 and cfg.schedule == "1f1b"
+    return cfg.engine == "mp_toolkit" and cfg.parallel.pp >= 2 and cfg.parallel.schedule == "1f1b"
 
 
 def resolve_auto_schedule(cfg: TrainConfig, chunks_given: bool = False,
@@ -134,6 +136,7 @@ def default_candidates(cfg: TrainConfig) -> tuple[str, ...]:
     """`DEFAULT_CANDIDATES`, less interleaved where the run fixes what it would change: boundaries named
     by ``--partition`` (pp + 1 of them), ``--recompute-layers`` counted per stage (pp of them), or
     ``--chunks`` (given without ``--schedule interleaved``: the check that refuses it stays)."""
-    fixed = (parse_boundaries(cfg.partition) is not None or cfg.chunks != 1
-             or (cfg.recompute_layers is not None and len(cfg.recompute_layers) > 1))
+    layer_counts = cfg.recomputation.recompute_layers
+    fixed = (parse_boundaries(cfg.parallel.partition) is not None or cfg.parallel.chunks != 1
+             or (layer_counts is not None and len(layer_counts) > 1))
     return tuple(c for c in DEFAULT_CANDIDATES if not (fixed and c == "interleaved"))

@@ -38,14 +38,15 @@ LOCK = ".lock"
 
 def check_fresh(cfg: TrainConfig) -> None:
     """Refuse a fresh run into a root that holds a committed checkpoint, unless ``--overwrite``."""
-    if cfg.save_dir is None or cfg.resume is not None or cfg.overwrite:
+    ck = cfg.checkpoint
+    if ck.save_dir is None or ck.resume is not None or ck.overwrite:
         return
     try:
-        step = latest_step(cfg.save_dir)
+        step = latest_step(ck.save_dir)
     except CheckpointError as e:
-        raise ConfigError(f"--save-dir {cfg.save_dir}: {e}") from None
+        raise ConfigError(f"--save-dir {ck.save_dir}: {e}") from None
     if step is not None:
-        raise ConfigError(f"--save-dir {cfg.save_dir} holds checkpoints (latest: step {step}): resume them with "
+        raise ConfigError(f"--save-dir {ck.save_dir} holds checkpoints (latest: step {step}): resume them with "
                           "--resume auto, pick another --save-dir, or pass --overwrite to save this new run there "
                           "(its steps replace those of the same number; the others stay)")
 
@@ -111,18 +112,18 @@ class SaveDirLock:
 def prepare(cfg: TrainConfig, lock: SaveDirLock, n_params: int) -> None:
     """Rank 0, before the first step: lock ``--save-dir``, clear its scratch, check there is room
     for one checkpoint. Raises ConfigError (a refused value: exit 2) or CheckpointError."""
-    root = cfg.save_dir
+    root = cfg.checkpoint.save_dir
     try:
         lock.acquire(root)
         clear_scratch(root)
         free = free_bytes(root)
     except OSError as e:
         raise CheckpointError(f"--save-dir {e.filename or root}: {e.strerror or e}") from None
-    need = checkpoint_bytes(n_params, cfg.optimizer)
+    need = checkpoint_bytes(n_params, cfg.optim.optimizer)
     if free < need:
         raise ConfigError(f"--save-dir {root}: {free / 2**20:.1f} MiB free on its file system, one checkpoint "
                           f"of this model needs about {need / 2**20:.1f} MiB ({n_params:,} parameters, fp32 "
-                          f"weights and {cfg.optimizer} state): free space or pick another --save-dir")
+                          f"weights and {cfg.optim.optimizer} state): free space or pick another --save-dir")
 
 
 def new_run_id() -> str:

@@ -61,17 +61,18 @@ class SkipStreak:
     def line(self, step: int, stats, cfg: TrainConfig, scaler: DynamicLossScaler | None) -> str:
         what = f"non-finite {stats.nonfinite or 'values'} on some rank"
         if self.count:
-            return (f"step {step} skipped on every rank: {what} in {cfg.precision}; parameters and optimizer state "
-                    f"unchanged ({self.count} in a row, --max-skips {self.limit})")
+            return (f"step {step} skipped on every rank: {what} in {cfg.numerics.precision}; parameters and optimizer "
+                    f"state unchanged ({self.count} in a row, --max-skips {self.limit})")
         return f"step {step} skipped on every rank: fp16 overflow ({what}), loss scale {stats.loss_scale:g} -> {scaler.scale:g}"
 
     def stop_message(self, step: int, stats, cfg: TrainConfig) -> str:
-        latest = latest_step(cfg.save_dir) if cfg.save_dir is not None else None
-        kept = (f"the last good checkpoint is {cfg.save_dir / f'step-{latest:08d}'}" if latest is not None
+        save_dir = cfg.checkpoint.save_dir
+        latest = latest_step(save_dir) if save_dir is not None else None
+        kept = (f"the last good checkpoint is {save_dir / f'step-{latest:08d}'}" if latest is not None
                 else "no checkpoint was written")
         return (f"{self.count} consecutive steps skipped (steps {self.first}-{step}): non-finite "
-                f"{stats.nonfinite or 'values'} on some rank in {cfg.precision}; stopping, {kept} (lower --lr, check "
-                f"the data, or raise --max-skips above {self.limit})")
+                f"{stats.nonfinite or 'values'} on some rank in {cfg.numerics.precision}; stopping, {kept} (lower "
+                f"--lr, check the data, or raise --max-skips above {self.limit})")
 
 
 @dataclass
@@ -83,8 +84,8 @@ class SaveSchedule:
     deferred: bool = False
 
     def now(self, step: int, counted: bool, log: MetricsLog) -> bool:
-        cfg = self.cfg
-        due = cfg.save_dir is not None and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0))
+        cfg, every = self.cfg, self.cfg.checkpoint.save_every
+        due = cfg.checkpoint.save_dir is not None and (step == cfg.steps or (every and step % every == 0))
         if not (due or self.deferred):
             return False
         if counted and due:

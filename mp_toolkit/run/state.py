@@ -103,22 +103,23 @@ class Progress:
 
 
 def config_json(cfg: TrainConfig) -> dict:
-    """TrainConfig as JSON values: paths as strings, tuples as lists, a DeepSpeed schedule as its fields."""
+    """TrainConfig as JSON values by flat name (`TrainConfig.flat`: the manifest's keys, as before the
+    config had sections): paths as strings, tuples as lists, a DeepSpeed schedule as its fields."""
     out = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
+    for name, v in cfg.flat().items():
         if dataclasses.is_dataclass(v):
             v = {"type": type(v).__name__, **dataclasses.asdict(v)}
         elif isinstance(v, Path):
             v = str(v)
         elif isinstance(v, tuple):
             v = list(v)
-        out[f.name] = v
+        out[name] = v
     return out
 
 
 def layout_of(engine: TrainEngine, ctx: ParallelContext, cfg: TrainConfig) -> dict:
-    return {"pp": ctx.pp, "tp": ctx.tp, "dp": ctx.dp, "chunks": cfg.chunks, "schedule": cfg.schedule,
+    par = cfg.parallel
+    return {"pp": ctx.pp, "tp": ctx.tp, "dp": ctx.dp, "chunks": par.chunks, "schedule": par.schedule,
             "boundaries": list(engine.boundaries), "world_size": ctx.world_size}
 
 
@@ -205,14 +206,14 @@ def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, 
     """Rank 0's description of the run at this step (the store adds step, files and hashes); ``run``
     is the run's id (`mp_toolkit.run.save_dir`): --keep prunes only checkpoints of that id."""
     named = [(n, engine.master_of(p)) for n, p in engine.named_parameters()]
-    scaler = engine.scaler
+    scaler, schedule = engine.scaler, cfg.optim.lr_schedule
     return {
         **({"run": run} if run is not None else {}),
         "config": config_json(cfg), "model": spec.to_json(), "layout": layout_of(engine, ctx, cfg),
         "progress": dataclasses.asdict(progress), "data": _data_state(data, ctx.dp),
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        "lr_schedule": {"kind": type(cfg.lr_schedule).__name__ if cfg.lr_schedule is not None else "WarmupDecay",
-                        "position": progress.applied + 1 if cfg.lr_schedule is not None else progress.step + 1,
+        "lr_schedule": {"kind": type(schedule).__name__ if schedule is not None else "WarmupDecay",
+                        "position": progress.applied + 1 if schedule is not None else progress.step + 1,
                         "last_lr": lr},
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in param_groups_by_name(engine.optimizer, named)],
@@ -266,9 +267,10 @@ def _still_latest(root: Path) -> str:
 
 def find_checkpoint(cfg: TrainConfig) -> Path | None:
     """What ``--resume`` names: None for "latest" / "auto" when the save dir holds no committed checkpoint."""
-    if cfg.resume in ("latest", "auto"):
-        return cfg.save_dir if latest_step(cfg.save_dir) is not None else None
-    return Path(cfg.resume)
+    ck = cfg.checkpoint
+    if ck.resume in ("latest", "auto"):
+        return ck.save_dir if latest_step(ck.save_dir) is not None else None
+    return Path(ck.resume)
 
 
 def reseed(seed: int, step: int) -> None:
@@ -377,8 +379,9 @@ def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, nam
     scaler = engine.scaler
     if scaler is not None and meta.get("loss_scaler") is not None:
         scaler.load_state_dict(meta["loss_scaler"])
-    saved_len = meta.get("config", {}).get("seq_len", cfg.seq_len)
-    resized = (saved_len, cfg.seq_len) if isinstance(saved_len, int) and saved_len != cfg.seq_len else None
+    seq_len = cfg.batch.seq_len
+    saved_len = meta.get("config", {}).get("seq_len", seq_len)
+    resized = (saved_len, seq_len) if isinstance(saved_len, int) and saved_len != seq_len else None
     state, note = data_position(meta["data"], data, ctx.dp, resized)
     data.load_state_dict(state)
     notes += [note] if note else []

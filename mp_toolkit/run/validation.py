@@ -37,7 +37,7 @@ MASKED_LM_METRICS = ("val_loss", "val_mlm_loss", "val_mlm_accuracy")
 
 def evaluates_at(cfg: TrainConfig, step: int) -> bool:
     """Whether the run evaluates after ``step``: every ``eval_every`` steps and after the last."""
-    return cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
+    return cfg.logging.eval_every > 0 and (step % cfg.logging.eval_every == 0 or step == cfg.steps)
 
 
 def mlm_accuracy(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
