@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from mp_toolkit.checkpoint import (
     CheckpointError, begin, capture_rng, commit, discard, latest_step, load_optimizer_state_by_name, open_checkpoint,
@@ -140,8 +141,7 @@ def _unpartitioned(engine: TrainEngine, params: dict, own: list[str], states: di
     piece steps on every applied step), so any piece this rank holds stands in for a tensor it holds
     none of."""
     zero = engine.masters
-    template_t = next(iter(states.values()), {})
-    template_s = next(iter(scalars.values()), {})
+    template_t, template_s = _state_template(states, scalars, zero.group)
     masters, out_states, out_scalars = {}, {}, {}
     for n in own:
         p = params[n]
@@ -153,6 +153,18 @@ def _unpartitioned(engine: TrainEngine, params: dict, own: list[str], states: di
         if template_s:
             out_scalars[n] = scalars.get(n, template_s)
     return masters, out_states, out_scalars
+
+
+def _state_template(states: dict, scalars: dict, group) -> tuple[dict, dict]:
+    """(the state tensors, the scalars) of one piece, as every replica of ``group`` sees them: the first
+    replica's that holds any state. A replica that owns no element of any tensor (ZeRO-1 over small
+    buckets) has none of its own, yet must enter the same gathers as the others."""
+    mine = (next(iter(states.values()), {}), next(iter(scalars.values()), {}))
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, None if not (mine[0] or mine[1]) else
+                           ({k: v.detach().reshape(-1)[:0].cpu() if v.dim() else v.detach().cpu()
+                             for k, v in mine[0].items()}, mine[1]), group=group)  # shapes aside: host copies
+    return next((t for t in every if t is not None), ({}, {}))
 
 
 def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: ModelNames) -> Exception | None:
@@ -172,7 +184,9 @@ def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: Mo
     if ctx.dp_rank == 0 or zero:  # every replica holds the same weights: replica 0 saves them
         params = dict(engine.named_parameters())
         masters = {n: engine.master_of(p) for n, p in params.items()}
-        states, scalars = optimizer_state_by_name(engine.optimizer, [(n, m) for n, m in masters.items() if m.numel()])
+        held = {id(t) for group in engine.optimizer.param_groups for t in group["params"]}  # stand-ins too (ZeRO-1)
+        states, scalars = optimizer_state_by_name(engine.optimizer,
+                                                  [(n, m) for n, m in masters.items() if m.numel() or id(m) in held])
         by_layer: dict[str, list[str]] = {}
         for n in masters:
             if names.canonical(n) == n:  # a tie's later members are saved by its first
