@@ -58,7 +58,9 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
         layers = layers.to(PRECISIONS[req.precision])
         inputs, labels = batch(req.micro_batch, req.seq_len)
         named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in layers.named_parameters()]
-        build = lambda nps: build_optimizer(Optim(req.optimizer, lr=1e-3, weight_decay=0.01), nps)  # noqa: E731
+        # the run's weight decay and momentum: they decide what the step makes (`cost.OptimizerBytes`)
+        settings = Optim(req.optimizer, lr=1e-3, weight_decay=req.weight_decay, momentum=req.momentum)
+        build = lambda nps: build_optimizer(settings, nps)  # noqa: E731
         rounds = min(req.microbatches, TIMED_MICROBATCHES)  # per timing round: gradients accumulate as in a step
         with concurrent_load(req.model, req.micro_batch, req.seq_len, req.precision, threads, helpers):
             release_free_memory()
