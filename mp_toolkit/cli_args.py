@@ -221,6 +221,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--dtype", dest="precision", type=str.lower, choices=COMPUTE_PRECISIONS,
                    action=_Deprecated, help=argparse.SUPPRESS)
     p.add_argument("--optimizer", default=d.optimizer, type=str.lower, choices=OPTIMIZERS)
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD / LARS / RMSprop momentum (default: the "
+                   "optimizer's own; SGD's buffer is kept only when it is not 0)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"weight decay (default "
+                   f"{d.weight_decay}; SGD's and RMSprop's steps make a temporary only when it is not 0)")
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0 or 1: optimizer state and fp32 masters "
                    "partitioned over the dp replicas (static bytes per parameter)")
     p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=(*SCHEDULES, "auto"),

@@ -115,3 +115,12 @@ def test_dry_run_plans_the_precision_the_ranks_train_in(capsys):
         assert code == 2 and "--optimizer lamb with --precision bf16 and --engine deepspeed" in err
     else:
         assert code == 0 and err == ""
+
+
+def test_resolving_a_run_leaves_torchs_random_state_alone():
+    """The checks build the model on meta (its init seed drawn from torch's generator): a run plan
+    resolved between ``torch.manual_seed`` and the model's build must not move the weights."""
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    _plan()
+    assert torch.equal(torch.random.get_rng_state(), before)

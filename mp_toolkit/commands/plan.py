@@ -25,7 +25,8 @@ def run(args: argparse.Namespace, argv: list[str], main=None) -> int:
     req = PlanRequest(
         model=args.model, pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch,
         microbatches=args.microbatches, seq_len=args.seq_len, method=args.method, memory_gb=args.memory_gb,
-        precision=args.precision, optimizer=args.optimizer, schedule=args.schedule, chunks=chunks_of(args),
+        precision=args.precision, optimizer=args.optimizer, momentum=args.momentum, weight_decay=args.weight_decay,
+        schedule=args.schedule, chunks=chunks_of(args),
         tflops=args.tflops, measure=args.measure, threads=args.threads, load=args.load,
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
         mem_gbps=args.mem_gbps, hf=args.hf, recompute=args.recompute, recompute_layers=args.recompute_layers,

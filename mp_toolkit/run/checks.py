@@ -122,7 +122,7 @@ def validate(cfg: TrainConfig, planned=None, spec: ModelSpec | None = None) -> C
         check_tensor_parallel(cfg.parallel.tp, **spec.tp_sizes())
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    with torch.device("meta"):
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # shapes only; the caller's RNG stays as it was
         layers = LayerList.from_model(spec.build())
     recompute, memory_gb = cfg.recomputation.recompute, cfg.recomputation.memory_gb
     if recompute != "none" and cfg.engine != "mp_toolkit":

@@ -24,6 +24,7 @@ def plan_request(cfg: TrainConfig, **fields) -> PlanRequest:
                 seq_len=batch.seq_len,
                 memory_gb=rec.memory_gb, recompute=rec.recompute, recompute_layers=rec.recompute_layers,
                 precision=precision if precision in ACT_BYTES else "fp32", optimizer=cfg.optim.optimizer,
+                momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay,
                 tflops=PLAN_TFLOPS, load=False, hf=cfg.hf is not None)
     return PlanRequest(**{**base, **fields})
 
