@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from mp_toolkit.flag_values import BucketError, RecomputeError, parse_buckets, parse_layer_counts
-from mp_toolkit.names import LAMB_RULES, PLAN_METHODS, PRECISIONS as COMPUTE_PRECISIONS, RECOMPUTE_MODES
+from mp_toolkit.names import LAMB_RULES, PLAN_METHODS, RECOMPUTE_MODES
+from mp_toolkit.names import PRECISIONS as COMPUTE_PRECISIONS
 from mp_toolkit.partition.request import PlanRequest
 from mp_toolkit.run.config import (
     ENGINES,
@@ -230,7 +231,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=(*SCHEDULES, "auto"),
                    help="auto: the fastest predicted schedule that fits --memory-gb")
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
-    p.add_argument("--tflops", type=float, default=None, help="device TFLOP/s for FLOP-based times (default: measured here)")
+    p.add_argument("--tflops", type=float, default=None,
+                   help="device TFLOP/s for FLOP-based times (default: measured here)")
     p.add_argument("--measure", action="store_true", help="time every layer here whatever the method")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank while timing layers "
                    "(default: as mpt train picks them)")
@@ -238,7 +240,8 @@ def _add_plan_parser(sub) -> None:
                    help="time layers on an idle machine, without stand-ins for the other ranks")
     p.add_argument("--p2p-latency-us", type=float, default=d.p2p_latency_us)
     p.add_argument("--p2p-gbps", type=float, default=d.p2p_gbps, help="p2p and collective bandwidth, GB/s")
-    p.add_argument("--mem-gbps", type=float, default=d.mem_gbps, help="memory bandwidth for the optimizer step estimate")
+    p.add_argument("--mem-gbps", type=float, default=d.mem_gbps,
+                   help="memory bandwidth for the optimizer step estimate")
     p.add_argument("--hf", action="store_true", help="--model is a HuggingFace config trained from transformers' "
                    "modules (mpt train --hf): count what they keep")
     p.add_argument("--json", type=Path, default=None, help="write the plan as JSON")

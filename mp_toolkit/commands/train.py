@@ -18,7 +18,13 @@ from mp_toolkit.errors import ConfigError
 from mp_toolkit.parallel.context import GridError, check_grid
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.launch import (
-    EXIT_DIVERGED, EXIT_PREEMPTED, LaunchEnv, PeerLost, device_and_backend, launcher_env, local_faults,
+    EXIT_DIVERGED,
+    EXIT_PREEMPTED,
+    LaunchEnv,
+    PeerLost,
+    device_and_backend,
+    launcher_env,
+    local_faults,
 )
 from mp_toolkit.run.loop import Preempted, run_training
 from mp_toolkit.run.plan import RunPlan, resolve_run

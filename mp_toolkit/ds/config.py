@@ -39,15 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mp_toolkit.names import schedule_name
-from mp_toolkit.run.config import SCHEDULES, SECTION_OF, ConfigError
 from mp_toolkit.ds.defaults import DeepSpeedDefaults, deepspeed_defaults
 from mp_toolkit.ds.json_doc import Block, load_json, show
 from mp_toolkit.ds.optimizer import OptimizerSettings, read_optimizer, read_scheduler
 from mp_toolkit.ds.recompute import read_recompute
 from mp_toolkit.ds.sections import read_monitors, read_zero, refuse_autocast, refuse_removed
+from mp_toolkit.names import schedule_name
 from mp_toolkit.optim.loss_scaler import LOSS_SCALE_FIELDS, Numerics
 from mp_toolkit.optim.lr import DeepSpeedSchedule, WarmupCosineLR, WarmupDecayLR
+from mp_toolkit.run.config import SCHEDULES, SECTION_OF, ConfigError
 
 _IGNORED_TOP = frozenset("""steps_per_print wall_clock_breakdown memory_breakdown dump_state disable_python_gc
     disable_allgather communication_data_type seq_parallel_communication_data_type prescale_gradients
@@ -109,7 +109,8 @@ class DeepSpeedSettings:
     ignored: tuple[str, ...] = ()
     """Dotted keys read but not used, sorted; unknown ones carry " (unknown)"."""
     monitors: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The enabled monitor sections as TrainConfig fields (`mp_toolkit.ds.sections.read_monitors`): tensorboard, csv, wandb."""
+    """The enabled monitor sections as TrainConfig fields (`mp_toolkit.ds.sections.read_monitors`): tensorboard,
+    csv, wandb."""
     defaults: str = ""
     """Whose defaults filled the absent keys: "DeepSpeed 0.19.8" (the installed one), or 0.19.x's documented
     ones ("DeepSpeed 0.19.x (its documented defaults: deepspeed is not installed)"), naming the keys whose
@@ -301,5 +302,6 @@ def read_ds_config(source: str | Path | dict, *, dp: int = 1, tp: int = 1,
     return DeepSpeedSettings(
         source=where, dp=dp, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
         gradient_clipping=clip, precision=precision, fp16=fp16, optimizer=optimizer, scheduler=scheduler, pp=pp,
-        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)), monitors=monitors, defaults=ds.source,
+        partition=partition, schedule=schedule, chunks=chunks, ignored=tuple(sorted(ignored)), monitors=monitors,
+        defaults=ds.source,
         recompute=recompute, zero=zero)

@@ -15,13 +15,15 @@ from pathlib import Path
 from mp_toolkit.ds.config import read_ds_config
 from mp_toolkit.run.config import ConfigError, Parallel, TrainConfig
 
-_FLAG_NAMES = {"timeout_s": "--timeout", "hang_timeout_s": "--hang-timeout", "progress": "--no-progress", "bias_correction": "--no-bias-correction"}
+_FLAG_NAMES = {"timeout_s": "--timeout", "hang_timeout_s": "--hang-timeout", "progress": "--no-progress",
+               "bias_correction": "--no-bias-correction"}
 _SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_decay", "min_lr")
 _OPTIMIZER_FIELDS = ("betas", "eps", "min_trust", "max_trust", "bias_correction", "momentum", "trust_coefficient",
                      "lamb_rule")
 # The DeepSpeed key each TrainConfig field comes from, to name it when its value fails a check.
 _DS_KEYS = {"pp": "pipeline.stages", "partition": "pipeline.partition_method", "schedule": "pipeline.schedule",
-            "chunks": "pipeline.chunks", "zero": "zero_optimization.stage", "micro_batch": "train_micro_batch_size_per_gpu",
+            "chunks": "pipeline.chunks", "zero": "zero_optimization.stage",
+            "micro_batch": "train_micro_batch_size_per_gpu",
             "microbatches": "gradient_accumulation_steps", "clip_grad": "gradient_clipping",
             "lr": "optimizer.params.lr (or scheduler.params)", "weight_decay": "optimizer.params.weight_decay",
             "eps": "optimizer.params.eps", "betas": "optimizer.params.betas", "min_trust": "optimizer.params.min_coeff",

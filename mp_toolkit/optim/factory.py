@@ -14,12 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+from mp_toolkit.names import LAMB_RULES, OPTIMIZERS  # OPTIMIZERS: what `build_optimizer` makes (``--optimizer``)
 from mp_toolkit.optim.groups import lamb_param_groups
 from mp_toolkit.optim.lamb import LAMB
 from mp_toolkit.optim.lars import LARS
 from mp_toolkit.optim.settings import Optim
-from mp_toolkit.names import LAMB_RULES, OPTIMIZERS  # OPTIMIZERS: what `build_optimizer` makes (``--optimizer``)
-
 
 # Which optimizers read each option (the others would silently ignore it: refused instead).
 _TAKES = {
@@ -44,7 +43,8 @@ def check_optimizer_options(opts: Optim) -> None:
     if opts.lamb_rule != "mp_toolkit" and name != "lamb":
         raise ValueError(f"--lamb-rule {opts.lamb_rule} applies to --optimizer lamb only")
     if not opts.bias_correction and name != "lamb":
-        raise ValueError(f"--no-bias-correction applies to --optimizer lamb only ({name} always corrects or has no moments)")
+        raise ValueError(f"--no-bias-correction applies to --optimizer lamb only ({name} always corrects or has no "
+                         "moments)")
     if opts.betas is not None and not (len(opts.betas) == 2 and all(0 <= b < 1 for b in opts.betas)):
         raise ValueError(f"--betas {' '.join(map(str, opts.betas))} must be two numbers in [0, 1), such as 0.9 0.999")
     for key in ("eps", "trust_coefficient"):

@@ -49,8 +49,15 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_toolkit.optim.groups import (allreduce_sharded_squares, check_betas, check_hparam,
-                                     evaluate_closure, is_tensor_parallel, optional_hparam, whole_tensor_squares)
+from mp_toolkit.optim.groups import (
+    allreduce_sharded_squares,
+    check_betas,
+    check_hparam,
+    evaluate_closure,
+    is_tensor_parallel,
+    optional_hparam,
+    whole_tensor_squares,
+)
 
 _WAVE = {"cpu": 1 << 18, "cuda": 1 << 22}
 """Elements per wave. CPU: 1 MiB per operand, so a wave's w, g, m, v and scratch (5 MiB) stay in
@@ -224,7 +231,7 @@ class LAMB(torch.optim.Optimizer):
                     and all(t.is_contiguous() for t in (p, gs[i], ms[i], vs[i])))
             (buckets.setdefault((p.device, p.dtype), []) if fast else single).append(i)
         for idx in buckets.values():
-            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            pick = lambda xs, idx=idx: [xs[i] for i in idx]
             yield pick(ps), self._wave_pass(group, pick(ps), pick(gs), pick(ms), pick(vs), pick(steps), scale)
         if single:
             rows = [_single_direction(group, ps[i], gs[i], ms[i], vs[i], steps[i], scale) for i in single]

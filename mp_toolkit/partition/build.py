@@ -50,7 +50,8 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
     helpers = helpers_for(ranks, threads) if req.load else 0
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    DeviceMemory.of("cpu").keep_freed()  # the heap as `mpt train` runs it (map_large_blocks below overrides it for bytes)
+    # the heap as `mpt train` runs it (map_large_blocks below overrides it for bytes)
+    DeviceMemory.of("cpu").keep_freed()
     try:
         warm_runtime()
         torch.manual_seed(0)

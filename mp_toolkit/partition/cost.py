@@ -85,7 +85,8 @@ def model_shape(model: str, hf_modules: bool = False) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise CostModelError(f"unknown model {model!r}: choose one of {', '.join(preset_names())} or a config.json path")
+        raise CostModelError(f"unknown model {model!r}: choose one of {', '.join(preset_names())} "
+                             "or a config.json path")
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

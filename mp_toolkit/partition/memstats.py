@@ -3,8 +3,8 @@
 
 A CPU tensor's bytes are only visible to us as resident set size. To make RSS track live tensors,
 `map_large_blocks` sets glibc's mmap threshold (as ``MALLOC_MMAP_THRESHOLD_`` would), so every
-large block is mapped on its own and returned to the system when freed; `reset_peak` (``/proc/self/clear_refs``) restarts the
-high-water mark once set-up garbage has been released.
+large block is mapped on its own and returned to the system when freed; `reset_peak`
+(``/proc/self/clear_refs``) restarts the high-water mark once set-up garbage has been released.
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, KEEP_MMAP_THRESHOLD)) and bool(libc.mallopt(-1, 2**31 - 1))  # M_MMAP_/M_TRIM_THRESHOLD
+        # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        return bool(libc.mallopt(-3, KEEP_MMAP_THRESHOLD)) and bool(libc.mallopt(-1, 2**31 - 1))
     except (OSError, AttributeError):
         return False
 

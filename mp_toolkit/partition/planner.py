@@ -244,7 +244,8 @@ def make_plan(req: PlanRequest) -> Plan:
                              "model_zoo's modules; drop --hf or the measurement")
     costs = layer_costs(shape, req.micro_batch, req.seq_len, req.precision, req.tp)
     lt = layer_times(req, shape, costs)
-    times, opt_s, step_bytes, residue, costs, source = lt.times, lt.opt_s, lt.step_bytes, lt.residue, lt.costs, lt.source
+    times, opt_s, step_bytes = lt.times, lt.opt_s, lt.step_bytes
+    residue, costs, source = lt.residue, lt.costs, lt.source
     schedule, inflight, held, rank_held = _inflight(req)
     num_stages = schedule.num_stages
     zero_dp = req.dp if req.zero else 1

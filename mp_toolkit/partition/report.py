@@ -23,7 +23,8 @@ def format_plan(plan: Plan) -> str:
     head = (f"{r.model}: pp={r.pp} tp={r.tp} dp={r.dp}, {r.schedule}"
             + (f" x{r.chunks} chunks" if r.chunks > 1 else "")
             + (" ZeRO-1" if r.zero and r.dp > 1 else "")
-            + f", {r.microbatches} micro-batches of {r.micro_batch} x {r.seq_len} tokens, {r.precision}, {r.optimizer}, "
+            + f", {r.microbatches} micro-batches of {r.micro_batch} x {r.seq_len} tokens, {r.precision}, "
+            f"{r.optimizer}, "
             f"method {r.method}; times {plan.time_source}")
     rows = [("stage", "layers", "params", "fwd+bwd ms", "peak memory")]
     for s in plan.stages:
@@ -33,7 +34,8 @@ def format_plan(plan: Plan) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [head, ""]
     for row in rows:
-        lines.append("  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        lines.append("  ".join(cell.ljust(w) if i == 1 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths))))
     lines += recompute_lines(plan)
     lines += ["", f"bubble fraction {plan.bubble_fraction:.3f}   step time {plan.step_time_ms:.2f} ms   "
                   f"{plan.tokens_per_s:,.0f} tokens/s   slowest stage {plan.max_stage_time_ms:.3f} ms"]

@@ -12,6 +12,7 @@ import math
 from fractions import Fraction
 from numbers import Integral, Real
 from typing import Sequence
+
 from mp_toolkit.errors import PartitionError
 
 __all__ = [

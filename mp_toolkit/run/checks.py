@@ -11,16 +11,16 @@ from pathlib import Path
 import torch
 
 from mp_toolkit.data.buckets import BucketError
-from mp_toolkit.run.engines import check_engine
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import check_optimizer_options
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
+from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.config import ConfigError, TrainConfig
-from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute
+from mp_toolkit.run.engines import check_engine
 from mp_toolkit.run.families import ModelSpec, check_spec, resolve_hf, resolve_model
 from mp_toolkit.run.loggers import check_loggers
+from mp_toolkit.run.recompute_plan import apply_choices, cut_and_recompute
 from mp_toolkit.run.save_dir import check_fresh
-from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.schedule import Schedule, get_schedule
 
 
@@ -44,7 +44,8 @@ def _validate_numbers(cfg: TrainConfig) -> None:
     for name in ("lr", "min_lr", "weight_decay", "loss_scale", "min_loss_scale"):
         value = flat[name]
         if not (value >= 0 and math.isfinite(value)) or (name == "lr" and value == 0):
-            raise ConfigError(f"--{name.replace('_', '-')} {value} must be a {'positive' if name == 'lr' else 'non-negative'} finite number")
+            sign = "positive" if name == "lr" else "non-negative"
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be a {sign} finite number")
     if not (cfg.parallel.dp_bucket_mb > 0 and math.isfinite(cfg.parallel.dp_bucket_mb)):
         raise ConfigError(f"--dp-bucket-mb {cfg.parallel.dp_bucket_mb} must be a positive finite number")
     if cfg.parallel.zero not in (0, 1):

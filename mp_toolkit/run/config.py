@@ -31,7 +31,8 @@ from pathlib import Path
 
 from mp_toolkit.errors import ConfigError
 from mp_toolkit.flag_values import with_seq_len
-from mp_toolkit.names import LR_DECAYS, OPTIMIZERS, PRECISIONS as COMPUTE_PRECISIONS, SCHEDULES
+from mp_toolkit.names import LR_DECAYS, OPTIMIZERS, SCHEDULES
+from mp_toolkit.names import PRECISIONS as COMPUTE_PRECISIONS
 from mp_toolkit.optim.loss_scaler import Numerics
 from mp_toolkit.optim.settings import Optim
 
@@ -39,7 +40,8 @@ __all__ = ["ENGINES", "LR_DECAYS", "OPTIMIZERS", "PARTITION_METHODS", "PRECISION
            "SECTION_OF", "Batch", "Checkpoint", "ConfigError", "Dataset", "Faults", "Logging", "Numerics", "Optim",
            "Parallel", "Recomputation", "TrainConfig", "parse_boundaries"]
 
-PRECISIONS = (*COMPUTE_PRECISIONS, "auto")  # "auto": bf16 where it is fast, else fp32 (`optim.master.resolve_precision`)
+# "auto": bf16 where it is fast, else fp32 (`optim.master.resolve_precision`)
+PRECISIONS = (*COMPUTE_PRECISIONS, "auto")
 PARTITION_METHODS = ("flops", "parameters", "uniform", "time")
 ENGINES = ("mp_toolkit", "deepspeed")
 
@@ -202,7 +204,8 @@ class TrainConfig:
     of ``model`` (`mp_toolkit.run.hf_family`); None: ``model``."""
     engine: str = "mp_toolkit"
     """Which pipeline engine trains: mp_toolkit (ours: every schedule, tp, checkpoints) or deepspeed
-    (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only; `mp_toolkit.engine.deepspeed_bridge`)."""
+    (DeepSpeed's PipelineEngine with our cut and optimizer, 1F1B, pp x dp only;
+    `mp_toolkit.engine.deepspeed_bridge`)."""
     steps: int = 100
     """Optimizer steps."""
     seed: int = 1234

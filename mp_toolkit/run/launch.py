@@ -2,8 +2,9 @@
 
 `torchrun` and the `deepspeed` launcher set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT (torchrun also LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE; the ranks on this node).
-The deepspeed launcher also passes ``--local_rank=N``, which the CLI accepts and ignores. Run without a launcher, `mpt train` starts the ranks itself on this machine with
-exactly those variables (`run.spawn.spawn_local`), so both paths run the same training code.
+The deepspeed launcher also passes ``--local_rank=N``, which the CLI accepts and ignores. Run without a
+launcher, `mpt train` starts the ranks itself on this machine with exactly those variables
+(`run.spawn.spawn_local`), so both paths run the same training code.
 
 When a rank dies (RELIABILITY.md)::
 

@@ -72,7 +72,8 @@ class CsvLog:
         kept = []
         if start_step > 0 and path.is_file():
             with open(path, newline="") as f:
-                kept = [r for r in list(csv.reader(f))[1:] if len(r) == 3 and r[0].isdigit() and int(r[0]) <= start_step]
+                kept = [r for r in list(csv.reader(f))[1:]
+                        if len(r) == 3 and r[0].isdigit() and int(r[0]) <= start_step]
         self.file = open(path, "w", newline="")
         self.out = csv.writer(self.file)
         self.out.writerows([("step", "tag", "value"), *kept])

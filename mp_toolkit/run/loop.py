@@ -34,17 +34,24 @@ from mp_toolkit.parallel.context import ParallelContext, build_context
 from mp_toolkit.parallel.tensor_parallel import padded_vocab_size
 from mp_toolkit.partition.memstats import DeviceMemory, peak_rss_bytes, reset_peak, warm_runtime
 from mp_toolkit.run.compose import make_engine
-from mp_toolkit.run.plan import RunPlan
-from mp_toolkit.run.predict import run_plan
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.families import micro_batches
 from mp_toolkit.run.launch import (
-    LaunchEnv, PeerLost, Peers, RankStatus, comm_failure_line, init_distributed, is_comm_failure,
+    LaunchEnv,
+    PeerLost,
+    Peers,
+    RankStatus,
+    comm_failure_line,
+    init_distributed,
+    is_comm_failure,
 )
 from mp_toolkit.run.metrics import DrawnTokens, MetricsLog, gather_ints, global_batch_tokens
+from mp_toolkit.run.plan import RunPlan
+from mp_toolkit.run.predict import run_plan
 from mp_toolkit.run.preempt import Preempted, PreemptSignals
+from mp_toolkit.run.save_dir import SaveDirLock, new_run_id
+from mp_toolkit.run.save_dir import prepare as prepare_save_dir
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
-from mp_toolkit.run.save_dir import SaveDirLock, new_run_id, prepare as prepare_save_dir
 from mp_toolkit.run.state import ModelNames, Progress, agree, find_checkpoint, load_state, manifest, save_state
 from mp_toolkit.run.validation import bert_metrics, evaluates_at, validation_row
 from mp_toolkit.run.watchdog import Heartbeat
@@ -62,8 +69,8 @@ def lr_at(cfg: TrainConfig, progress: Progress, step: int) -> float:
 
 
 def run_training(run: RunPlan, env: LaunchEnv) -> list[dict]:
-    """Train ``run`` (decided once, `run.plan`) on this rank; returns the per-step rows on rank 0 (empty elsewhere). A collective or
-    point-to-point call that fails because a peer died or stopped answering (bounded by
+    """Train ``run`` (decided once, `run.plan`) on this rank; returns the per-step rows on rank 0 (empty
+    elsewhere). A collective or point-to-point call that fails because a peer died or stopped answering (bounded by
     --timeout) becomes `PeerLost`, whose line names the lost rank when it ran on this host."""
     cfg = run.cfg
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))

@@ -179,7 +179,8 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     lr_ax = ax.twinx()  # the learning rate on its own scale, right
-    lr_ax.plot([r["step"] for r in rows], [r["lr"] for r in rows], color="tab:gray", linestyle=":", label="learning rate")
+    lr_ax.plot([r["step"] for r in rows], [r["lr"] for r in rows], color="tab:gray", linestyle=":",
+               label="learning rate")
     lr_ax.set_ylabel("learning rate")
     handles = ax.get_legend_handles_labels()[0] + lr_ax.get_legend_handles_labels()[0]
     ax.legend(handles=handles, fontsize=8, loc="upper right")

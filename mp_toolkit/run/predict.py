@@ -3,7 +3,6 @@ each rank's predicted bytes for its own cut, printed beside the measured peak (D
 a first-class result)."""
 from __future__ import annotations
 
-
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.cost import ACT_BYTES, CostModelError
 from mp_toolkit.partition.planner import PlanRequest, make_plan

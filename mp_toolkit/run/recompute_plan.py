@@ -21,6 +21,7 @@ from mp_toolkit.run.config import ConfigError, TrainConfig, parse_boundaries
 from mp_toolkit.run.cut import CutWorkload, plan_boundaries
 from mp_toolkit.run.predict import plan_request
 
+
 def auto_request(cfg: TrainConfig) -> PlanRequest:
     """The ``mpt plan`` request whose answer ``--recompute auto`` applies (FLOP times at `PLAN_TFLOPS`:
     any fixed rate gives the same choice)."""

@@ -63,7 +63,8 @@ class SkipStreak:
         if self.count:
             return (f"step {step} skipped on every rank: {what} in {cfg.numerics.precision}; parameters and optimizer "
                     f"state unchanged ({self.count} in a row, --max-skips {self.limit})")
-        return f"step {step} skipped on every rank: fp16 overflow ({what}), loss scale {stats.loss_scale:g} -> {scaler.scale:g}"
+        return (f"step {step} skipped on every rank: fp16 overflow ({what}), "
+                f"loss scale {stats.loss_scale:g} -> {scaler.scale:g}")
 
     def stop_message(self, step: int, stats, cfg: TrainConfig) -> str:
         save_dir = cfg.checkpoint.save_dir

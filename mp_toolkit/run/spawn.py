@@ -74,7 +74,8 @@ def loopback_env() -> dict[str, str]:
     """gloo's own sockets on the loopback interface too, unless the user chose one (GLOO_SOCKET_IFNAME)."""
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return {}
-    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")] if hasattr(socket, "if_nameindex") else []
+    interfaces = socket.if_nameindex() if hasattr(socket, "if_nameindex") else []
+    names = [name for _, name in interfaces if name.startswith("lo")]
     return {"GLOO_SOCKET_IFNAME": names[0]} if names else {}
 
 

@@ -45,8 +45,19 @@ import torch
 import torch.distributed as dist
 
 from mp_toolkit.checkpoint import (
-    CheckpointError, begin, capture_rng, commit, discard, latest_step, load_optimizer_state_by_name, open_checkpoint,
-    optimizer_state_by_name, param_groups_by_name, restore_rng, write_layer_shard, write_optimizer_shard,
+    CheckpointError,
+    begin,
+    capture_rng,
+    commit,
+    discard,
+    latest_step,
+    load_optimizer_state_by_name,
+    open_checkpoint,
+    optimizer_state_by_name,
+    param_groups_by_name,
+    restore_rng,
+    write_layer_shard,
+    write_optimizer_shard,
     write_rng_shard,
 )
 from mp_toolkit.data.corpus import DataError
@@ -204,7 +215,8 @@ def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: Mo
                      for n in own if n in layer_states}
             if ctx.tp_rank == 0:
                 attempt(write_layer_shard, tmp, layer, full)
-                attempt(write_optimizer_shard, tmp, layer, optim, {n: layer_scalars[n] for n in own if n in layer_scalars})
+                attempt(write_optimizer_shard, tmp, layer, optim,
+                        {n: layer_scalars[n] for n in own if n in layer_scalars})
     attempt(write_rng_shard, tmp, ctx.rank, capture_rng())
     return error
 
@@ -315,12 +327,13 @@ def data_position(saved: dict, data, dp: int, seq_len_change: tuple[int, int] | 
     in_epoch = saved["samples"] - saved["epoch"] * saved["samples_per_epoch"]
     if in_epoch % per_round:
         raise ConfigError(f"the checkpoint stopped {in_epoch} samples into epoch {saved['epoch']}, not a multiple of "
-                          f"--micro-batch {data.micro_batch_size} x --dp {dp} = {per_round}: resume with a micro-batch x "
-                          f"dp that divides it (saved: {saved['micro_batch']} x {saved['dp']})")
+                          f"--micro-batch {data.micro_batch_size} x --dp {dp} = {per_round}: resume with a "
+                          f"micro-batch x dp that divides it (saved: {saved['micro_batch']} x {saved['dp']})")
     note = None
     if saved["samples_per_epoch"] != data.batches_per_epoch * per_round:
-        note = (f"an epoch holds {data.batches_per_epoch * per_round} samples on this layout, {saved['samples_per_epoch']} "
-                "on the saved one: this epoch continues the same stream, later ones drop another remainder")
+        note = (f"an epoch holds {data.batches_per_epoch * per_round} samples on this layout, "
+                f"{saved['samples_per_epoch']} on the saved one: this epoch continues the same stream, later ones drop "
+                "another remainder")
     return {"epoch": saved["epoch"], "position": saved["epoch"] * data.batches_per_epoch + in_epoch // per_round}, note
 
 
@@ -361,8 +374,8 @@ def _load_weights(ck, engine: TrainEngine, ctx: ParallelContext, names: ModelNam
                 engine.master_of(p).copy_(piece(shard_full(tensors[c], p, ctx.tp_rank, ctx.tp)))
                 if c in opt_t:
                     saved_shape = tensors[c].shape
-                    states[n] = {k: piece(shard_full(v, p, ctx.tp_rank, ctx.tp)).clone() if v.shape == saved_shape else v
-                                 for k, v in opt_t[c].items()}
+                    states[n] = {k: piece(shard_full(v, p, ctx.tp_rank, ctx.tp)).clone()
+                                 if v.shape == saved_shape else v for k, v in opt_t[c].items()}
                 if c in opt_s:
                     scalars[n] = opt_s[c]
             del tensors, opt_t  # before the next layer is read
@@ -418,7 +431,8 @@ def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, nam
     return Resumed(Progress(step=ck.step, applied=int(progress.get("applied", ck.step))), ck.path, tuple(notes), run)
 
 
-def load_state(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
+def load_state(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, data,
+               spec) -> Resumed:
     """Restore a checkpoint into this rank's engine, data iterator and generators (every rank calls it).
     A refused file or an impossible resume raises on every rank (`agree`)."""
     error, out = None, None

@@ -18,8 +18,8 @@ Each rank runs two daemon threads once the process group has formed:
 Beats are judged as of the last successful read, so a rank whose own threads were starved of CPU
 blames nobody for the gap. A step's limit is max(--hang-timeout, 4 x this rank's longest step so
 far), and 5 x --hang-timeout for the first step of a start (start-up costs: compiling, --partition
-time measuring). Start-up, saves and evaluation are judged by the counter only. The first rank to decide writes its line to
-the ``hung`` key (compare-and-set, so one line is printed), SIGKILLs the hung ranks on its own host
+time measuring). Start-up, saves and evaluation are judged by the counter only. The first rank to decide
+writes its line to the ``hung`` key (compare-and-set, so one line is printed), SIGKILLs the hung ranks on its own host
 (a stopped process cannot stop itself, and launchers give SIGTERM 30 s before SIGKILL) and exits
 EXIT_HUNG; every other rank sees the key within a beat and exits EXIT_HUNG silently. Launchers then
 restart as for a dead rank (--restarts, torchrun --max-restarts). --timeout stays the second
@@ -148,7 +148,8 @@ class Heartbeat:
         step = self.status.step
         self.store.set(self.keys[self.env.rank], json.dumps({
             "n": self.counter, "pid": os.getpid(), "host": host_id(), "phase": self.status.phase, "step": step,
-            "first": step is not None and step == self.status.first_step, "comm": main_thread_communicating(), "done": done}))
+            "first": step is not None and step == self.status.first_step, "comm": main_thread_communicating(),
+            "done": done}))
 
     def arm(self) -> None:
         # every rank wrote its first beat before the collective that precedes this: read them all now,
