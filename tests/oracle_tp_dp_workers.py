@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from model_zoo.gpt import GPT, PRESETS, lm_loss
-from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.groups import is_tensor_parallel
@@ -31,6 +30,7 @@ from mp_toolkit.optim.settings import Optim
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import gather_full
 from mp_toolkit.parallel.tp_comms import all_gather
+from mp_toolkit.run.config import TrainConfig
 from tests.floor import pair
 from tests.oracle_workers import make_batches
 
@@ -172,11 +172,13 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", le
     rows = engine.trust_ratio_stats()
     mine = [n for n, _ in named if n in ref32["trust"]]
     expected = {key: _min_median_max([ref["trust"][n] for n in mine]) for key, ref in (("32", ref32), ("64", ref64))}
-    trust = pair(_min_median_max([rows[ctx.pp_rank][k] for k in ("min", "median", "max")]), expected["64"], expected["32"])
+    trust = pair(_min_median_max([rows[ctx.pp_rank][k] for k in ("min", "median", "max")]),
+                 expected["64"], expected["32"])
     before = [p.detach().clone() for _, p in named]
     eval_loss = engine.eval_batch(iter(held_out[ctx.dp_rank * m:(ctx.dp_rank + 1) * m]))
     eval_changed = not all(torch.equal(a, p) for a, (_, p) in zip(before, named))
-    errors = {name: pair(gather_full(p, ctx.tp_group), ref64["params"][name], ref32["params"][name]) for name, p in named}
+    errors = {name: pair(gather_full(p, ctx.tp_group), ref64["params"][name], ref32["params"][name])
+              for name, p in named}
     grad_errors = {name: pair(g, ref64["grads"][name], ref32["grads"][name]) for name, g in grads.items()}
     ln = [n for n, p in named if ".ln_" in n and not is_tensor_parallel(p)]
     return {"losses": losses, "norms": norms, "ref_norms": ref32["norms"],

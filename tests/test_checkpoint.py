@@ -11,18 +11,27 @@ from torch import nn
 
 import mp_toolkit.checkpoint as ckpt_pkg
 from mp_toolkit.checkpoint import (
-    CheckpointError, begin, capture_rng, latest_step, load_optimizer_state_by_name, open_checkpoint, optimizer_state_by_name, param_groups_by_name, restore_rng, save_checkpoint, split_by_layer, write_layer_shard,
+    CheckpointError,
+    begin,
+    capture_rng,
+    latest_step,
+    load_optimizer_state_by_name,
+    open_checkpoint,
+    optimizer_state_by_name,
+    param_groups_by_name,
+    restore_rng,
+    save_checkpoint,
+    split_by_layer,
+    write_layer_shard,
 )
 from mp_toolkit.checkpoint.files import check_name
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.lamb import LAMB
 from mp_toolkit.optim.lars import LARS
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
+from tests.checkpoint_helpers import assert_bitwise, one_line_error, raw, sample_layers
 
 torch.set_num_threads(1)
-
-
-from tests.checkpoint_helpers import assert_bitwise, one_line_error, raw, sample_layers
 
 # -- round trip ---------------------------------------------------------------------------------
 

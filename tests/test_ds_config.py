@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp_toolkit.run.config import SECTION_OF, ConfigError, TrainConfig
 from mp_toolkit.ds.config import FP16Settings, OptimizerSettings, read_ds_config
 from mp_toolkit.ds.defaults import DOCUMENTED, read_installed
 from mp_toolkit.optim.lr import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from mp_toolkit.run.config import SECTION_OF, ConfigError, TrainConfig
 
 BASE = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
 
@@ -46,7 +46,8 @@ def deepspeed_config():
 ])
 def test_batch_keys_derive_the_third_with_dp(keys, dp, expected):
     s = read_ds_config(keys, dp=dp)
-    assert (s.train_batch_size, s.train_micro_batch_size_per_gpu, s.gradient_accumulation_steps, s.dp) == (*expected, dp)
+    assert (s.train_batch_size, s.train_micro_batch_size_per_gpu, s.gradient_accumulation_steps, s.dp) == (
+        *expected, dp)
     assert s.train_config_overrides()["micro_batch"] == expected[1]
     assert s.train_config_overrides()["microbatches"] == expected[2]
 
@@ -72,7 +73,8 @@ def test_dp_must_be_a_positive_integer(dp):
 
 
 @pytest.mark.parametrize("keys", [
-    dict(train_batch_size=64, train_micro_batch_size_per_gpu=4), dict(train_batch_size=48, gradient_accumulation_steps=3),
+    dict(train_batch_size=64, train_micro_batch_size_per_gpu=4),
+    dict(train_batch_size=48, gradient_accumulation_steps=3),
     dict(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=5), dict(train_batch_size=12),
     dict(train_micro_batch_size_per_gpu=7)])
 def test_batch_arithmetic_agrees_with_deepspeed(deepspeed_config, keys):
@@ -90,7 +92,8 @@ def test_inconsistent_batch_is_rejected_by_deepspeed_too(deepspeed_config):
 
 # -- clipping and precision -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("keys,clip", [({}, 1.0), (dict(gradient_clipping=0), None), (dict(gradient_clipping=1.5), 1.5)])
+@pytest.mark.parametrize("keys,clip", [({}, 1.0), (dict(gradient_clipping=0), None),
+                                       (dict(gradient_clipping=1.5), 1.5)])
 def test_gradient_clipping_absent_is_deepspeeds_default_and_zero_is_off(keys, clip):
     """DeepSpeed >= 0.19.3 clips at 1.0 when the key is absent (GRADIENT_CLIPPING_DEFAULT); 0 turns it off."""
     s = read(**keys)
@@ -259,7 +262,8 @@ def test_scheduler_errors(scheduler, message):
 @pytest.mark.parametrize("method,partition", [("Parameters", "parameters"), ("uniform", "uniform"),
                                               ("0, 3, 7", "0,3,7")])
 def test_pipeline_stages_and_partition_method(method, partition):
-    s = read(pipeline={"stages": 4, "partition_method": method, "seed_layers": True, "activation_checkpoint_interval": 1})
+    s = read(pipeline={"stages": 4, "partition_method": method, "seed_layers": True,
+                       "activation_checkpoint_interval": 1})
     assert (s.pp, s.partition) == (4, partition)
     o = s.train_config_overrides()
     assert (o["pp"], o["partition"], o["recompute"]) == (4, partition, "full")  # the interval: --recompute full
@@ -382,7 +386,8 @@ def test_reads_a_file_and_names_it_in_errors(tmp_path):
 @pytest.mark.parametrize("text,message", [
     ("", "the DeepSpeed config is empty"),
     ("  \n", "the DeepSpeed config is empty"),
-    ('{"train_batch_size": 32,\n "fp16": {"enabled": true,}}', "not valid JSON at line 2 column 27: Expecting property name"),
+    ('{"train_batch_size": 32,\n "fp16": {"enabled": true,}}',
+     "not valid JSON at line 2 column 27: Expecting property name"),
     ("[1, 2]", "the config must be a JSON object, got \\[1, 2\\]"),
     ('{"train_batch_size": 32, "train_batch_size": 64}', "key 'train_batch_size' appears twice"),
 ])
@@ -419,7 +424,8 @@ def test_defaults_a_package_does_not_give_are_named_where_they_fall_back(tmp_pat
     (tmp_path / "runtime").mkdir()
     (tmp_path / "runtime" / "constants.py").write_text(
         "GRADIENT_CLIPPING_DEFAULT = 0.0\nFP16_LOSS_SCALE_DEFAULT = 0\nFP16_INITIAL_SCALE_POWER_DEFAULT = 12\n"
-        "FP16_LOSS_SCALE_WINDOW_DEFAULT = 500\nFP16_HYSTERESIS_DEFAULT = 2\nFP16_CONSECUTIVE_HYSTERESIS_DEFAULT = False\n"
+        "FP16_LOSS_SCALE_WINDOW_DEFAULT = 500\nFP16_HYSTERESIS_DEFAULT = 2\n"
+        "FP16_CONSECUTIVE_HYSTERESIS_DEFAULT = False\n"
         "FP16_MIN_LOSS_SCALE_DEFAULT = 1\nBFLOAT16_ENABLED_DEFAULT = compute()\n")  # not a literal
     (tmp_path / "runtime" / "config.py").write_text('_REMOVED_TOP_LEVEL_CONFIG_KEYS = {"amp": f"{x} was removed"}\n')
     (tmp_path / "ops" / "lamb").mkdir(parents=True)
@@ -471,7 +477,8 @@ def test_bert_lamb_config_agrees_with_deepspeeds_reader(deepspeed_config):
     config = {**BING_BERT_LAMB, "pipeline": {"stages": 2, "schedule": "1F1B", "chunks": 1}}
     theirs, ours = deepspeed_config(json.loads(json.dumps(config))), read_ds_config(config, dp=1)
     assert (theirs.train_batch_size, theirs.train_micro_batch_size_per_gpu, theirs.gradient_accumulation_steps) == (
-        ours.train_batch_size, ours.train_micro_batch_size_per_gpu, ours.gradient_accumulation_steps) == (65536, 64, 1024)
+        ours.train_batch_size, ours.train_micro_batch_size_per_gpu, ours.gradient_accumulation_steps) == (
+        65536, 64, 1024)
     fp = theirs.float16_config
     assert FP16Settings(fp.enabled, fp.loss_scale, fp.initial_scale_power, fp.loss_scale_window, fp.hysteresis,
                         fp.min_loss_scale, fp.consecutive_hysteresis) == ours.fp16

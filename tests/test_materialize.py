@@ -13,13 +13,13 @@ import torch
 from model_zoo.bert import BertForPreTraining
 from model_zoo.bert_config import PRESETS as BERT_PRESETS
 from model_zoo.gpt import GPT, PRESETS
-from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.layers import LayerList
-from mp_toolkit.partition.memstats import rss_bytes
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.materialize import is_meta, materialize, rank_layers
 from mp_toolkit.parallel.tensor_parallel import gather_full
+from mp_toolkit.partition.memstats import rss_bytes
+from mp_toolkit.run.config import TrainConfig
 from tests.dist_harness import run_world
 
 
@@ -34,7 +34,8 @@ def _real(build, seed=0):
     return build()
 
 
-@pytest.mark.parametrize("build", [lambda: GPT(PRESETS["gpt-tiny"]), lambda: BertForPreTraining(BERT_PRESETS["bert-tiny"])],
+@pytest.mark.parametrize("build", [lambda: GPT(PRESETS["gpt-tiny"]),
+                                   lambda: BertForPreTraining(BERT_PRESETS["bert-tiny"])],
                          ids=["gpt", "bert"])
 def test_a_layer_drawn_alone_equals_the_same_layer_of_the_whole_model(build):
     whole, meta = _real(build), _meta(build)
@@ -64,7 +65,8 @@ def test_initial_values_depend_on_the_seed_and_name_only():
     # GPT-2's scaled residual projections: std / sqrt(2 n_layer)
     big = _meta(lambda: GPT(dataclasses.replace(PRESETS["gpt-tiny"], n_embd=256, n_head=4)))
     proj, fc = big.initial_value("h.0.attn.proj.weight"), big.initial_value("h.0.mlp.fc.weight")
-    assert proj.std().item() == pytest.approx(0.02 / 8 ** 0.5, rel=0.05) and fc.std().item() == pytest.approx(0.02, rel=0.05)
+    assert proj.std().item() == pytest.approx(0.02 / 8 ** 0.5, rel=0.05)
+    assert fc.std().item() == pytest.approx(0.02, rel=0.05)
 
 
 def test_a_wrong_shape_or_a_meta_buffer_is_refused_by_name():
@@ -130,7 +132,8 @@ def test_every_rank_holds_its_own_layers_and_shards_only(pp, tp, schedule, tied)
     reports = run_world(grid_rank, pp * tp, pp, tp, schedule, tied, timeout_s=240)
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], tie_word_embeddings=tied)
     whole = _real(lambda: GPT(cfg))
-    ref = {f"{n}.{path}": p for n, layer in whole.named_layers() for path, p in layer.named_parameters(remove_duplicate=False)}
+    ref = {f"{n}.{path}": p for n, layer in whole.named_layers()
+           for path, p in layer.named_parameters(remove_duplicate=False)}
     blocks = {f"h.{i}" for i in range(cfg.n_layer)}
     covered = set()
     for r in reports:

@@ -15,11 +15,10 @@ from mp_toolkit.partition.memory import MemoryCapError, StageMemory
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.partition.recompute import RecomputeCosts, min_max_recompute, stage_options
 from mp_toolkit.recompute import StageRecompute
-from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.checks import validate
+from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.recompute_plan import auto_request, default_candidates, default_schedule, resolve_auto_schedule
 from mp_toolkit.schedule import split_share
-
 from tests.mpt_command import run_mpt
 
 
@@ -197,7 +196,8 @@ def test_a_run_naming_no_schedule_weighs_interleaved_where_the_cut_is_the_planne
     assert default_candidates(cfg) == DEFAULT_CANDIDATES and set(times) == set(DEFAULT_CANDIDATES)
     assert (picked.parallel.schedule, picked.parallel.chunks) == ("interleaved", 2)
     assert min(times, key=times.get) == "interleaved"
-    assert validate(picked).boundaries[-1] == 14 and len(validate(picked).boundaries) == 5  # pp x chunks stages over bert-base's 14 layers
+    # pp x chunks stages over bert-base's 14 layers
+    assert validate(picked).boundaries[-1] == 14 and len(validate(picked).boundaries) == 5
     one_per_rank = tuple(c for c in DEFAULT_CANDIDATES if c != "interleaved")
     for fixed in (cfg.replace(partition="0,7,14"), cfg.replace(recompute="full", recompute_layers=(1, 2)),
                   cfg.replace(chunks=3)):

@@ -10,14 +10,14 @@ import torch
 from mp_toolkit.cli import build_parser, main
 from mp_toolkit.commands.train import train_config
 from mp_toolkit.ds.defaults import deepspeed_defaults
-from tests.cli_helpers import assert_one_line_exit_2
-from mp_toolkit.run.config import SECTION_OF, SECTIONS, Parallel, TrainConfig
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.lr import WarmupDecayLR, WarmupLR
 from mp_toolkit.optim.settings import Optim
 from mp_toolkit.run.compose import loss_scaler
+from mp_toolkit.run.config import SECTION_OF, SECTIONS, Parallel, TrainConfig
 from mp_toolkit.run.loop import lr_at
 from mp_toolkit.run.state import Progress
+from tests.cli_helpers import assert_one_line_exit_2
 
 DS = {
     "train_batch_size": 48, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5,
@@ -110,11 +110,12 @@ def test_the_factory_passes_every_option():
     lamb = build_optimizer(Optim("lamb", lr=1e-3, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-5, min_trust=0.1,
                                  max_trust=2.0, bias_correction=False), named)
     g = lamb.param_groups[0]
-    assert (g["betas"], g["eps"], g["min_trust"], g["max_trust"], g["bias_correction"]) == ((0.8, 0.9), 1e-5, 0.1, 2.0, False)
+    assert (g["betas"], g["eps"], g["min_trust"], g["max_trust"], g["bias_correction"]) == (
+        (0.8, 0.9), 1e-5, 0.1, 2.0, False)
     lars = build_optimizer(Optim("lars", lr=0.1, weight_decay=0.0, momentum=0.7, trust_coefficient=0.02, eps=1e-6),
                            named)
-    assert (lars.param_groups[0]["momentum"], lars.param_groups[0]["trust_coefficient"], lars.param_groups[0]["eps"]) == (
-        0.7, 0.02, 1e-6)
+    lars_group = lars.param_groups[0]
+    assert (lars_group["momentum"], lars_group["trust_coefficient"], lars_group["eps"]) == (0.7, 0.02, 1e-6)
     adamw = build_optimizer(Optim("adamw", lr=1e-3, weight_decay=0.0, betas=(0.5, 0.6), eps=1e-4), named)
     assert (adamw.param_groups[0]["betas"], adamw.param_groups[0]["eps"]) == ((0.5, 0.6), 1e-4)
     sgd = Optim("sgd", lr=0.1, weight_decay=0.0)
@@ -174,8 +175,10 @@ def test_config_errors_are_one_line_naming_the_key(tmp_path, capsys):
 
 
 def test_options_an_optimizer_does_not_read_are_refused(capsys):
-    _bad(capsys, "train", "--model", "gpt-tiny", "--momentum", "0.5", mentions="--momentum is not an option of --optimizer adamw")
-    _bad(capsys, "train", "--model", "gpt-tiny", "--no-bias-correction", mentions="--no-bias-correction applies to --optimizer lamb")
+    _bad(capsys, "train", "--model", "gpt-tiny", "--momentum", "0.5",
+         mentions="--momentum is not an option of --optimizer adamw")
+    _bad(capsys, "train", "--model", "gpt-tiny", "--no-bias-correction",
+         mentions="--no-bias-correction applies to --optimizer lamb")
     _bad(capsys, "train", "--model", "gpt-tiny", "--optimizer", "lamb", "--min-trust", "2", "--max-trust", "1",
          mentions="--min-trust 2.0 exceeds --max-trust 1.0")
     _bad(capsys, "train", "--model", "gpt-tiny", "--betas", "0.9", "1.5", mentions="--betas 0.9 1.5")
@@ -183,7 +186,8 @@ def test_options_an_optimizer_does_not_read_are_refused(capsys):
 
 def test_checkpoint_flags_are_checked_before_any_rank_starts(capsys, tmp_path):
     _bad(capsys, "train", "--model", "gpt-tiny", "--resume", mentions="--resume latest needs --save-dir")
-    _bad(capsys, "train", "--model", "gpt-tiny", "--resume", str(tmp_path / "nope"), mentions="no such checkpoint directory")
+    _bad(capsys, "train", "--model", "gpt-tiny", "--resume", str(tmp_path / "nope"),
+         mentions="no such checkpoint directory")
     _bad(capsys, "train", "--model", "gpt-tiny", "--save-every", "5", mentions="--save-every 5 needs --save-dir")
     _bad(capsys, "train", "--model", "gpt-tiny", "--save-dir", str(tmp_path), "--keep", "-1", mentions="--keep -1")
 

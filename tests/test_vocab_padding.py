@@ -18,13 +18,13 @@ from transformers import AutoModelForCausalLM
 from model_zoo import gpt
 from mp_toolkit.checkpoint import open_checkpoint
 from mp_toolkit.cli import main
-from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.parallel.tensor_parallel import padded_vocab_size
 from mp_toolkit.run.checks import validate
+from mp_toolkit.run.config import TrainConfig
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within, assert_within
-from tests.vocab_padding_workers import CONFIG, PADDED, VOCAB, padded_layers, padded_oracle
 from tests.mpt_command import run_mpt
+from tests.vocab_padding_workers import CONFIG, PADDED, VOCAB, padded_layers, padded_oracle
 
 torch.set_num_threads(1)
 
@@ -51,7 +51,7 @@ def test_padded_layers_and_loss_match_the_unsplit_ones():
         for label, (got, want) in result["pairs"].items():
             exact = label.startswith("weight:") or label == "logits"  # a copy; a gather of the same products
             torch.testing.assert_close(got, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6,
-                                       msg=lambda m: f"{label}: {m}")
+                                       msg=lambda m, label=label: f"{label}: {m}")
 
 
 @pytest.mark.parametrize("optimizer,tied", [("lamb", True), ("lars", False)])

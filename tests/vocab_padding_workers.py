@@ -14,12 +14,16 @@ from pathlib import Path
 import torch
 
 from model_zoo.gpt import GPT, GPTConfig
-from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.parallel.context import build_context
 from mp_toolkit.parallel.tensor_parallel import (
-    VocabParallelEmbedding, VocabParallelLMHead, gather_full, gather_vocab_parallel_logits, shard_full,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    gather_full,
+    gather_vocab_parallel_logits,
+    shard_full,
     vocab_parallel_cross_entropy,
 )
+from mp_toolkit.run.config import TrainConfig
 from tests.floor import pair
 from tests.oracle_tp_dp_workers import CLIP, LR, WD, reference
 from tests.oracle_workers import SEQ, make_batches
@@ -105,7 +109,8 @@ def padded_layers(rank, world) -> dict:
         out[f"weight:{name}"] = (gather_full(p, ctx.tp_group), ref.detach())
     pads = [padding_rows(t, ctx.tp_rank) for p in (vemb.weight, vhead.weight, vhead.bias)
             for t in (p.detach(), p.grad)]
-    return {"pairs": out, "local_shape": tuple(local.shape), "pad_rows": padding_rows(vemb.weight, ctx.tp_rank).shape[0],
+    return {"pairs": out, "local_shape": tuple(local.shape),
+            "pad_rows": padding_rows(vemb.weight, ctx.tp_rank).shape[0],
             "pad_zero": all(bool((t == 0).all()) for t in pads),
             "pad_logits_inf": bool(torch.isneginf(padding_rows(local.detach().movedim(-1, 0), ctx.tp_rank)).all()),
             "shapes": (tuple(vemb.weight.shape), tuple(vhead.weight.shape), tuple(vhead.bias.shape))}

@@ -4,9 +4,9 @@ Every case trains gpt-tiny twice on the same (pp, tp, dp) grid and the same glob
 by `mp_toolkit.run.compose.build_engine` from the same seed on the meta device: once with plain
 data parallelism (``zero=0``) and once with ZeRO-1 (``zero=1``). Each rank returns, for both runs,
 the per-step losses, pre-clip norms and skip flags, its fp32 master weights after the last step gathered
-to full tensors (over dp under ZeRO-1, over tp), the trust-ratio rows, and the elements of optimizer state it holds (counted
-from the state tensors); the ZeRO run also reports whether a step skipped for an injected overflow
-left its parameters, pieces and optimizer state bitwise unchanged.
+to full tensors (over dp under ZeRO-1, over tp), the trust-ratio rows, and the elements of optimizer
+state it holds (counted from the state tensors); the ZeRO run also reports whether a step skipped for
+an injected overflow left its parameters, pieces and optimizer state bitwise unchanged.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ one-pass fused AdamW can reach.
     python -m tools.bench_optim                 # 1 and 2 threads, ~1 minute
     python -m tools.bench_optim --threads 1 --steps 5
 
-Prints the machine header (`tools.report`), a table and, last, one JSON line. The tensors are shaped like a 4-layer GPT of width 640
-(token and position embeddings, 16 matrices, 34 bias / LayerNorm vectors).
+Prints the machine header (`tools.report`), a table and, last, one JSON line. The tensors are shaped
+like a 4-layer GPT of width 640 (token and position embeddings, 16 matrices, 34 bias / LayerNorm vectors).
 """
 
 from __future__ import annotations

@@ -232,7 +232,8 @@ def print_table(table: list[dict], w: Workload, t1: float, bound: float) -> None
         print(f"{r['label']:56s} {str(r['boundaries']).replace(' ', ''):>13s} {r['tokens_per_s']:9.0f} "
               f"{r['step_ms']:8.0f} {runs:>17s} {r['best_mpt_ratio']:10.2f} {eff:>6s} {cpu:>12s}")
     print("runs: each run's median step; best mpt/x: the best mp_toolkit row's tokens/s over this row's; eff.: "
-          "tokens/s over the 1F1B bound (of the single process on the same heap); CPU ms/step: process CPU time per step of each rank (work, not waiting: "
+          "tokens/s over the 1F1B bound (of the single process on the same heap); "
+          "CPU ms/step: process CPU time per step of each rank (work, not waiting: "
           "the figure other load on the machine changes least)")
 
 

@@ -237,7 +237,7 @@ class TorchPipePeer:
         kwargs = {"target": y, "losses": losses} if self.last else {}
         self.schedule.step(*((x,) if self.first else ()), **kwargs, return_outputs=False)
         self.masters.step()
-        return float(torch.stack([l.detach().float() for l in losses]).mean()) if losses else None
+        return float(torch.stack([loss.detach().float() for loss in losses]).mean()) if losses else None
 
 
 class SinglePeer:
@@ -279,7 +279,8 @@ def train(spec: dict) -> dict:
     if memory or spec.get("map_large_blocks"):
         memstats.map_large_blocks()  # RSS then follows live tensors (slows CPU kernels: memory runs only)
     elif spec.get("keep_freed_memory"):
-        memstats.DeviceMemory.of("cpu").keep_freed()  # as `mpt train` keeps freed memory on CPU (freed pages reused, not re-faulted)
+        # as `mpt train` keeps freed memory on CPU (freed pages reused, not re-faulted)
+        memstats.DeviceMemory.of("cpu").keep_freed()
     if memory:
         memstats.warm_runtime()
     n_steps = spec["warmup"] + spec["steps"]
