@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mpt-installed
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup demo test test-kernels clean
+.PHONY: setup demo test test-kernels lint clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
+# ruff over the whole tree, configured in pyproject.toml (pyflakes, pycodestyle, import order, bugbear).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # The oracle files again on ATen's portable kernels (no SIMD): their tolerances come from a floor
 # measured in each test (DESIGN.md invariant 10), so they must hold on any CPU's kernels, not only

@@ -23,20 +23,20 @@ import torch
 
 from mp_toolkit.ds.config import read_ds_config
 from mp_toolkit.ds.defaults import DOCUMENTED, deepspeed_defaults, read_installed
+from mp_toolkit.engine.reductions import trust_ratio_rows
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.settings import Optim
-from mp_toolkit.engine.reductions import trust_ratio_rows
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import ConfigError
 from tests.cli_helpers import assert_one_line_exit_2
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator once, at import
 deepspeed = pytest.importorskip("deepspeed")
-from deepspeed.runtime import constants as ds_constants  # noqa: E402
-from deepspeed.runtime import config as ds_config  # noqa: E402
-from deepspeed.runtime import lr_schedules  # noqa: E402
-from deepspeed.ops.lamb import FusedLamb  # noqa: E402
 from deepspeed.ops.adam import FusedAdam  # noqa: E402
+from deepspeed.ops.lamb import FusedLamb  # noqa: E402
+from deepspeed.runtime import config as ds_config  # noqa: E402
+from deepspeed.runtime import constants as ds_constants  # noqa: E402
+from deepspeed.runtime import lr_schedules  # noqa: E402
 
 # Shaped like the public configs (our own values and combinations): DeepSpeedExamples' bing_bert
 # LAMB configs (64k batch at sequence 128, 32k at 512), its pipeline-parallel example, a

@@ -9,7 +9,6 @@ import pytest
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.memory import MemoryCapError, StageMemory, min_max_memory, min_memory_cut
 from mp_toolkit.partition.planner import SPLIT_OVERHEAD, PlanRequest, make_plan, memory_shares
-
 from tests.mpt_command import run_mpt
 
 

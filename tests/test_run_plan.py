@@ -14,11 +14,11 @@ from mp_toolkit.cli import build_parser, main
 from mp_toolkit.commands.train import plan_run
 from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.partition import auto_schedule, planner
+from mp_toolkit.partition.auto_schedule import CANDIDATES
 from mp_toolkit.run import predict, recompute_plan
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.plan import RunPlan
 from mp_toolkit.run.recompute_plan import default_candidates
-from mp_toolkit.partition.auto_schedule import CANDIDATES
 
 TINY = ["--model", "gpt-tiny", "--seq-len", "64", "--pp", "2", "--data", "synthetic", "--microbatches", "4"]
 PLANNING = (planner, auto_schedule, predict, recompute_plan)

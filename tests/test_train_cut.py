@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from model_zoo import bert, gpt
-from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.layers import LayerList
+from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.cut import CutWorkload, config_of, plan_boundaries
-
 from tests.mpt_command import run_mpt
 
 BASE = ["train", "--data", "synthetic", "--steps", "2", "--microbatches", "2", "--micro-batch", "2",

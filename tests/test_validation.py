@@ -210,8 +210,8 @@ def bert_eval_rank(rank, world, pp, tp, cache):
     from model_zoo import bert
     from mp_toolkit.parallel.context import build_context
     from mp_toolkit.run.compose import build_engine
-    from mp_toolkit.run.plan import resolve_run
     from mp_toolkit.run.config import TrainConfig
+    from mp_toolkit.run.plan import resolve_run
     from mp_toolkit.run.validation import MLM_METRICS, mlm_metrics
 
     torch.set_num_threads(1)
