@@ -8,8 +8,8 @@ without importing torch.
 
 from __future__ import annotations
 
-__all__ = ["USER_ERRORS", "CheckpointError", "ConfigError", "CostModelError", "PartitionError", "PeerFailed",
-           "ScheduleError"]
+__all__ = ["USER_ERRORS", "CheckpointError", "ConfigError", "CostModelError", "DataError", "PartitionError",
+           "PeerFailed", "ScheduleError"]
 
 
 class ConfigError(ValueError):
@@ -32,9 +32,14 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or read; the one-line message names the file and fault."""
 
 
+class DataError(ValueError):
+    """A corpus, prepared data directory or data argument the user can fix (`mp_toolkit.data`); the
+    message is one line naming the file or value and what is wrong."""
+
+
 class PeerFailed(Exception):
     """Another rank failed and reports the error itself; this rank only exits (code 2)."""
 
 
-USER_ERRORS = (ConfigError, PartitionError, CostModelError, ScheduleError, CheckpointError)
+USER_ERRORS = (ConfigError, PartitionError, CostModelError, ScheduleError, CheckpointError, DataError)
 """What `mpt` prints as one line (the first line of the message) and exits 2 on."""

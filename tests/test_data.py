@@ -13,9 +13,10 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
-from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
+from mp_toolkit.data.corpus import read_texts, stdlib_files
 from mp_toolkit.data.lm import MicroBatches, build_lm_dataset
 from mp_toolkit.data.tokens import MIN_VOCAB, byte_alphabet, progress_bars_on, train_tokenizer
+from mp_toolkit.errors import DataError
 from tests.mpt_command import run_mpt
 
 torch.set_num_threads(1)

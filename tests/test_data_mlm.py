@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
+from mp_toolkit.data.corpus import read_texts, stdlib_files
 from mp_toolkit.data.mlm import (
     IGNORE_INDEX,
     IS_NEXT,
@@ -12,6 +12,7 @@ from mp_toolkit.data.mlm import (
     build_mlm_corpus,
     mask_tokens,
 )
+from mp_toolkit.errors import DataError
 
 torch.set_num_threads(1)
 SEQ = 64

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from mp_toolkit.data.corpus import DataError
 from mp_toolkit.data.lm import MicroBatches
 from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.errors import DataError
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.floor import assert_within, rel_err
 from tests.mpt_command import run_mpt

@@ -2,8 +2,8 @@
 
 Corpora are local files (by default this interpreter's standard library, `stdlib_files`):
 ``.txt``/``.py``/``.md`` files are one document each, ``.jsonl``/``.json`` files are JSON lines whose
-"text" fields are documents (`read_texts`). ``DataError``, the error the corpus, token and dataset modules
-raise for a value the user can fix, lives here, the lowest of them in the import order.
+"text" fields are documents (`read_texts`). ``DataError`` (`mp_toolkit.errors`) is what the data modules raise
+for a value the user can fix.
 """
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable
 
+from mp_toolkit.errors import DataError
+
+__all__ = ["DataError", "read_texts", "stdlib_files"]
+
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
 STDLIB_MAX_BYTES = 12 * 1024 * 1024
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
-
-
-class DataError(ValueError):
-    """A corpus or data argument the user can fix; the message is one line naming the value."""
 
 
 def stdlib_files() -> list[Path]:

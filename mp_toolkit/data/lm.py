@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from mp_toolkit.data.buckets import cut, drawn_bucket
-from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
+from mp_toolkit.data.corpus import read_texts, stdlib_files
 from mp_toolkit.data.tokens import cache_key, token_stream, tokenized_stream, train_tokenizer
+from mp_toolkit.errors import DataError
 
 SYNTHETIC_SEQUENCES = 4096
 

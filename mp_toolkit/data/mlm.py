@@ -38,9 +38,10 @@ import torch
 from tokenizers import Tokenizer
 
 from mp_toolkit.data.buckets import fitting_bucket
-from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
+from mp_toolkit.data.corpus import read_texts, stdlib_files
 from mp_toolkit.data.lm import MicroBatches
 from mp_toolkit.data.tokens import MIN_VOCAB, train_tokenizer
+from mp_toolkit.errors import DataError
 
 SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as HF's BertForPreTraining reads them

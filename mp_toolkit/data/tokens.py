@@ -17,7 +17,7 @@ import datasets
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mp_toolkit.data.corpus import DataError
+from mp_toolkit.errors import DataError
 from mp_toolkit.progress import progress
 
 EOS_TOKEN = "<|endoftext|>"

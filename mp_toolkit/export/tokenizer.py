@@ -21,10 +21,11 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from mp_toolkit.arch.zoo import ZOO
-from mp_toolkit.data.corpus import DataError, read_texts, stdlib_files
+from mp_toolkit.data.corpus import read_texts, stdlib_files
 from mp_toolkit.data.mlm import SPECIAL_TOKENS, bert_tokenizer
 from mp_toolkit.data.synthetic import synthetic_documents
 from mp_toolkit.data.tokens import EOS_TOKEN, cache_key
+from mp_toolkit.errors import DataError
 from mp_toolkit.export.hf_dir import copy_tokenizer
 
 

@@ -36,10 +36,10 @@ from model_zoo import bert, gpt
 from model_zoo.config_io import read_config_json
 from mp_toolkit.arch import zoo
 from mp_toolkit.arch.architectures import architecture_of
-from mp_toolkit.data.corpus import DataError
 from mp_toolkit.data.lm import MicroBatches, build_lm_dataset, rank0_first
 from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.errors import DataError
 from mp_toolkit.hf.model import HFModel, HFSource
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.agree import agree

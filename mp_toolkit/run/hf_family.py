@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from mp_toolkit.data.corpus import DataError
 from mp_toolkit.data.lm import MicroBatches, build_lm_dataset, rank0_first
 from mp_toolkit.data.mlm import SPECIAL_TOKENS, MLMMicroBatches, build_mlm_corpus, tokenized_mlm_corpus
 from mp_toolkit.data.synthetic import synthetic_documents
 from mp_toolkit.data.tokens import MIN_VOCAB, load_tokenizer_file
+from mp_toolkit.errors import DataError
 from mp_toolkit.hf.adapters import UnsupportedModelError
 from mp_toolkit.hf.configs import architecture_for, load_config
 from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss

@@ -60,9 +60,8 @@ from mp_toolkit.checkpoint import (
     write_optimizer_shard,
     write_rng_shard,
 )
-from mp_toolkit.data.corpus import DataError
 from mp_toolkit.engine.interface import TrainEngine
-from mp_toolkit.errors import PeerFailed
+from mp_toolkit.errors import DataError, PeerFailed
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.agree import agree
 from mp_toolkit.parallel.context import ParallelContext
