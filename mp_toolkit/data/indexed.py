@@ -92,8 +92,11 @@ class IndexedDataset:
         if code not in DTYPE_CODES:
             raise DataError(f"{idx} names dtype code {code}, not one of {sorted(DTYPE_CODES)}")
         self.dtype = DTYPE_CODES[code]
+        if doc_entries < 1:
+            raise DataError(f"{idx} has no document indices (its header counts 0); an index holds at least "
+                            "the leading 0: edited or damaged")
         expected = HEADER_BYTES + sequences * (4 + 8) + doc_entries * 8
-        if doc_entries < 1 or size != expected:
+        if size != expected:
             raise DataError(f"{idx} is {size} bytes but its header ({sequences} sequences, {doc_entries} document "
                             f"entries) needs {expected}: truncated or edited")
         self.bin_bytes = data.stat().st_size
@@ -143,6 +146,8 @@ class IndexedDataset:
 
     def document(self, d: int) -> range:
         """The sequence numbers of document ``d``."""
+        if not 0 <= d < self.num_documents:
+            raise IndexError(f"document {d} of {self.num_documents} in {self.prefix}")
         return range(int(self.document_indices[d]), int(self.document_indices[d + 1]))
 
     def validate(self) -> None:
@@ -159,7 +164,10 @@ class IndexedDataset:
                 i = lo + int(bad[0])
                 raise DataError(f"{idx}: sequence {i} has pointer {int(self.sequence_pointers[i])} and length "
                                 f"{int(self.sequence_lengths[i])}, which do not follow the sequence before it")
-            expect = int(starts[-1] + lengths[-1] * item)
+            expect = int(starts[-1]) + int(lengths[-1]) * item
+            if expect > self.bin_bytes:  # also keeps the next chunk's int64 sums from overflowing
+                raise DataError(f"{idx}: sequences 0..{lo + len(lengths) - 1} already hold {expect} bytes, more than "
+                                f"the {self.bin_bytes} of {bin_path(self.prefix)}: the index is edited or damaged")
         if expect != self.bin_bytes:
             raise DataError(f"{idx}: its sequences hold {expect} bytes, {bin_path(self.prefix)} has {self.bin_bytes}")
         prev = 0
@@ -204,8 +212,9 @@ class IndexedWriter:
             self.discard()
 
     def add_document(self, sequences: Sequence) -> None:
-        """One document: its sequences' tokens (each array-like of ids that fit the dtype)."""
-        arrays = [np.asarray(s) for s in sequences]
+        """One document: its sequences' tokens (each a 1-D array-like of ids that fit the dtype)."""
+        self._check_open()
+        arrays = [self._checked(np.asarray(s)) for s in sequences]
         lengths = np.fromiter((len(a) for a in arrays), dtype=np.int32, count=len(arrays))
         if arrays:
             data = np.concatenate(arrays).astype(self.dtype, copy=False) if len(arrays) > 1 else \
@@ -218,8 +227,35 @@ class IndexedWriter:
         self._sequences += len(arrays)
         self._docs.append(self._sequences)
 
+    def _check_open(self) -> None:
+        if self._bin is None:
+            raise ValueError(f"the IndexedWriter of {self.prefix} is already finalized or discarded")
+
+    def _checked(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` if the dtype holds them exactly (``astype`` would wrap 65536 to 0 in uint16)."""
+        if ids.ndim != 1:
+            raise DataError(f"{self.prefix}: a sequence of shape {ids.shape}, not a 1-D list of token ids")
+        if self.dtype.kind in "iu" and ids.size:
+            if ids.dtype.kind not in "iu":
+                raise DataError(f"{self.prefix}: token ids of dtype {ids.dtype}, not integers for {self.dtype}")
+            info = np.iinfo(self.dtype)
+            low, high = int(ids.min()), int(ids.max())
+            if low < info.min or high > info.max:
+                raise DataError(f"{self.prefix}: token id {low if low < info.min else high} does not fit {self.dtype} "
+                                f"({info.min}..{info.max}): write with token_dtype(vocab_size)")
+        return ids
+
     def finalize(self) -> dict:
-        """Write the ``.idx`` and rename both (``.idx`` last); returns the shard's counts, sizes and digests."""
+        """Write the ``.idx`` and rename both (``.idx`` last); returns the shard's counts, sizes and digests.
+        On any failure the ``*.partial`` files are removed and the prefix is left incomplete."""
+        self._check_open()
+        try:
+            return self._finalize()
+        except BaseException:
+            self.discard()
+            raise
+
+    def _finalize(self) -> dict:
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
@@ -235,6 +271,9 @@ class IndexedWriter:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
+        # An older shard of this prefix stops being complete before its .bin is replaced: a failure between
+        # the renames must not leave the new .bin beside the old .idx, which would open and read wrong tokens.
+        idx_path(self.prefix).unlink(missing_ok=True)
         os.replace(self._bin_tmp, bin_path(self.prefix))
         os.replace(idx_tmp, idx_path(self.prefix))  # last: the prefix is complete from here
         _fsync_dir(idx_tmp.parent)
