@@ -28,7 +28,7 @@ import sys
 from mp_toolkit.cli_args import build_parser
 from mp_toolkit.errors import USER_ERRORS, CheckpointError, ConfigError, PeerFailed
 
-COMMANDS = {name: f"mp_toolkit.commands.{name}" for name in ("train", "plan", "simulate", "export")}
+COMMANDS = {name: f"mp_toolkit.commands.{name}" for name in ("train", "plan", "simulate", "export", "data")}
 """Each command's module (`mp_toolkit.commands`), imported only when the command runs: the parser and
 ``--help`` import neither torch nor the library."""
 

@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     _add_simulate_parser(sub)
     _add_export_parser(sub)
+    _add_data_parser(sub)
     return parser
 
 
@@ -294,3 +295,48 @@ def _add_export_parser(sub) -> None:
     e.add_argument("--max-shard-size", default="5GB",
                    help="split the weights into model-0000i-of-0000n.safetensors + index above this size "
                         "(e.g. 5GB, 500MiB; default 5GB); the export streams one layer at a time either way")
+
+
+def _add_data_parser(sub) -> None:
+    """``mpt data prepare / merge / verify`` (`mp_toolkit.data.prepare`); flag names as Megatron-LM's
+    tools/preprocess_data.py spells them where it has the flag. Defaults left None are `prepare`'s own."""
+    d = sub.add_parser("data", help="prepare a corpus into memory-mapped token shards (Megatron's indexed format)")
+    cmd = d.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    p = cmd.add_parser("prepare", help="tokenize input files into DIR (manifest, tokenizer, train/val shards)")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="files (.txt .py .md: one document each; .jsonl .json: JSON lines; any of those .gz or .zst; "
+                        ".parquet, .arrow), save_to_disk directories, directories searched recursively, or 'stdlib'")
+    p.add_argument("--output", required=True, type=Path, metavar="DIR", help="the prepared directory (new, empty, "
+                   "or one an interrupted run of the same command left: it continues)")
+    tok = p.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", type=Path, metavar="DIR|FILE",
+                     help="a tokenizer.json, or an HF tokenizer directory holding one (copied into DIR)")
+    tok.add_argument("--vocab-size", type=int, metavar="V",
+                     help="train our byte-level BPE of V ids on a sample of the corpus (with --split-sentences V "
+                          "counts the 4 BERT special tokens)")
+    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: the CPU count)")
+    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                   help="the JSON field / Parquet or Arrow column that holds the text (default: text)")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="store each document's sentences as its sequences (BERT); documents are their groups")
+    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=None,
+                   help="end each document with the tokenizer's end-of-document id (default: on, unless "
+                        "--split-sentences)")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val-fraction", type=float, default=None, metavar="F",
+                     help="the share of documents held out for validation, chosen by a hash (default 0)")
+    val.add_argument("--val-docs", type=int, default=None, metavar="K",
+                     help="hold out exactly K documents (one extra reading pass over the corpus)")
+    p.add_argument("--seed", type=int, default=None, help="seeds the validation choice and the tokenizer's sample "
+                   "(default 0)")
+    p.add_argument("--tokenizer-sample-bytes", type=int, default=None, metavar="B",
+                   help="bytes of whole documents the tokenizer trains on (default 64,000,000)")
+    p.add_argument("--chunk-docs", type=int, default=None, metavar="C",
+                   help="documents per shard of an input file, the unit a re-run skips (default 100,000)")
+    p.add_argument("--shard", default=None, metavar="i/n",
+                   help="prepare only input files k with k %% n == i (needs --tokenizer); then `mpt data merge DIR`")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m = cmd.add_parser("merge", help="join the manifest parts of `prepare --shard i/n` runs into DIR/manifest.json")
+    m.add_argument("dir", type=Path, metavar="DIR")
+    v = cmd.add_parser("verify", help="check every shard's index and every file's sha256 against DIR's manifest")
+    v.add_argument("dir", type=Path, metavar="DIR")
