@@ -189,6 +189,8 @@ def _add_train_parser(sub) -> None:
     field("--tensorboard", type=Path, metavar="DIR")
     field("--csv", type=Path, metavar="FILE")
     field("--cache-dir", type=Path)
+    field("--tokenizer", type=Path, metavar="DIR|FILE")
+    field("--data-changed-ok", action="store_const", const=True)
     field("--threads", type=int)
     field("--timeout", dest="timeout_s", type=float, metavar="SECONDS")
     field("--hang-timeout", dest="hang_timeout_s", type=float, metavar="SECONDS", show_default=True)

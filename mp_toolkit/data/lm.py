@@ -88,6 +88,14 @@ def rank0_first(build, rank: int, agree=None):
     return out if out is not None else build()
 
 
+def check_holdout(validation, holdout: int) -> None:
+    """``validation`` (samples or None) holds the ``holdout`` sequences evaluation reads."""
+    if holdout and (validation is None or len(validation) < holdout):
+        have = "no validation split" if validation is None else f"a validation split of {len(validation)} samples"
+        raise DataError(f"the data has {have}, fewer than the {holdout} held-out sequences --eval-batches asks "
+                        "for: lower --eval-batches (or the global batch), or prepare with a larger --val-fraction")
+
+
 class MicroBatches:
     """Infinite, deterministic micro-batches of one data-parallel replica over ``samples`` (module docstring).
 
@@ -113,10 +121,7 @@ class MicroBatches:
             raise DataError(f"micro_batch_size={micro_batch_size} must be a positive integer")
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
-        if holdout and (validation is None or len(validation) < holdout):
-            have = "no validation split" if validation is None else f"a validation split of {len(validation)} samples"
-            raise DataError(f"the data has {have}, fewer than the {holdout} held-out sequences --eval-batches asks "
-                            "for: lower --eval-batches (or the global batch), or prepare with a larger --val-fraction")
+        check_holdout(validation, holdout)
         self.samples, self.validation = samples, validation
         self.digest, self.tokenizer_digest = digest, tokenizer_digest
         self.micro_batch_size = micro_batch_size

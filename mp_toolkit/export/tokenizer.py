@@ -1,19 +1,19 @@
-"""The tokenizer an exported model ships with: one the user names, or the one its run trained.
+"""The tokenizer an exported model ships with: one the user names, or the one its run trained on.
 
-`mpt train` trains a byte-level BPE per (corpus, vocabulary) and caches it as
-``<cache_dir>/tokenizer-<key>.json`` (`mp_toolkit.data.tokens.train_tokenizer`); the manifest records the
-run's ``data`` and ``cache_dir``, which give the key again. A manifest is untrusted input, so it
-never chooses a directory to read by itself: the run's cache is used only when it is the export's
-own ``--cache-dir`` (default the training default, ``~/.cache/mp_toolkit``), and the files of an
-``--hf DIR`` run only when ``--tokenizer`` names them. BERT runs add [PAD] [CLS] [SEP] [MASK]
-after the BPE (`mp_toolkit.data.mlm.bert_tokenizer`). A GPT run on ``--data synthetic`` draws
-random ids and has no tokenizer. An ``--hf DIR`` run ships DIR's tokenizer files. The HF files
-are written by ``PreTrainedTokenizerFast.save_pretrained`` (tokenizer.json + tokenizer_config.json),
-which ``AutoTokenizer.from_pretrained`` loads.
+A run's data is a prepared corpus with its tokenizer.json (`mp_toolkit.data.prepared`); the checkpoint
+records that file's sha256 (``meta["data"]["tokenizer_sha256"]``). A manifest is untrusted input, so it
+never chooses a directory to read by itself: the run's tokenizer is looked up by that digest among the
+corpora prepared in the export's own ``--cache-dir`` (``<cache_dir>/prepared/*/tokenizer.json``, where
+``mpt train --data FILE`` prepares; default the training default, ``~/.cache/mp_toolkit``); a corpus
+the user prepared elsewhere ships its tokenizer when ``--tokenizer DIR/tokenizer.json`` names it. A
+GPT run on ``--data synthetic`` draws random ids and has no tokenizer. An ``--hf DIR`` run ships DIR's
+tokenizer files. The HF files are written by ``PreTrainedTokenizerFast.save_pretrained``
+(tokenizer.json + tokenizer_config.json), which ``AutoTokenizer.from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,11 +21,8 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from mp_toolkit.arch.zoo import ZOO
-from mp_toolkit.data.corpus import read_texts, stdlib_files
-from mp_toolkit.data.mlm import SPECIAL_TOKENS, bert_tokenizer
-from mp_toolkit.data.synthetic import synthetic_documents
-from mp_toolkit.data.tokens import EOS_TOKEN, cache_key
-from mp_toolkit.errors import DataError
+from mp_toolkit.data.prepared import TOKENIZER
+from mp_toolkit.data.tokens import EOS_TOKEN
 from mp_toolkit.export.hf_dir import copy_tokenizer
 
 
@@ -35,39 +32,23 @@ def _mlm(family: str) -> bool:
     return family in ZOO and ZOO[family].mlm
 
 
-def _run_texts(family: str, run: Mapping) -> list[str] | None:
-    """The documents the run tokenized, or None when it used no tokenizer."""
-    data = str(run.get("data"))
-    if data == "synthetic":
-        return synthetic_documents(run["seed"]) if _mlm(family) else None
-    return read_texts(stdlib_files() if data == "stdlib" else [data])[0]
-
-
 def run_tokenizer(manifest: Mapping, cache_dir) -> tuple[Tokenizer | None, str]:
-    """(the tokenizer the checkpoint's run trained, or None; a note on where it came from or why none).
-    Read only from ``cache_dir``, and only when the run cached it there."""
-    run, model = manifest.get("config", {}), manifest["model"]
-    family, vocab = model["family"], model["config"]["vocab_size"]
-    if str(run.get("data")) == "synthetic" and not _mlm(family):
-        return None, "no tokenizer: the run trained on synthetic token ids"
-    if (cache_dir is None or not isinstance(run.get("cache_dir"), str)
-            or Path(run["cache_dir"]).resolve() != Path(cache_dir).resolve()):
-        return None, (f"no tokenizer: the run cached it in {run.get('cache_dir')!r}, not in --cache-dir {cache_dir}; "
-                      "pass --cache-dir with the run's cache or --tokenizer")
-    try:
-        texts = _run_texts(family, run)
-    except (DataError, OSError, KeyError) as e:
-        return None, f"no tokenizer: the run's data {run.get('data')!r} cannot be read again ({e}); pass --tokenizer"
-    if texts is None:
-        return None, "no tokenizer: the run trained on synthetic token ids"
-    bpe_vocab = vocab - len(SPECIAL_TOKENS) if _mlm(family) else vocab
-    # the cache file's name: the key the run computed
-    cached = Path(cache_dir) / f"tokenizer-{cache_key(texts, bpe_vocab)}.json"
-    if not cached.is_file():
-        return None, f"no tokenizer: the run's {cached} is gone; pass --tokenizer"
-    if _mlm(family):  # reads the cache (it exists) and appends the specials as the run did
-        return bert_tokenizer(texts, vocab, cached.parent)[1], f"tokenizer from {cached} + BERT specials"
-    return Tokenizer.from_file(str(cached)), f"tokenizer from {cached}"
+    """(the tokenizer the checkpoint's run trained on, or None; a note on where it came from or why none).
+    Read only from ``cache_dir``'s prepared corpora, and only the file whose digest the checkpoint records."""
+    run, data = manifest.get("config", {}), manifest.get("data", {})
+    digest = data.get("tokenizer_sha256") if isinstance(data, Mapping) else None
+    if digest is None:
+        if str(run.get("data")) == "synthetic" and not _mlm(manifest["model"]["family"]):
+            return None, "no tokenizer: the run trained on synthetic token ids"
+        return None, "no tokenizer: the checkpoint records none; pass --tokenizer"
+    if cache_dir is not None:
+        for candidate in sorted(Path(cache_dir).glob(f"prepared/*/{TOKENIZER}")):
+            raw = candidate.read_bytes()
+            if hashlib.sha256(raw).hexdigest() == digest:
+                return Tokenizer.from_str(raw.decode("utf-8")), f"tokenizer from {candidate}"
+    return None, (f"no tokenizer: none with the run's digest {str(digest)[:12]}... among the corpora prepared in "
+                  f"--cache-dir {cache_dir}; pass --tokenizer with the run's data's tokenizer.json "
+                  f"(--data {run.get('data')})")
 
 
 def save_tokenizer(tokenizer: Tokenizer, family: str, max_length: int, out_dir) -> None:

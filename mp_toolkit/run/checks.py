@@ -10,7 +10,10 @@ from pathlib import Path
 
 import torch
 
+from mp_toolkit.data.blend import parse_blend
 from mp_toolkit.data.buckets import BucketError
+from mp_toolkit.data.indexed import is_complete
+from mp_toolkit.errors import DataError
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import check_optimizer_options
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
@@ -79,10 +82,20 @@ def _validate_numbers(cfg: TrainConfig) -> None:
 
 def _validate_paths(cfg: TrainConfig) -> None:
     data, ck = cfg.dataset.data, cfg.checkpoint
-    if data not in ("stdlib", "synthetic"):
-        path = Path(data)
+    try:
+        parts = parse_blend(data)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    for _, source in parts:
+        path = Path(source)
+        if source in ("stdlib", "synthetic") or (is_complete(path) and os.access(f"{source}.idx", os.R_OK)):
+            continue
         if not path.exists() or not os.access(path, os.R_OK):
-            raise ConfigError(f"--data {data!r} is not a readable file or folder (or use stdlib / synthetic)")
+            raise ConfigError(f"--data {source!r} is not a readable prepared directory, Megatron prefix, file or "
+                              "folder (or use stdlib / synthetic)")
+    tok = cfg.dataset.tokenizer
+    if tok is not None and not (Path(tok).is_file() or (Path(tok) / "tokenizer.json").is_file()):
+        raise ConfigError(f"--tokenizer {tok}: neither a tokenizer.json nor a directory holding one")
     if ck.keep is not None and ck.keep < 1:
         raise ConfigError(f"--keep {ck.keep} must be at least 1 (0 keeps every checkpoint)")
     if ck.resume in ("latest", "auto") and ck.save_dir is None:

@@ -12,7 +12,7 @@ few top-level fields and one frozen section per concern, each field with its doc
 ``checkpoint``     `Checkpoint`     save_dir, save_every, keep, overwrite, resume
 ``faults``         `Faults`         timeout_s, hang_timeout_s, restarts, max_skips
 ``logging``        `Logging`        eval_every, eval_batches, metrics, plot, tensorboard, csv, wandb, progress
-``dataset``        `Dataset`        data, cache_dir
+``dataset``        `Dataset`        data, tokenizer, cache_dir, data_changed_ok
 =================  ===============  ==========================================================================
 
 The optimizer (`mp_toolkit.optim.factory.build_optimizer`) takes ``cfg.optim``, the loss scaler and
@@ -182,12 +182,20 @@ class Logging:
 
 @dataclass(frozen=True)
 class Dataset:
-    """The text trained on, and where its tokenizer is cached."""
+    """The data trained on, its tokenizer, and where what is prepared from it is cached (`mp_toolkit.data.feed`)."""
 
     data: str = "stdlib"
-    """stdlib (this interpreter's standard library sources), synthetic, or a local file/folder."""
+    """A prepared directory (mpt data prepare) or Megatron prefix, a blend of them (0.7:DIR_A,0.3:DIR_B), a
+    local text / JSON-lines file or folder (prepared into --cache-dir on first use), stdlib (this
+    interpreter's standard library sources) or synthetic."""
+    tokenizer: Path | None = None
+    """A HF tokenizer directory or tokenizer.json to prepare unprepared --data with (its vocabulary must fit
+    the model's); None: a prepared corpus's own, else a byte-level BPE trained with the model's vocab_size."""
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "mp_toolkit")
-    """Where the trained tokenizer is cached."""
+    """Where unprepared --data is prepared, and sample indices of read-only corpora are kept."""
+    data_changed_ok: bool = False
+    """Resume on data other than the checkpoint's (another manifest digest): the saved sample count then
+    continues in the new data's order."""
 
 
 @dataclass(frozen=True)

@@ -36,16 +36,14 @@ from model_zoo import bert, gpt
 from model_zoo.config_io import read_config_json
 from mp_toolkit.arch import zoo
 from mp_toolkit.arch.architectures import architecture_of
-from mp_toolkit.data.lm import MicroBatches, build_lm_dataset, rank0_first
-from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
-from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.data.feed import Wanted
 from mp_toolkit.errors import DataError
 from mp_toolkit.hf.model import HFModel, HFSource
 from mp_toolkit.layers import LayerList
-from mp_toolkit.parallel.agree import agree
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.feeding import feed_batches
 
 
 @dataclass(frozen=True)
@@ -217,23 +215,19 @@ def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank:
     return data, ModelSpec(spec.family, config)
 
 
+def _wanted(vocab_size: int, cfg: TrainConfig, pairs: bool = False, hf_order: bool = False,
+            tokenizer=None) -> Wanted:
+    return Wanted(vocab_size, cfg.batch.seq_len, cfg.seed, pairs=pairs, hf_order=hf_order,
+                  tokenizer=tokenizer if tokenizer is not None else cfg.dataset.tokenizer)
+
+
 def _gpt_micro_batches(config: gpt.GPTConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
-    data = cfg.dataset
-    ds = rank0_first(lambda: build_lm_dataset(data.data, config.vocab_size, cfg.batch.seq_len, cfg.seed,
-                                              data.cache_dir),
-                     rank, lambda error: agree(error, ctx))
-    return MicroBatches(ds, cfg.batch.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                        holdout=cfg.held_out_sequences, length_buckets=cfg.batch.bucket_lengths), config
+    return feed_batches(cfg, ctx, rank, _wanted(config.vocab_size, cfg))[0], config
 
 
 def _bert_micro_batches(config: bert.BertConfig, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
-    source = synthetic_documents(cfg.seed) if cfg.dataset.data == "synthetic" else cfg.dataset.data
-    corpus = rank0_first(lambda: build_mlm_corpus(source, config.vocab_size, cfg.batch.seq_len, cfg.seed,
-                                                  cfg.dataset.cache_dir),
-                         rank, lambda error: agree(error, ctx))
-    data = MLMMicroBatches(corpus, cfg.batch.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                           holdout=cfg.held_out_sequences, length_buckets=cfg.batch.bucket_lengths)
-    return data, dataclasses.replace(config, pad_token_id=corpus.special.pad)
+    data, fed = feed_batches(cfg, ctx, rank, _wanted(config.vocab_size, cfg, pairs=True))
+    return data, dataclasses.replace(config, pad_token_id=fed.special.pad)
 
 
 def _tp_loss(full_loss: Callable, parallel_loss: Callable) -> Callable:

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-from mp_toolkit.data.lm import MicroBatches, build_lm_dataset, rank0_first
-from mp_toolkit.data.mlm import SPECIAL_TOKENS, MLMMicroBatches, build_mlm_corpus, tokenized_mlm_corpus
-from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.data.feed import Wanted, tokenizer_file
+from mp_toolkit.data.mlm import SPECIAL_TOKENS
 from mp_toolkit.data.tokens import MIN_VOCAB, load_tokenizer_file
 from mp_toolkit.errors import DataError
 from mp_toolkit.hf.adapters import UnsupportedModelError
@@ -38,9 +37,9 @@ from mp_toolkit.hf.model import HFModel, HFSource
 from mp_toolkit.hf.pretrained import build_model
 from mp_toolkit.hf.tp_plans import apply_hf_tensor_parallel, check_hf_tensor_parallel
 from mp_toolkit.layers import LayerList
-from mp_toolkit.parallel.agree import agree
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.feeding import feed_batches
 
 
 def read_source(directory: str) -> HFSource:
@@ -132,37 +131,26 @@ def _eos(config: dict) -> int | None:
 
 def hf_micro_batches(source: HFSource, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
     """(this replica's micro-batches, the HFSource to build from): a BERT corpus's [PAD] becomes the
-    model's pad_token_id. Rank 0 builds (and caches) first; it alone says which tokenizer is used."""
-    tok = source.tokenizer_file
+    model's pad_token_id. Unprepared --data is prepared with DIR/tokenizer.json (a BERT tokenizer only when
+    it has [PAD] [CLS] [SEP] [MASK]), else with a byte-level BPE trained with the model's vocab_size."""
+    tok = cfg.dataset.tokenizer if cfg.dataset.tokenizer is not None else source.tokenizer_file
+    if tok is not None and source.is_bert and not _has_bert_specials(tok):
+        if rank == 0:
+            print(f"{tok} lacks some of {', '.join(SPECIAL_TOKENS)}: training a byte-level BPE with BERT's special "
+                  "tokens instead", flush=True)
+        tok = None
     if rank == 0 and cfg.dataset.data != "synthetic":
         print(f"tokenizer: {tok}" if tok is not None else
               f"tokenizer: {source.path} has no tokenizer.json, training a byte-level BPE on --data "
               f"{cfg.dataset.data} with the model's vocab_size {source.vocab_size}", flush=True)
-    if not source.is_bert:  # a DataError is the caller's (`families.micro_batches`: one ConfigError line)
-        data = cfg.dataset
-        ds = rank0_first(lambda: build_lm_dataset(data.data, source.vocab_size, cfg.batch.seq_len, cfg.seed,
-                                                  data.cache_dir, tokenizer_file=tok,
-                                                  eos=_eos(source.config) if tok else None),
-                         rank, lambda error: agree(error, ctx))
-        return MicroBatches(ds, cfg.batch.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                            holdout=cfg.held_out_sequences, length_buckets=cfg.batch.bucket_lengths), source
-    corpus = rank0_first(lambda: mlm_corpus(source, cfg, rank == 0), rank, lambda error: agree(error, ctx))
-    data = MLMMicroBatches(corpus, cfg.batch.micro_batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=cfg.seed,
-                           hf_order=True,  # HF BERT's first layer: (input_ids, attention_mask, token_type_ids)
-                           holdout=cfg.held_out_sequences, length_buckets=cfg.batch.bucket_lengths)
-    return data, dataclasses.replace(source, config={**source.config, "pad_token_id": corpus.special.pad})
+    wanted = Wanted(source.vocab_size, cfg.batch.seq_len, cfg.seed, pairs=source.is_bert, hf_order=source.is_bert,
+                    tokenizer=tok)
+    data, fed = feed_batches(cfg, ctx, rank, wanted)
+    if not source.is_bert:
+        return data, source
+    return data, dataclasses.replace(source, config={**source.config, "pad_token_id": fed.special.pad})
 
 
-def mlm_corpus(source: HFSource, cfg: TrainConfig, log: bool):
-    """MLM + NSP sentence pairs: with the directory's tokenizer when it has all four BERT special
-    tokens, else `build_mlm_corpus`'s own tokenizer (trained with the model's vocab_size)."""
-    texts = synthetic_documents(cfg.seed) if cfg.dataset.data == "synthetic" else cfg.dataset.data
-    if source.tokenizer_file is not None:
-        tokenizer, _ = load_tokenizer_file(source.tokenizer_file)
-        ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
-        if None not in ids:
-            return tokenized_mlm_corpus(texts, tokenizer, ids, source.vocab_size, cfg.batch.seq_len, cfg.seed)
-        if log:
-            print(f"{source.tokenizer_file} lacks {', '.join(t for t, i in zip(SPECIAL_TOKENS, ids) if i is None)}: "
-                  f"training a byte-level BPE with BERT's special tokens instead", flush=True)
-    return build_mlm_corpus(texts, source.vocab_size, cfg.batch.seq_len, cfg.seed, cfg.dataset.cache_dir)
+def _has_bert_specials(tokenizer: Path) -> bool:
+    loaded, _ = load_tokenizer_file(tokenizer_file(tokenizer))
+    return all(loaded.token_to_id(t) is not None for t in SPECIAL_TOKENS)

@@ -223,7 +223,8 @@ def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: Mo
 def _data_state(data, dp: int) -> dict:
     per_round = data.micro_batch_size * dp  # samples one micro-batch round of every replica reads
     return {"epoch": data.epoch, "position": data.position, "micro_batch": data.micro_batch_size, "dp": dp,
-            "samples": data.position * per_round, "samples_per_epoch": data.batches_per_epoch * per_round}
+            "samples": data.position * per_round, "samples_per_epoch": data.batches_per_epoch * per_round,
+            "digest": data.digest, "tokenizer_sha256": data.tokenizer_digest}
 
 
 def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, progress: Progress, spec, lr: float,
@@ -336,6 +337,16 @@ def data_position(saved: dict, data, dp: int, seq_len_change: tuple[int, int] | 
     return {"epoch": saved["epoch"], "position": saved["epoch"] * data.batches_per_epoch + in_epoch // per_round}, note
 
 
+def check_same_data(saved: dict, data, cfg: TrainConfig, path) -> None:
+    """A resume reads the data it was saved on (the prepared manifest's digest), unless --data-changed-ok."""
+    before, now = saved.get("digest"), data.digest
+    if before == now or cfg.dataset.data_changed_ok or before is None and "digest" not in saved:
+        return
+    raise ConfigError(f"{path} was trained on other data (digest {str(before)[:12]}, --data {cfg.dataset.data} is "
+                      f"{str(now)[:12]}): resume on the same data, or pass --data-changed-ok to continue the saved "
+                      "sample count in the new data's order")
+
+
 def _check_model(meta: dict, spec, path) -> None:
     saved = meta.get("model", {})
     mine = spec.to_json()
@@ -408,6 +419,7 @@ def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, nam
     seq_len = cfg.batch.seq_len
     saved_len = meta.get("config", {}).get("seq_len", seq_len)
     resized = (saved_len, seq_len) if isinstance(saved_len, int) and saved_len != seq_len else None
+    check_same_data(meta["data"], data, cfg, ck.path)
     state, note = data_position(meta["data"], data, ctx.dp, resized)
     data.load_state_dict(state)
     notes += [note] if note else []
