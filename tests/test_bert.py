@@ -328,17 +328,21 @@ def test_config_from_hf_json_ignores_unknown_keys_and_refuses_other_architecture
 
 # --- (e) the loss falls on real MLM + NSP batches ---------------------------------------------
 def test_mlm_nsp_loss_falls_on_stdlib_text(tmp_path):
-    from mp_toolkit.data.corpus import read_texts, stdlib_files
-    from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
+    from mp_toolkit.data.corpus import stdlib_files
+    from mp_toolkit.data.feed import Wanted, feed
+    from mp_toolkit.data.lm import MicroBatches
 
-    texts, _ = read_texts(stdlib_files()[:40])
-    corpus = build_mlm_corpus(texts, vocab_size=TINY.vocab_size, seq_len=TINY.max_position_embeddings,
-                              seed=0, cache_dir=tmp_path)
-    cfg = dataclasses.replace(TINY, vocab_size=corpus.vocab_size, pad_token_id=corpus.special.pad)
+    (tmp_path / "src").mkdir()
+    for i, f in enumerate(stdlib_files()[:40]):
+        if f.read_bytes().isascii():  # a latin-1 source would be an error in a user's corpus
+            (tmp_path / "src" / f"{i:02d}.py").write_bytes(f.read_bytes())
+    fed = feed(str(tmp_path / "src"), Wanted(TINY.vocab_size, TINY.max_position_embeddings, 0, pairs=True),
+               tmp_path / "cache", total=640)
+    cfg = dataclasses.replace(TINY, pad_token_id=fed.special.pad)
     torch.manual_seed(0)
     model = BertForPreTraining(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    batches = MLMMicroBatches(corpus, micro_batch_size=16, seed=0)
+    batches = MicroBatches(fed.train, micro_batch_size=16, seed=0)
     losses = []
     for _ in range(40):
         inputs, labels = next(batches)

@@ -136,13 +136,16 @@ def test_tp2_checkpoint_exports_what_its_pp_equivalent_exports(runs, capsys, tmp
 
 
 def test_bert_export_gives_mlm_and_nsp_logits_and_the_runs_tokenizer(runs, capsys, tmp_path):
-    from mp_toolkit.data.mlm import bert_tokenizer
+    from tokenizers import Tokenizer
+
     from mp_toolkit.data.synthetic import synthetic_documents
 
     line = export(capsys, runs["bert_pp2"], tmp_path / "elsewhere")  # the run's cache is not the default one
-    assert "no tokenizer: the run cached it in" in line and not (tmp_path / "elsewhere" / "tokenizer.json").exists()
+    assert "no tokenizer: none with the run's digest" in line
+    assert not (tmp_path / "elsewhere" / "tokenizer.json").exists()
     line = export(capsys, runs["bert_pp2"], tmp_path / "hf", "--cache-dir", runs["cache"])
-    assert "BertForPreTraining" in line and "BERT specials" in line, line
+    (prepared,) = runs["cache"].glob("prepared/*/tokenizer.json")  # the corpus the run prepared
+    assert "BertForPreTraining" in line and f"tokenizer from {prepared}" in line, line
     hf = BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
     ours = zoo_model(runs["bert_pp2"])
     assert hf.config.pad_token_id == ours.config.pad_token_id != 0  # the corpus's [PAD], not BERT's 0
@@ -158,11 +161,12 @@ def test_bert_export_gives_mlm_and_nsp_logits_and_the_runs_tokenizer(runs, capsy
     torch.testing.assert_close(out.seq_relationship_logits, nsp, atol=1e-5, rtol=0)
 
     docs = synthetic_documents(open_checkpoint(runs["bert_pp2"]).manifest["config"]["seed"])  # the run's corpus
-    _, run_tok, special = bert_tokenizer(docs, ours.config.vocab_size, runs["cache"])
+    run_tok = Tokenizer.from_file(str(prepared))
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = docs[3].splitlines()[0]
-    assert tok(text, add_special_tokens=False)["input_ids"] == run_tok.encode(text).ids
-    assert (tok.mask_token_id, tok.pad_token_id, tok.cls_token_id) == (special.mask, special.pad, special.cls)
+    assert tok(text, add_special_tokens=False)["input_ids"] == run_tok.encode(text, add_special_tokens=False).ids
+    assert (tok.mask_token_id, tok.pad_token_id, tok.cls_token_id) == tuple(
+        run_tok.token_to_id(t) for t in ("[MASK]", "[PAD]", "[CLS]"))
     assert tok.model_max_length == 64
 
 

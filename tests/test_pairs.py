@@ -8,7 +8,7 @@ import torch
 
 from mp_toolkit.data import pairs
 from mp_toolkit.data.indexed import IndexedDataset, IndexedWriter
-from mp_toolkit.data.mlm import IGNORE_INDEX, IS_NEXT, NOT_NEXT, SpecialIds, _truncate
+from mp_toolkit.data.mlm import IGNORE_INDEX, IS_NEXT, NOT_NEXT, SpecialIds
 from mp_toolkit.data.pairs import PairSamples, index_key, truncate_pair
 from mp_toolkit.errors import DataError
 
@@ -17,6 +17,16 @@ BASE, PER_DOC = 4, 10  # token id of sentence s of document d: BASE + d * PER_DO
 SEQ = 32
 NEVER = (4,)  # document 0's first sentence: an ordinary id that must never be masked nor drawn
 
+
+
+def _truncate(la: int, lb: int, budget: int) -> tuple[int, int]:
+    """The reference: trim the longer side one token at a time until A + B fit (A loses its front, B its end)."""
+    while la + lb > budget:
+        if la > lb:
+            la -= 1
+        else:
+            lb -= 1
+    return la, lb
 
 def corpus_docs(seed=0, n_docs=20):
     """Documents of 3-10 sentences of 1-12 tokens each, every token naming its (document, sentence),

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mp_toolkit.data.buckets import BucketError, cut, drawn_bucket, parse_buckets, with_seq_len
-from mp_toolkit.data.lm import MicroBatches, build_lm_dataset
-from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
+from mp_toolkit.data.feed import Wanted, feed
+from mp_toolkit.data.lm import MicroBatches, SyntheticSamples
 from mp_toolkit.data.synthetic import synthetic_documents
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.test_resume import mpt
@@ -34,7 +34,7 @@ def test_bucket_arguments():
 
 
 def test_packed_micro_batches_cut_to_drawn_buckets_deterministically():
-    ds = build_lm_dataset("synthetic", vocab_size=50, seq_len=16, seed=3, cache_dir=None, synthetic_tokens=17 * 64)
+    ds, _ = SyntheticSamples.split(50, 16, seed=3, tokens=17 * 64, holdout=0)
     whole = MicroBatches(ds, 4, seed=3)
     cut_ = MicroBatches(ds, 4, seed=3, length_buckets=(4, 8, 16))
     again = MicroBatches(ds, 4, seed=3, length_buckets=(4, 8, 16))
@@ -55,11 +55,12 @@ def test_packed_micro_batches_cut_to_drawn_buckets_deterministically():
 
 def test_bert_pairs_lose_only_padding(tmp_path):
     # short documents, so pairs fall short of --seq-len (46 to 64 tokens here) and carry padding
-    corpus = build_mlm_corpus(synthetic_documents(0, lines=3, words=5), vocab_size=300, seq_len=64, seed=0,
-                              cache_dir=tmp_path)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                 for t in synthetic_documents(0, docs=96, lines=3, words=5)))
+    fed = feed(str(tmp_path / "docs.jsonl"), Wanted(300, 64, 0, pairs=True), tmp_path / "cache", total=64)
     buckets = (40, 48, 56, 64)
-    whole = MLMMicroBatches(corpus, 1, seed=0)
-    cut_ = MLMMicroBatches(corpus, 1, seed=0, length_buckets=buckets)
+    whole = MicroBatches(fed.train, 1, seed=0)
+    cut_ = MicroBatches(fed.train, 1, seed=0, length_buckets=buckets)
     seen = set()
     for _ in range(12):
         (ids, types, mask), (mlm, nsp) = next(whole)

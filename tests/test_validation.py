@@ -12,15 +12,14 @@ import importlib.util
 import json
 import math
 import os
+from pathlib import Path
 
-import datasets
 import numpy as np
 import pytest
 import torch
 
-from mp_toolkit.data.lm import MicroBatches
-from mp_toolkit.data.mlm import MLMMicroBatches, build_mlm_corpus
-from mp_toolkit.data.synthetic import synthetic_documents
+from mp_toolkit.data.feed import Wanted, feed
+from mp_toolkit.data.lm import MicroBatches, SyntheticSamples, rank0_first
 from mp_toolkit.errors import DataError
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.floor import assert_within, rel_err
@@ -37,37 +36,34 @@ def rows_of(batches) -> list[tuple]:
     return [tuple(seq.tolist()) for x, _ in batches for seq in x]
 
 
-def toy(n=40, t=5):
-    return datasets.Dataset.from_dict({"input_ids": np.arange(n * (t + 1)).reshape(n, t + 1)}).with_format("torch")
-
-
 def test_held_out_rows_are_disjoint_from_training_and_the_same_on_every_dp_layout():
-    ds, holdout = toy(), 8
-    one = MicroBatches(ds, 2, holdout=holdout)
-    train = rows_of(next(one) for _ in range(3 * one.batches_per_epoch))  # three epochs: every order
+    train, val = SyntheticSamples.split(1000, 5, seed=0, tokens=40 * 6, holdout=8)
+    one = MicroBatches(train, 2, holdout=8, validation=val)
+    trained = rows_of(next(one) for _ in range(3 * one.batches_per_epoch))  # three epochs: every order
     held = rows_of(one.held_out())
-    assert len(held) == holdout and not set(held) & set(train)
-    assert len(set(train)) == 32  # and every other row trains
+    assert len(held) == 8 and not set(held) & set(trained)
+    assert len(set(trained)) == 32  # and every other row trains
     # dp = 2 with half the micro-batch: the two replicas together hold out the same sequences
-    halves = [rows_of(MicroBatches(ds, 1, dp_rank=r, dp_size=2, holdout=holdout).held_out()) for r in (0, 1)]
+    halves = [rows_of(MicroBatches(train, 1, dp_rank=r, dp_size=2, holdout=8, validation=val).held_out())
+              for r in (0, 1)]
     assert sorted(halves[0] + halves[1]) == sorted(held)
     assert rows_of(one.held_out()) == held  # every evaluation reads it again from its first sequence
-    assert (one.batches_per_epoch, MicroBatches(ds, 2).batches_per_epoch) == (16, 20)  # nothing held out: as before
-    with pytest.raises(DataError, match=r"cannot hold out 40 for validation"):
-        MicroBatches(ds, 2, holdout=40)
-    with pytest.raises(DataError, match=r"after holding out 39 for validation is too small"):
-        MicroBatches(ds, 2, holdout=39)
+    with pytest.raises(DataError, match=r"fewer than the 9 held-out sequences"):
+        MicroBatches(train, 2, holdout=9, validation=val)
+    with pytest.raises(DataError, match=r"synthetic data of 40 sequences cannot hold out 40 for validation"):
+        SyntheticSamples.split(1000, 5, seed=0, tokens=40 * 6, holdout=40)
 
 
 def test_bert_held_out_batches_are_masked_the_same_way_every_time(tmp_path):
-    corpus = build_mlm_corpus(synthetic_documents(0), 300, 32, 0, tmp_path)
-    a = MLMMicroBatches(corpus, 4, seed=0, holdout=8)
-    first, again = list(a.held_out()), list(MLMMicroBatches(corpus, 4, seed=0, holdout=8).held_out())
+    fed = feed("synthetic", Wanted(300, 32, 0, pairs=True), tmp_path, total=64)
+    a = MicroBatches(fed.train, 4, seed=0, holdout=8, validation=fed.validation)
+    first = list(a.held_out())
+    again = list(MicroBatches(fed.train, 4, seed=0, holdout=8, validation=fed.validation).held_out())
     assert len(first) == 2
     for (x, y), (x2, y2) in zip(first, again):
         assert all(torch.equal(p, q) for p, q in zip(x + y, x2 + y2))
-    n = len(corpus.dataset)
-    assert a.train_rows == n - 8 and all(max(a.indices(e)) < n - 8 for e in range(3))  # training never reads them
+    train_docs = set(fed.corpora[0].manifest["totals"]["train"].items())
+    assert fed.corpora[0].val and train_docs  # validation documents are prepared apart from training's
 
 
 # --- mpt train: layouts, resume, loggers ----------------------------------------------------------
@@ -215,10 +211,11 @@ def bert_eval_rank(rank, world, pp, tp, cache):
     from mp_toolkit.run.validation import MLM_METRICS, mlm_metrics
 
     torch.set_num_threads(1)
-    corpus = build_mlm_corpus(synthetic_documents(0), bert.PRESETS["bert-tiny"].vocab_size, 32, 0, cache)
-    config = dataclasses.replace(bert.PRESETS["bert-tiny"], pad_token_id=corpus.special.pad)
+    wanted = Wanted(bert.PRESETS["bert-tiny"].vocab_size, 32, 0, pairs=True)
+    fed = rank0_first(lambda: feed("synthetic", wanted, Path(cache), total=64), rank)  # rank 0 prepares first
+    config = dataclasses.replace(bert.PRESETS["bert-tiny"], pad_token_id=fed.special.pad)
     m, mbs = 2, 4
-    data = MLMMicroBatches(corpus, mbs, seed=0, holdout=2 * m * mbs)
+    data = MicroBatches(fed.train, mbs, seed=0, holdout=2 * m * mbs, validation=fed.validation)
     cfg = TrainConfig.of(model="bert-tiny", pp=pp, tp=tp, microbatches=m, micro_batch=mbs, seq_len=32,
                          partition="uniform", precision="fp32")
     ctx = build_context(pp, tp, 1)

@@ -1,21 +1,14 @@
-"""Reading a corpus: files and directories -> documents (one string each), without touching the network.
-
-Corpora are local files (by default this interpreter's standard library, `stdlib_files`):
-``.txt``/``.py``/``.md`` files are one document each, ``.jsonl``/``.json`` files are JSON lines whose
-"text" fields are documents (`read_texts`). ``DataError`` (`mp_toolkit.errors`) is what the data modules raise
-for a value the user can fix.
+"""The corpus found on every machine (this interpreter's standard library, `stdlib_files`) and the file
+suffixes read as text: ``.txt``/``.py``/``.md`` files are one document each, ``.jsonl``/``.json`` files JSON
+lines (`mp_toolkit.data.sources` reads them, with the compressed and columnar formats).
 """
 from __future__ import annotations
 
-import json
 import os
 import sysconfig
 from pathlib import Path
-from typing import Iterable
 
-from mp_toolkit.errors import DataError
-
-__all__ = ["DataError", "read_texts", "stdlib_files"]
+__all__ = ["JSON_SUFFIXES", "TEXT_SUFFIXES", "stdlib_files"]
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -47,67 +40,3 @@ def stdlib_files() -> list[Path]:
         files.append(path)
         total += size
     return files
-
-
-def _expand(path: Path) -> list[Path]:
-    """A user path -> the corpus files it names (a directory is searched recursively)."""
-    if path.is_dir():
-        found = sorted(
-            p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSON_SUFFIXES
-        )
-        if not found:
-            raise DataError(
-                f"corpus directory {path} has no {'/'.join(TEXT_SUFFIXES + JSON_SUFFIXES)} files"
-            )
-        return found
-    if not path.is_file():
-        raise DataError(f"corpus path {path} does not exist or is not a file or directory")
-    if path.suffix not in TEXT_SUFFIXES + JSON_SUFFIXES:
-        raise DataError(
-            f"corpus file {path} has suffix {path.suffix!r}: use one of "
-            f"{', '.join(TEXT_SUFFIXES + JSON_SUFFIXES)}"
-        )
-    return [path]
-
-
-def _json_texts(path: Path, content: str) -> list[str]:
-    """The "text" field of every JSON line (blank lines are skipped)."""
-    texts = []
-    for lineno, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno} is not a JSON line ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f'{path}:{lineno} has no string "text" field')
-        texts.append(record["text"])
-    return texts
-
-
-def read_texts(paths: Iterable[str | os.PathLike]) -> tuple[list[str], list[Path]]:
-    """Read documents from files or directories; returns (texts, files skipped as non-UTF-8).
-
-    ``.txt``/``.py``/``.md`` files are one document each; ``.jsonl``/``.json`` files are JSON
-    lines whose "text" fields are documents. Files that do not decode as strict UTF-8 are skipped
-    deliberately (a few stdlib files are latin-1) rather than decoded with replacement characters.
-    """
-    texts: list[str] = []
-    skipped: list[Path] = []
-    for given in paths:
-        for path in _expand(Path(given)):
-            try:
-                raw = path.read_bytes()
-            except OSError as e:
-                raise DataError(f"cannot read corpus file {path}: {e.strerror}") from None
-            try:
-                content = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                skipped.append(path)
-                continue
-            if path.suffix in JSON_SUFFIXES:
-                texts.extend(_json_texts(path, content))
-            elif content:
-                texts.append(content)
-    return texts, skipped

@@ -21,7 +21,7 @@ What each input is (`expand`):
 - ``stdlib``: this interpreter's standard library (`mp_toolkit.data.corpus.stdlib_files`).
 
 Text must be strict UTF-8: anything else is a `DataError` naming the file and byte offset, except in
-``stdlib``, where a non-UTF-8 file (a few are latin-1) is skipped, as `corpus.read_texts` does; the
+``stdlib``, where a non-UTF-8 file (a few are latin-1) is skipped rather than decoded with replacements; the
 stream then yields ``None`` for it, so the caller can count it. An empty text is not a document.
 Nothing is downloaded.
 """

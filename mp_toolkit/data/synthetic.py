@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 
-def synthetic_documents(seed: int, docs: int = 96, lines: int = 16, words: int = 12) -> list[str]:
+def synthetic_documents(seed: int, docs: int = 400, lines: int = 16, words: int = 12) -> list[str]:
     """Documents of lines of pseudo-words from a 400-word Zipf-like vocabulary (BERT's ``--data synthetic``):
     text with token statistics to learn, made in milliseconds without any file."""
     rng = random.Random(seed)
