@@ -117,6 +117,8 @@ def open_source(source: str, wanted: Wanted, cache_dir: Path, log=None) -> Prepa
                                 f"({corpus.tokenizer_file}): leave --tokenizer out, or prepare the data with it")
         return corpus
     tok = tokenizer_file(wanted.tokenizer) if wanted.tokenizer is not None else None
+    if tok is not None:  # before preparing anything with it
+        check_tokenizer(wanted.tokenizer, wanted.vocab_size)
     digest = hashlib.sha256(tok.read_bytes()).hexdigest() if tok is not None else None
     out = Path(cache_dir) / "prepared" / source_key(source, wanted, digest)
     if not is_prepared(out):
@@ -160,6 +162,26 @@ def index_dir(corpus: PreparedCorpus, cache_dir: Path) -> Path:
     return Path(cache_dir) / "index" / corpus.digest[:20]
 
 
+def check_tokenizer(tokenizer: str | os.PathLike, vocab_size: int) -> None:
+    """``--tokenizer``'s vocabulary fits the model's embedding."""
+    size = load_tokenizer_file(tokenizer_file(tokenizer))[0].get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise DataError(f"--tokenizer {tokenizer} has {size} tokens but the model's vocab_size is {vocab_size} (ids "
+                        f"must be below it): use a model with at least {size} or the tokenizer the model was built for")
+
+
+def check_fits(data: str, tokenizer: str | os.PathLike | None, vocab_size: int) -> None:
+    """Before any rank starts: ``--tokenizer`` and every prepared ``--data`` corpus fit the model's
+    vocabulary (reads manifests and the tokenizer only)."""
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, vocab_size)
+    prepared = [(source, PreparedCorpus.open(source)) for _, source in parse_blend(data)
+                if source not in ("stdlib", "synthetic") and is_prepared(source)]
+    for source, corpus in prepared:
+        check_vocab(corpus, source, vocab_size)
+    check_one_tokenizer(data, [corpus for _, corpus in prepared])
+
+
 def check_vocab(corpus: PreparedCorpus, source: str, vocab_size: int) -> None:
     """Every id the corpus's tokenizer can give must be below the model's vocab_size."""
     if corpus.vocab_size is not None and corpus.vocab_size > vocab_size:
@@ -190,38 +212,39 @@ def feed(data: str, wanted: Wanted, cache_dir: Path, total: int, nsp_probability
          mlm_probability: float = 0.15, log=None) -> Fed:
     """The samples of ``--data`` for a run of ``total`` training samples (the blend's length)."""
     parts = parse_blend(data)
-    opened = [_open_part(source, wanted, Path(cache_dir), nsp_probability, mlm_probability, log) for _, source in parts]
-    specials = {part[3] for part in opened}
-    if len(specials) > 1:
-        raise DataError(f"--data {data}: the blended corpora's tokenizers give [PAD] [CLS] [SEP] [MASK] other ids")
-    corpora = tuple(part[0] for part in opened)
+    sources = [synthetic_source(wanted.seed, cache_dir) if s == "synthetic" and wanted.pairs else s for _, s in parts]
+    corpora = tuple(open_source(source, wanted, Path(cache_dir), log) for source in sources)
+    check_one_tokenizer(data, corpora)
+    opened = [_samples(corpus, source, wanted, Path(cache_dir), nsp_probability, mlm_probability)
+              for corpus, source in zip(corpora, sources)]
+    special = opened[0][2]
+    digest = hashlib.sha256(":".join(f"{w}={c.digest}" for (w, _), c in zip(parts, corpora)).encode()).hexdigest()
+    if len(parts) == 1:
+        return Fed(opened[0][0], opened[0][1], digest, corpora, special)
+    names = [s for _, s in parts]
+    train = BlendedSamples([(w, part[0]) for (w, _), part in zip(parts, opened)], total, cache_dir, names, log)
+    val = None
+    if all(part[1] is not None for part in opened):
+        val = BlendedSamples([(w, part[1]) for (w, _), part in zip(parts, opened)],
+                             sum(len(part[1]) for part in opened), cache_dir, names)
+    return Fed(train, val, digest, corpora, special)
+
+
+def check_one_tokenizer(data: str, corpora) -> None:
+    """Blended corpora share one tokenizer: the same id means the same text in each."""
     tokenizers = {c.manifest["tokenizer"]["sha256"] for c in corpora if c.manifest.get("tokenizer")}
     if len(tokenizers) > 1:
         raise DataError(f"--data {data}: the blended corpora were prepared with different tokenizers (their ids mean "
                         "different text): prepare them with one --tokenizer")
-    digest = hashlib.sha256(":".join(f"{w}={c.digest}" for (w, _), c in zip(parts, corpora)).encode()).hexdigest()
-    special = specials.pop()
-    if len(parts) == 1:
-        return Fed(opened[0][1], opened[0][2], digest, corpora, special)
-    names = [s for _, s in parts]
-    train = BlendedSamples([(w, part[1]) for (w, _), part in zip(parts, opened)], total, cache_dir, names, log)
-    val = None
-    if all(part[2] is not None for part in opened):
-        val = BlendedSamples([(w, part[2]) for (w, _), part in zip(parts, opened)],
-                             sum(len(part[2]) for part in opened), cache_dir, names)
-    return Fed(train, val, digest, corpora, special)
 
 
-def _open_part(source: str, wanted: Wanted, cache_dir: Path, nsp_probability: float, mlm_probability: float, log):
-    """(corpus, training samples, validation samples or None, BERT's special ids or None) of one source."""
-    if source == "synthetic" and wanted.pairs:
-        source = synthetic_source(wanted.seed, cache_dir)
-    corpus = open_source(source, wanted, cache_dir, log)
+def _samples(corpus: PreparedCorpus, source: str, wanted: Wanted, cache_dir: Path, nsp_probability: float,
+             mlm_probability: float) -> tuple:
+    """(training samples, validation samples or None, BERT's special ids or None) of one corpus."""
     check_vocab(corpus, source, wanted.vocab_size)
     cache = index_dir(corpus, cache_dir)
     if not wanted.pairs:
-        return corpus, PackedSamples(corpus.train, wanted.seq_len, wanted.seed, cache), \
-            _validation(corpus, wanted, cache), None
+        return PackedSamples(corpus.train, wanted.seq_len, wanted.seed, cache), _validation(corpus, wanted, cache), None
     if not corpus.split_sentences:
         raise DataError(f"--data {source} was prepared without --split-sentences: BERT pairs need sentences "
                         "(prepare it again with --split-sentences)")
@@ -232,7 +255,7 @@ def _open_part(source: str, wanted: Wanted, cache_dir: Path, nsp_probability: fl
                            nsp_probability=nsp_probability, mlm_probability=mlm_probability, hf_order=wanted.hf_order)
 
     val = pairs(corpus.val, "val") if sum(len(ds) for ds in corpus.val) else None
-    return corpus, pairs(corpus.train, "train"), val, special
+    return pairs(corpus.train, "train"), val, special
 
 
 def _validation(corpus: PreparedCorpus, wanted: Wanted, cache: Path) -> PackedSamples | None:

@@ -12,6 +12,7 @@ import torch
 
 from mp_toolkit.data.blend import parse_blend
 from mp_toolkit.data.buckets import BucketError
+from mp_toolkit.data.feed import check_fits
 from mp_toolkit.data.indexed import is_complete
 from mp_toolkit.errors import DataError
 from mp_toolkit.layers import LayerList
@@ -132,6 +133,10 @@ def validate(cfg: TrainConfig, planned=None, spec: ModelSpec | None = None) -> C
     check_loggers(cfg)  # tensorboard / wandb installed when asked for
     spec = find_model(cfg) if spec is None else spec
     check_spec(spec, cfg)
+    try:
+        check_fits(cfg.dataset.data, cfg.dataset.tokenizer, spec.vocab_size)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
     try:
         check_tensor_parallel(cfg.parallel.tp, **spec.tp_sizes())
     except ValueError as e:
