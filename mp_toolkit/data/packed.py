@@ -15,7 +15,8 @@ builds them. Per epoch, three arrays (computed once per (corpus, seq_len, seed, 
 document's position in ``documents`` and the offset into it), so a read touches only the documents it
 returns. N is the same every epoch (the same tokens, reordered). Nothing here
 holds the corpus: opening an existing cache is O(1); building one is O(documents + samples) on the
-first rank that needs it (written atomically: racing ranks build identical files and one wins).
+first rank that needs it (written atomically, `mp_toolkit.data.atomic`: racing ranks build identical files
+and one wins).
 
     corpus = PreparedCorpus.open("data/owt")
     samples = PackedSamples(corpus.train, seq_len=1024, seed=0, cache_dir="data/owt/cache")
@@ -26,13 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from mp_toolkit.data.atomic import load_array, save_array
 from mp_toolkit.data.buckets import drawn_bucket
 from mp_toolkit.data.indexed import IndexedDataset, idx_path
 from mp_toolkit.errors import DataError
@@ -49,33 +50,6 @@ def corpus_key(shards: Sequence[IndexedDataset]) -> str:
         st = idx_path(ds.prefix).stat()
         h.update(f"{os.path.abspath(ds.prefix)}:{st.st_size}:{st.st_mtime_ns}:{ds.bin_bytes}\n".encode())
     return h.hexdigest()[:16]
-
-
-def save_array(path: Path, array: np.ndarray) -> None:
-    """``array`` as ``path`` (.npy), through a temporary file and a rename: a reader sees the whole
-    file or none (ranks that race to write the same deterministic array leave one complete copy)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def load_array(path: Path, length: int | None = None) -> np.ndarray | None:
-    """The cached int64 vector at ``path`` memory-mapped, or None when missing or damaged (then rebuilt)."""
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    if array.dtype != np.int64 or array.ndim != 1 or (length is not None and len(array) != length):
-        return None
-    return array
 
 
 class DocumentSpans:

@@ -33,25 +33,24 @@ is the segment's sentences up to a random sentence boundary; B is the rest of th
 to the budget as `truncate_pair` says (A loses its front, B its end), packed, then masked by
 `mask_tokens` from the same generator.
 
-**Cache files** are written under a temporary name and renamed (`_atomic_npy`), so ranks racing to
+**Cache files** are written under a temporary name and renamed (`atomic.int64_memmap`), so ranks racing to
 build one read a complete file; a file that does not load, or whose shape or end rows do not fit
 the shards, is rebuilt rather than trusted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from mp_toolkit.data.atomic import int64_memmap, load_array
 from mp_toolkit.data.buckets import fitting_bucket
 from mp_toolkit.data.indexed import IndexedDataset, idx_path
 from mp_toolkit.data.mlm import IS_NEXT, NOT_NEXT, SpecialIds, mask_tokens
@@ -148,7 +147,7 @@ class PairSamples:
         if cached is not None and cached.shape == (n,):
             return cached
         perm = np.random.default_rng([self.seed, epoch, 0, ORDER_STREAM]).permutation(n)  # (N,) int64
-        with _atomic_npy(path, (n,)) as out:
+        with int64_memmap(path, (n,)) as out:
             out[:] = perm
         return _load(path, None)
 
@@ -298,7 +297,7 @@ def _build_index(shards: list[IndexedDataset], offsets: np.ndarray, budget: int,
     if n_seg == 0:
         raise DataError(f"{names}: no document has two sentences; documents need at least two sentences "
                         "(prepare BERT corpora with --split-sentences)")
-    with _atomic_npy(doc_path, (n_doc, 3)) as documents, _atomic_npy(seg_path, (n_seg, 4)) as segments:
+    with int64_memmap(doc_path, (n_doc, 3)) as documents, int64_memmap(seg_path, (n_seg, 4)) as segments:
         at_seg = at_doc = 0
         for shard, d0, d1 in parts:
             segs, docs = _chunk_segments(shards[shard], d0, d1, budget)
@@ -312,34 +311,5 @@ def _build_index(shards: list[IndexedDataset], offsets: np.ndarray, budget: int,
 def _load(path: Path, columns: int | None) -> np.ndarray | None:
     """The int64 array in ``path``, memory-mapped, of (rows, columns) (1-d when columns is None);
     None when missing, damaged (truncated, another dtype or shape) or empty."""
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    shape_ok = arr.ndim == 1 if columns is None else (arr.ndim == 2 and arr.shape[1] == columns)
-    return arr if arr.dtype == np.int64 and shape_ok and len(arr) > 0 else None
-
-
-@contextlib.contextmanager
-def _atomic_npy(path: Path, shape: tuple[int, ...]):
-    """An int64 ``.npy`` memory map under a temporary name beside ``path``, fsynced and renamed to
-    ``path`` when the block has filled it: a reader racing the writer sees no file or a whole one,
-    and an error or a kill leaves none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=shape)
-        yield out
-        out.flush()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    arr = load_array(path, columns=columns)
+    return arr if arr is not None and len(arr) > 0 else None

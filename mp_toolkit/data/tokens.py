@@ -3,24 +3,28 @@
 `train_tokenizer` trains a tokenizer once per (corpus, vocab_size) and caches it as
 ``tokenizer-<key>.json`` (`cache_key`); `token_stream` encodes the documents, each followed by
 ``<|endoftext|>``, into ``tokens-<key>-<tokenizer digest>.npy``; `tokenized_stream` does the same with a
-given ``tokenizer.json``. Cache files are written atomically (0600, fsynced) and verified when read,
-so racing ranks never read a partial file and a damaged one is rebuilt.
+given ``tokenizer.json``. Cache files are written atomically (`mp_toolkit.data.atomic`: 0600, fsynced)
+and verified when read, so racing ranks never read a partial file and a damaged one is rebuilt.
+`SPECIAL_TOKENS` are BERT's, appended after training by ``mpt data prepare --split-sentences``
+(`mp_toolkit.data.survey`) and looked up by `mp_toolkit.data.mlm`.
 """
 from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 import datasets
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from mp_toolkit.data.atomic import save_array, write_file
 from mp_toolkit.errors import DataError
-from mp_toolkit.progress import progress
+from mp_toolkit.progress import progress as progress_bar
 
 EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
+"""BERT's special tokens, in the order a trained BERT tokenizer appends them as its last ids."""
 # Bytes that UTF-8 never uses (C0, C1: overlong two-byte leads; F5..FF: past U+10FFFF). The corpus is
 # strict UTF-8 text (`corpus.read_texts`), so a vocabulary too small for all 256 byte symbols plus
 # <|endoftext|> leaves these out and still encodes every string, losslessly.
@@ -44,7 +48,8 @@ def cache_key(texts: list[str], vocab_size: int) -> str:
     return hashlib.sha256(f"{_texts_digest(texts)}:{vocab_size}".encode()).hexdigest()[:16]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathLike) -> Tokenizer:
+def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathLike,
+                    progress: bool = True) -> Tokenizer:
     """Byte-level BPE with ``<|endoftext|>`` at id 0, trained once per (corpus, vocab_size) and cached.
 
     Its alphabet is every byte (`byte_alphabet`): all 256 from 257 ids up, the 243 that UTF-8 uses
@@ -52,6 +57,8 @@ def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathL
 
     The cache file is ``cache_dir/tokenizer-<key>.json``; it is written atomically, so ranks that
     race to train the same (deterministic) tokenizer all end up reading one complete file.
+    ``progress=False`` draws no bar (``mpt data prepare --no-progress``); True draws one on a terminal
+    while `datasets`' bars are on (``mpt train --no-progress`` turns them off).
     """
     if vocab_size < MIN_VOCAB:
         raise DataError(
@@ -77,10 +84,10 @@ def train_tokenizer(texts: list[str], vocab_size: int, cache_dir: str | os.PathL
         show_progress=False,
     )
     # the bar counts documents read; the merges that follow are the tokenizer's own (quick) pass
-    tokenizer.train_from_iterator(progress(texts, "training tokenizer", len(texts), progress_bars_on(), "doc"),
-                                  trainer=trainer, length=len(texts))
+    bar = progress_bar(texts, "training tokenizer", len(texts), progress and progress_bars_on(), "doc")
+    tokenizer.train_from_iterator(bar, trainer=trainer, length=len(texts))
 
-    _atomic_save(cached, tokenizer.save)
+    write_file(cached, tokenizer.save)
     return tokenizer
 
 
@@ -101,29 +108,6 @@ def byte_alphabet(vocab_size: int) -> list[str]:
 def progress_bars_on() -> bool:
     """Progress bars follow `datasets`' switch, which ``mpt train --no-progress`` turns off."""
     return not datasets.are_progress_bars_disabled()
-
-
-def _atomic_save(path: Path, write) -> None:
-    """Write through a temporary file, fsync it and rename it, so racing ranks never read a partial
-    file and a crash never leaves one. The file stays 0600 (as mkstemp makes it): a cache holds
-    what the corpus says, readable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if os.name == "posix":
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _cached_stream(cache_file: Path, vocab_size: int) -> np.ndarray | None:
@@ -157,15 +141,10 @@ def token_stream(texts: list[str], tokenizer: Tokenizer, cache_dir: Path, key: s
     eos = tokenizer.token_to_id(EOS_TOKEN) if eos is None else eos
     end = [eos] if eos is not None else []
     chunks = range(0, len(texts), ENCODE_CHUNK)  # encode_batch per chunk: the same ids, with a bar
-    docs = [enc.ids + end for i in progress(chunks, "encoding corpus", len(chunks), progress_bars_on(), "chunk")
+    docs = [enc.ids + end for i in progress_bar(chunks, "encoding corpus", len(chunks), progress_bars_on(), "chunk")
             for enc in tokenizer.encode_batch(texts[i : i + ENCODE_CHUNK])]
     stream = np.fromiter((t for doc in docs for t in doc), dtype=np.int32)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:  # a file object, so np.save does not append ".npy"
-            np.save(f, stream, allow_pickle=False)
-
-    _atomic_save(cache_file, write)
+    save_array(cache_file, stream)
     return stream
 
 
