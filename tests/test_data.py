@@ -72,13 +72,13 @@ def test_a_vocabulary_under_257_keeps_the_bytes_utf8_uses(corpus, tmp_path):
     assert sorted(byte_alphabet(257)) == sorted(pre_tokenizers.ByteLevel.alphabet())  # 257 up: unchanged
 
     texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))[:20]]
-    tok = train_tokenizer(texts, 256, tmp_path / "cache")
+    tok = train_tokenizer(texts, 256)
     assert tok.get_vocab_size() == 256 and tok.token_to_id("<|endoftext|>") == 0
     sample = "caf\u00e9 \u2603 \U0001d11e \x00\x7f unseen " + EVERY_UTF8_BYTE
     assert tok.decode(tok.encode(sample).ids) == sample
-    assert train_tokenizer(texts, MIN_VOCAB, tmp_path / "cache").get_vocab_size() == MIN_VOCAB  # no merges
+    assert train_tokenizer(texts, MIN_VOCAB).get_vocab_size() == MIN_VOCAB  # no merges
     with pytest.raises(DataError, match=f"vocab_size={MIN_VOCAB - 1} is too small .* at least {MIN_VOCAB}"):
-        train_tokenizer(texts, MIN_VOCAB - 1, tmp_path / "cache")
+        train_tokenizer(texts, MIN_VOCAB - 1)
 
 
 def test_gpt_tiny_trains_on_text(tmp_path):

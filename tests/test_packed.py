@@ -81,7 +81,7 @@ def test_the_index_is_cached_memory_mapped_and_rebuilt_when_damaged(corpus, tmp_
     shuffle.write_bytes(shuffle.read_bytes()[:-16])  # truncated: rebuilt, not trusted
     rebuilt = PackedSamples(shards, 8, seed=3, cache_dir=tmp_path / "cache")
     assert rebuilt.order(0).tolist() == want
-    assert not list(first.cache.glob("*.partial"))
+    assert not list(first.cache.glob("*.tmp")) and not list(first.cache.glob(".*"))
     other_seed = PackedSamples(shards, 8, seed=4, cache_dir=tmp_path / "cache")
     assert other_seed.cache != first.cache and other_seed.order(0).tolist() != want
 

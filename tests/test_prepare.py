@@ -20,7 +20,6 @@ from mp_toolkit.cli import main
 from mp_toolkit.cli_args import build_parser
 from mp_toolkit.data.corpus import stdlib_files
 from mp_toolkit.data.prepare import (
-    BERT_SPECIAL_TOKENS,
     DEFAULT_CHUNK_DOCS,
     DEFAULT_SAMPLE_BYTES,
     prepare,
@@ -28,6 +27,7 @@ from mp_toolkit.data.prepare import (
 )
 from mp_toolkit.data.prepared import PreparedCorpus
 from mp_toolkit.data.sources import Source, expand
+from mp_toolkit.data.tokens import SPECIAL_TOKENS
 from tests.cli_helpers import assert_one_line_exit_2
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud fire water "
@@ -133,15 +133,13 @@ def test_split_sentences_stores_each_documents_sentences(tmp_path, capsys):
     line = run_ok(capsys, "prepare", "--input", src, "--output", out, "--vocab-size", 300, "--split-sentences")
     corpus = PreparedCorpus.open(out)
     full = Tokenizer.from_file(str(out / "tokenizer.json"))
-    assert [full.token_to_id(t) for t in BERT_SPECIAL_TOKENS] == [296, 297, 298, 299] and corpus.vocab_size == 300
+    assert [full.token_to_id(t) for t in SPECIAL_TOKENS] == [296, 297, 298, 299] and corpus.vocab_size == 300
     assert corpus.split_sentences and corpus.manifest["append_eod"] is False
     assert sentences_of(texts[-1]) == ["First one.", "Second (two) here!", "Third line", "fourth. lower stays."]
     docs = documents(corpus.train)
     assert len(docs) == 31 and "1 documents without a sentence skipped" in line  # the blank document
     expect = [[encode(out / "tokenizer.json", s) for s in sentences_of(t)] for t in texts if t.strip()]
     assert docs == expect and sum(map(len, docs)) > 31
-    from mp_toolkit.data.mlm import SPECIAL_TOKENS  # torch: imported here only
-    assert BERT_SPECIAL_TOKENS == SPECIAL_TOKENS
 
 
 def test_every_input_format_reads_the_same_documents(tmp_path, capsys):

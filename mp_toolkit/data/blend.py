@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mp_toolkit.data.packed import load_array, save_array
+from mp_toolkit.data.atomic import load_array, save_array
 from mp_toolkit.errors import DataError
 
 

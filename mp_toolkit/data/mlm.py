@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
+from mp_toolkit.data.tokens import SPECIAL_TOKENS
+
+__all__ = ["IGNORE_INDEX", "IS_NEXT", "NOT_NEXT", "SPECIAL_TOKENS", "SpecialIds", "mask_tokens"]
+
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as HF's BertForPreTraining reads them
 IGNORE_INDEX = -100
 

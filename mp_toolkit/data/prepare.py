@@ -87,11 +87,10 @@ from mp_toolkit.data.prepared_files import (
 )
 from mp_toolkit.data.sources import Source, expand
 from mp_toolkit.data.survey import EOD_TOKENS, eod_id, read_given_tokenizer, settle_tokenizer, survey_corpus
-from mp_toolkit.data.tokens import SPECIAL_TOKENS as BERT_SPECIAL_TOKENS
 from mp_toolkit.errors import DataError
 
 __all__ = [  # prepare, and what `mpt data` and its tests take from here
-    "BERT_SPECIAL_TOKENS", "DEFAULT_CHUNK_DOCS", "DEFAULT_SAMPLE_BYTES", "PrepareSummary", "merge", "parse_shard",
+    "DEFAULT_CHUNK_DOCS", "DEFAULT_SAMPLE_BYTES", "PrepareSummary", "merge", "parse_shard",
     "prepare", "sentences_of", "shard_counts", "verify",
 ]
 

@@ -16,7 +16,6 @@ import heapq
 import json
 import math
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,8 +126,7 @@ def settle_tokenizer(out: Path, opts: Options, given, survey: Survey | None, pro
         encoding = _without(tok, SPECIAL_TOKENS) if opts.split_sentences else tok
     else:
         n_special = len(SPECIAL_TOKENS) if opts.split_sentences else 0
-        with _scratch(out) as cache:  # train_tokenizer caches by corpus; this sample is used once
-            encoding = train_tokenizer(survey.sample, opts.vocab_size - n_special, cache, progress)
+        encoding = train_tokenizer(survey.sample, opts.vocab_size - n_special, progress)
         tok = Tokenizer.from_str(encoding.to_str())
         if n_special:
             tok.add_special_tokens(list(SPECIAL_TOKENS))
@@ -150,15 +148,3 @@ def _without(tok: Tokenizer, specials: tuple[str, ...]) -> Tokenizer:
     doc = json.loads(tok.to_str())
     doc["added_tokens"] = [t for t in doc["added_tokens"] if t["content"] not in specials]
     return Tokenizer.from_str(json.dumps(doc))
-
-
-@contextmanager
-def _scratch(out: Path):
-    scratch = out / ".tokenizer-training"
-    scratch.mkdir(exist_ok=True)
-    try:
-        yield scratch
-    finally:
-        for p in scratch.iterdir():
-            p.unlink()
-        scratch.rmdir()
