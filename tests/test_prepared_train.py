@@ -106,3 +106,28 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_in_one_line(data, tmp_
                            mentions="model's vocab_size is 256")
     corpus = PreparedCorpus.open(data / "a")
     assert corpus.vocab_size == 256 and corpus.val  # the module's corpus fits gpt-tiny exactly
+
+
+def test_a_megatron_prefix_trains_and_ids_past_the_vocabulary_are_one_line(data, tmp_path):
+    """A bare PREFIX.bin/.idx (as Megatron's preprocess_data.py writes it, byte for byte: tests/test_indexed.py)
+    trains unchanged; with no tokenizer to vouch for its ids, a read that finds one past the embedding stops
+    the run with one line."""
+    from mp_toolkit.data.indexed import IndexedDataset, IndexedWriter
+
+    ours = PreparedCorpus.open(data / "a").train[0]
+    with IndexedWriter(tmp_path / "corpus_text_document", np.uint16) as w:
+        for d in range(ours.num_documents):
+            w.add_document([ours[i] for i in ours.document(d)])
+        w.finalize()
+    losses, _ = train(tmp_path, "megatron", "--data", tmp_path / "corpus_text_document", "--pp", "2", "--steps", "2",
+                      "--micro-batch", "2")
+    assert len(losses) == 2 and np.isfinite(losses).all()
+    assert IndexedDataset(tmp_path / "corpus_text_document").num_documents == ours.num_documents
+    with IndexedWriter(tmp_path / "wide", np.uint16) as w:
+        for _ in range(40):
+            w.add_document([np.arange(300, 340)])  # ids past gpt-tiny's 256
+        w.finalize()
+    r = run_mpt([*RUN, "--data", tmp_path / "wide", "--pp", "1", "--steps", "1", "--micro-batch", "2"], timeout=300,
+                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert r.returncode != 0 and len(lines) >= 1 and "is not below the model's vocab_size 256" in lines[0], r.stderr

@@ -244,7 +244,9 @@ def _samples(corpus: PreparedCorpus, source: str, wanted: Wanted, cache_dir: Pat
     check_vocab(corpus, source, wanted.vocab_size)
     cache = index_dir(corpus, cache_dir)
     if not wanted.pairs:
-        return PackedSamples(corpus.train, wanted.seq_len, wanted.seed, cache), _validation(corpus, wanted, cache), None
+        unchecked = wanted.vocab_size if corpus.vocab_size is None else None  # no tokenizer said it fits
+        return (PackedSamples(corpus.train, wanted.seq_len, wanted.seed, cache, vocab_size=unchecked),
+                _validation(corpus, wanted, cache), None)
     if not corpus.split_sentences:
         raise DataError(f"--data {source} was prepared without --split-sentences: BERT pairs need sentences "
                         "(prepare it again with --split-sentences)")

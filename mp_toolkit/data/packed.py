@@ -105,14 +105,15 @@ class PackedSamples:
     """The samples protocol (`mp_toolkit.data.lm.MicroBatches`) over a prepared causal-LM corpus.
 
     ``shuffle=False`` (validation): documents in corpus order and samples in order, the same set
-    whatever the seed."""
+    whatever the seed. ``vocab_size``: every read checks its ids against it (a corpus without a
+    tokenizer, a bare Megatron prefix, cannot be checked beforehand without reading it all)."""
 
     def __init__(self, shards: Sequence[IndexedDataset], seq_len: int, seed: int, cache_dir: str | os.PathLike,
-                 shuffle: bool = True, name: str = "train"):
+                 shuffle: bool = True, name: str = "train", vocab_size: int | None = None):
         if seq_len <= 0:
             raise DataError(f"seq_len={seq_len} must be a positive integer")
         self.docs = DocumentSpans(shards)
-        self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
+        self.seq_len, self.seed, self.shuffle, self.vocab_size = seq_len, seed, shuffle, vocab_size
         tag = f"{name}-{corpus_key(shards)}-L{seq_len}-" + (f"s{seed}" if shuffle else "ordered")
         self.cache = Path(cache_dir) / "gpt-index" / tag
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -181,6 +182,10 @@ class PackedSamples:
     def read(self, rows: Sequence[int], epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch of ``rows``: (inputs, next-token labels), each (len(rows), seq_len) int64."""
         chunk = torch.from_numpy(np.stack([self.sample(int(r), epoch) for r in rows]))  # (B, T + 1)
+        if self.vocab_size is not None and int(chunk.max()) >= self.vocab_size:
+            raise DataError(f"{self.docs.shards[0].prefix}: token id {int(chunk.max())} in epoch {epoch}'s samples "
+                            f"{list(rows)} is not below the model's vocab_size {self.vocab_size}: train a model with "
+                            "the corpus's vocabulary")
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
     def bucket_length(self, rows: Sequence[int], epoch: int, inputs, buckets: Sequence[int]) -> int:
