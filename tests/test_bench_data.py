@@ -55,10 +55,15 @@ def test_quick_mode_writes_every_field_and_cleans_up(tmp_path):
         assert limit["documents"] == corpus["documents"]
         if name == "bpe-4k":  # prepare ends each document with <|endoftext|>, the limit encodes the text only
             assert prep["tokens"] == limit["tokens"] + corpus["documents"]
-            assert prep["sequences"] == corpus["documents"]
+            assert prep["sequences"] == limit["sequences"] == corpus["documents"]
+            assert "limit_sentences" not in row
         else:  # --split-sentences: sentences cut at whitespace WordPiece splits at anyway, no end token
             assert prep["tokens"] == limit["tokens"]
             assert prep["sequences"] > 2 * corpus["documents"]
+            sentences = row["limit_sentences"]  # the limit that encodes prepare's sentences: the same ones
+            assert (sentences["documents"], sentences["sequences"], sentences["tokens"]) == (
+                prep["documents"], prep["sequences"], prep["tokens"])
+            assert {"ratio_sentences", "ratio_own_sentences", "ratio_cpu_sentences"} <= set(row)
     assert rows[("bpe-4k", "1 MB")]["prepare"]["tokens"] == small["tokens_bpe-4k"]
 
     goals = line["goals"]

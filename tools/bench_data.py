@@ -25,7 +25,9 @@ the end, on an error or on SIGTERM / SIGHUP too.
    (``TOKENIZERS_PARALLELISM=false``) in both. Per worker, MB/s from launch to the last exit (and by
    prepare's own clock, which leaves out its interpreter start and imports), and MB per CPU second of
    every process of each (user + system, sampled from /proc: what other load on the machine does not
-   change); prepare / limit of each (goal >= 0.8). A larger size is compared with the limit measured at
+   change); prepare / limit of each (goal >= 0.8). WordPiece has a second limit, whose processes encode the
+   sentences prepare cuts (its `encode.SENTENCE_END`, 256 documents' sentences a call), to tell the cost of
+   encoding sentences rather than documents from prepare's own. A larger size is compared with the limit measured at
    the small one (the limit streams: its rate does not depend on the size). Prepare's peak RSS (its
    process, and its largest worker, sampled from /proc 20 times a second) at every size, with the
    4,096-id BPE: the preparation the training runs need. Goal: not growing with the corpus.
@@ -57,6 +59,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from mp_toolkit.data.encode import SENTENCE_END
 from mp_toolkit.data.feed import Wanted, feed
 from mp_toolkit.data.lm import MicroBatches
 from tools.ranks import ROOT, RunError, mpt_argv
@@ -291,13 +294,19 @@ def run_measured(argvs: list[list[str]], logs: list[Path], timeout_s: float = 36
 # ---- 3. prepare against the limit ----------------------------------------------------------------------------
 
 LIMIT_WORKER = r"""
-import json, sys
+import json, re, sys
 from tokenizers import Tokenizer
-path, tok_file, lo, hi, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+path, tok_file, lo, hi, batch, end = *sys.argv[1:3], *map(int, sys.argv[3:6]), sys.argv[6]
 tok = Tokenizer.from_file(tok_file)
-docs = tokens = 0
+split = re.compile(end).split if end else None
+docs = sequences = tokens = 0
 def encode(texts):
-    return sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
+    global docs, sequences, tokens
+    docs += len(texts)
+    if split:  # as mpt data prepare --split-sentences: stripped non-empty lines, each cut at the sentence end
+        texts = [s for text in texts for line in text.splitlines() if line.strip() for s in split(line.strip())]
+    ids = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+    sequences, tokens = sequences + sum(map(bool, ids)), tokens + sum(map(len, ids))
 with open(path, "rb") as f:
     f.seek(lo)
     texts = []
@@ -306,11 +315,13 @@ with open(path, "rb") as f:
         if line.strip():
             texts.append(json.loads(line)["text"])
         if len(texts) == batch:
-            tokens, docs, texts = tokens + encode(texts), docs + len(texts), []
-    tokens, docs = tokens + encode(texts), docs + len(texts)
-print(json.dumps({"documents": docs, "tokens": tokens}))
+            encode(texts)
+            texts = []
+    encode(texts)
+print(json.dumps({"documents": docs, "sequences": sequences, "tokens": tokens}))
 """
-"""One limit process: its byte range [lo, hi) of the JSON lines (whole lines), encode_batch, counts printed."""
+"""One limit process: its byte range [lo, hi) of the JSON lines (whole lines), encode_batch on each batch's
+documents, or on their sentences when a sentence-end pattern is given; counts printed."""
 
 
 def line_ranges(path: Path, n: int) -> list[tuple[int, int]]:
@@ -325,15 +336,17 @@ def line_ranges(path: Path, n: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:] + [size]))
 
 
-def limit(corpus: Path, tok: Tok, workers: int, tmp: Path) -> dict:
-    """N `LIMIT_WORKER` processes at once, from launch to the last exit; tokens and documents counted."""
+def limit(corpus: Path, tok: Tok, workers: int, tmp: Path, sentences: bool = False) -> dict:
+    """N `LIMIT_WORKER` processes at once, from launch to the last exit; documents, sequences, tokens counted.
+    ``sentences``: each encodes the sentences prepare --split-sentences cuts (`encode.SENTENCE_END`)."""
     ranges = line_ranges(corpus, workers)
+    end = SENTENCE_END.pattern if sentences else ""
     m = run_measured([[sys.executable, "-c", LIMIT_WORKER, str(corpus), str(tok.file), str(lo), str(hi),
-                       str(BATCH_DOCS)] for lo, hi in ranges],
+                       str(BATCH_DOCS), end] for lo, hi in ranges],
                      [tmp / f"limit-{tok.name}-{i}.log" for i in range(len(ranges))])
     counts = [json.loads(text.strip().splitlines()[-1]) for text in m.outputs]
-    return {**rates(corpus, m, workers), "documents": sum(c["documents"] for c in counts),
-            "tokens": sum(c["tokens"] for c in counts), "peak_rss_mib": max(m.peak_rss) / MIB}
+    return {**rates(corpus, m, workers), **{k: sum(c[k] for c in counts) for k in ("documents", "sequences", "tokens")},
+            "peak_rss_mib": max(m.peak_rss) / MIB}
 
 
 def rates(corpus: Path, m: Measured, workers: int) -> dict:
@@ -450,10 +463,11 @@ def measure(tmp: Path, sizes: list[float], args) -> dict:
                    "prepare": prepare(paths[i], tok, args.workers, tmp / f"prepared-{name}-{i}", tmp)}
             if i == 0:  # the limit streams: its rate at the small size holds at the large (its start is 0.1 s)
                 row["limit"] = lim = limit(paths[i], tok, args.workers, tmp)
-            p = row["prepare"]
-            row.update(limit_size=labels[0], ratio=p["mb_s_per_worker"] / lim["mb_s_per_worker"],
-                       ratio_own=p["own_mb_s_per_worker"] / lim["mb_s_per_worker"],
-                       ratio_cpu=p["mb_per_cpu_s"] / lim["mb_per_cpu_s"])
+                if tok.split_sentences:
+                    row["limit_sentences"] = limit(paths[i], tok, args.workers, tmp, sentences=True)
+            row.update(limit_size=labels[0], **ratios(row["prepare"], lim))
+            if "limit_sentences" in row:
+                row.update({f"{k}_sentences": v for k, v in ratios(row["prepare"], row["limit_sentences"]).items()})
             throughput.append(row)
             log(f"prepare {name} {labels[i]}: {row['prepare']['mb_s_per_worker']:.2f} MB/s per worker"
                 + (f", limit {row['limit']['mb_s_per_worker']:.2f}" if i == 0 else ""))
@@ -480,6 +494,13 @@ def measure(tmp: Path, sizes: list[float], args) -> dict:
                         for c, label in zip(corpora, labels)],
             "tokenizers": {t.name: t.vocab for t in toks.values()}, "memory": memory, "setup": setup,
             "prepare": throughput, "goals": goals(memory, setup, throughput)}
+
+
+def ratios(p: dict, lim: dict) -> dict:
+    """prepare / limit: MB/s per worker from launch to exit, by prepare's own clock, and MB per CPU second."""
+    return {"ratio": p["mb_s_per_worker"] / lim["mb_s_per_worker"],
+            "ratio_own": p["own_mb_s_per_worker"] / lim["mb_s_per_worker"],
+            "ratio_cpu": p["mb_per_cpu_s"] / lim["mb_per_cpu_s"]}
 
 
 def goals(memory: list[dict], setup: list[dict], throughput: list[dict]) -> dict:
@@ -518,12 +539,16 @@ def print_tables(r: dict, workers: int) -> None:
           f"{'prepare':>8s} {'ratio':>6s} {'main':>5s} {'worker':>6s} {'limit':>6s}")
     nan = {"mb_s_per_worker": math.nan, "mb_per_cpu_s": math.nan, "peak_rss_mib": math.nan}
     for t in r["prepare"]:
-        p, lim = t["prepare"], t.get("limit", nan)
-        ratio = f"{t['ratio']:4.2f} ({t['ratio_own']:4.2f})"
-        print(f"{t['tokenizer']:14s} {t['size']:8s} {lim['mb_s_per_worker']:6.2f} {p['mb_s_per_worker']:5.2f} "
-              f"({p['own_mb_s_per_worker']:5.2f}) {ratio:>12s} {lim['mb_per_cpu_s']:6.2f} {p['mb_per_cpu_s']:8.2f} "
-              f"{t['ratio_cpu']:6.2f} {p['peak_rss_mib']:5.0f} {p['worker_peak_rss_mib']:6.0f} "
-              f"{lim['peak_rss_mib']:6.0f}")
+        p = t["prepare"]
+        lines = [(t["tokenizer"], t.get("limit", nan), "")]
+        if "limit_sentences" in t:  # the same prepare against a limit that encodes the sentences it encodes
+            lines.append(("  (sentences)", t["limit_sentences"], "_sentences"))
+        for name, lim, key in lines:
+            ratio = f"{t['ratio' + key]:4.2f} ({t['ratio_own' + key]:4.2f})"
+            print(f"{name:14s} {t['size']:8s} {lim['mb_s_per_worker']:6.2f} {p['mb_s_per_worker']:5.2f} "
+                  f"({p['own_mb_s_per_worker']:5.2f}) {ratio:>12s} {lim['mb_per_cpu_s']:6.2f} {p['mb_per_cpu_s']:8.2f} "
+                  f"{t['ratio_cpu' + key]:6.2f} {p['peak_rss_mib']:5.0f} {p['worker_peak_rss_mib']:6.0f} "
+                  f"{lim['peak_rss_mib']:6.0f}")
     print("\ngoals: " + ", ".join(f"{k} {v}" for k, v in r["goals"].items()))
 
 
