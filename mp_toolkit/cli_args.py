@@ -329,6 +329,9 @@ def _add_data_parser(sub) -> None:
                      help="the share of documents held out for validation, chosen by a hash (default 0)")
     val.add_argument("--val-docs", type=int, default=None, metavar="K",
                      help="hold out exactly K documents (one extra reading pass over the corpus)")
+    p.add_argument("--val-min-docs", type=int, default=None, metavar="M",
+                   help="with --val-fraction: at least M documents held out, the M of smallest hash, when the "
+                        "fraction gives fewer (one extra reading pass)")
     p.add_argument("--seed", type=int, default=None, help="seeds the validation choice and the tokenizer's sample "
                    "(default 0)")
     p.add_argument("--tokenizer-sample-bytes", type=int, default=None, metavar="B",

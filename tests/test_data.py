@@ -129,7 +129,7 @@ def test_an_unprepared_source_is_prepared_once_into_the_cache_and_read_from_it(c
     (prepared,) = (tmp_path / "cache" / "prepared").iterdir()
     assert prepared.name == source_key(str(corpus), wanted, None)
     corpus_ = PreparedCorpus.open(prepared)
-    assert corpus_.vocab_size == 300 and corpus_.manifest["val_fraction"] == AUTO_VAL_FRACTION
+    assert corpus_.vocab_size == 300 and corpus_.manifest["val_fraction"] in (AUTO_VAL_FRACTION, 1 / 27)
     assert fed.digest and fed.tokenizer_digest == corpus_.manifest["tokenizer"]["sha256"]
     x, y = fed.train.read([0, 1], 0)
     assert x.shape == (2, 16) and int(x.max()) < 300 and torch.equal(x[:, 1:], y[:, :-1])
@@ -153,3 +153,13 @@ def test_bad_sources_are_one_line_errors(tmp_path):
     assert "\n" not in str(e.value) and "empty.txt" in str(e.value)
     with pytest.raises(DataError, match="blend weight 'x' is not a positive number"):
         feed(f"x:{empty},1:{empty}", wanted, tmp_path / "cache", total=8)
+
+
+def test_a_source_of_few_documents_still_holds_one_out(tmp_path):
+    """5% of five documents is most likely none: an automatically prepared source holds out at least one."""
+    for i in range(5):
+        (tmp_path / f"{i}.txt").write_text(f"document {i}\n" + "words and more words\n" * 40)
+    fed = feed(str(tmp_path), Wanted(vocab_size=300, seq_len=16, seed=0), tmp_path / "cache", total=8)
+    totals = fed.corpora[0].manifest["totals"]
+    assert totals["val"]["documents"] == 1 and totals["train"]["documents"] == 4
+    assert fed.validation is not None and len(fed.validation) > 0

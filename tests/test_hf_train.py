@@ -114,14 +114,15 @@ def test_gpt2_without_a_tokenizer_trains_one_and_pp2_equals_pp1(tmp_path, corpus
 
 
 def test_llama_with_its_tokenizer_json_pp2_equals_pp1_bitwise(tmp_path, corpus):
-    """DIR/tokenizer.json encodes the corpus (cached under --cache-dir). Llama's embedding and head
+    """DIR/tokenizer.json encodes the corpus (prepared once under --cache-dir). Llama's embedding and head
     are untied, so the pipeline run is bitwise the single-process one (DESIGN.md invariant 1)."""
     d = save_model(tmp_path / "llama", "llama", bpe_tokenizer(corpus))
     one, out = losses_of(tmp_path, "pp1", "--hf", d, "--data", corpus, "--pp", "1")
     # 2 ranks x 2 model chunks: 4 stages, 3 boundaries crossed by the mask and the position ids
-    two, _ = losses_of(tmp_path, "int", "--hf", d, "--data", corpus, "--pp", "2", "--schedule", "interleaved")
+    two, out2 = losses_of(tmp_path, "int", "--hf", d, "--data", corpus, "--pp", "2", "--schedule", "interleaved")
     assert f"tokenizer: {d / 'tokenizer.json'}" in out and "(hf LlamaForCausalLM)" in out
-    assert len(list((tmp_path / "cache").glob("tokens-*.npy"))) == 1  # one stream, reused by the second run
+    assert len(list((tmp_path / "cache").glob("prepared/*/manifest.json"))) == 1  # prepared once, read again
+    assert out.count("data: preparing") == 1 and "data: preparing" not in out2
     assert two == one
     assert one[-1] < one[0] - 0.05, one
 

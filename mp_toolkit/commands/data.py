@@ -41,7 +41,7 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> int:
                         "prepare each into its own --output)")
     given = {name: value for name, value in (
         ("val_fraction", args.val_fraction), ("seed", args.seed), ("sample_bytes", args.tokenizer_sample_bytes),
-        ("chunk_docs", args.chunk_docs)) if value is not None}
+        ("chunk_docs", args.chunk_docs), ("val_min_docs", args.val_min_docs)) if value is not None}
     done = prepare(args.input, args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                    workers=args.workers if args.workers is not None else os.cpu_count() or 1,
                    json_key=args.json_keys[0], split_sentences=args.split_sentences, append_eod=args.append_eod,

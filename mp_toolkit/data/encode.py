@@ -149,10 +149,10 @@ class EncodePass:
         return self.reader.skipped_files
 
     def in_val(self, k: int, j: int) -> bool:
-        if self.opts.val_docs is None:
-            return self.opts.val_fraction > 0 and unit_hash("val", self.opts.seed, k, j) < self.opts.val_fraction
         u = unit_hash("val", self.opts.seed, k, j)
-        return self.survey.val_cut is not None and (u, k, j) <= self.survey.val_cut
+        if self.opts.val_docs is not None or (self.survey is not None and self.survey.val_cut is not None):
+            return self.survey.val_cut is not None and (u, k, j) <= self.survey.val_cut
+        return self.opts.val_fraction > 0 and u < self.opts.val_fraction
 
     def _to_encode(self) -> Iterator[tuple[int, int, str, int]]:
         """The documents of chunks without a record; notes every chunk met in `order`."""

@@ -40,7 +40,10 @@ from mp_toolkit.data.tokens import load_tokenizer_file
 from mp_toolkit.errors import DataError
 
 AUTO_VAL_FRACTION = 0.05
-"""Documents an automatically prepared source holds out for validation (chosen by document)."""
+"""Documents an automatically prepared source holds out for validation (chosen by document)..."""
+AUTO_VAL_MIN_DOCS = {False: 1, True: 2}
+"""... and at least this many (a source of a few documents still has a validation split; BERT's random B
+comes from another document, so pairs need two)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def source_key(source: str, wanted: Wanted, tokenizer_digest: str | None) -> str
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     h.update(json.dumps([tokenizer_digest, None if tokenizer_digest else wanted.vocab_size, wanted.pairs,
-                         AUTO_VAL_FRACTION]).encode())
+                         AUTO_VAL_FRACTION, AUTO_VAL_MIN_DOCS[wanted.pairs]]).encode())
     return h.hexdigest()[:20]
 
 
@@ -133,7 +136,8 @@ def run_prepare(inputs: list[str], out: Path, tokenizer: Path | None, vocab_size
     rank's memory stays its own (a tokenizer's training sample and its merges are freed with the process)."""
     argv = [sys.executable, "-m", "mp_toolkit.cli", "data", "prepare", "--input", *inputs, "--output", str(out),
             *(["--tokenizer", str(tokenizer)] if tokenizer is not None else ["--vocab-size", str(vocab_size)]),
-            *(["--split-sentences"] if pairs else []), "--val-fraction", str(AUTO_VAL_FRACTION), "--seed", "0",
+            *(["--split-sentences"] if pairs else []), "--val-fraction", str(AUTO_VAL_FRACTION), "--val-min-docs",
+            str(AUTO_VAL_MIN_DOCS[pairs]), "--seed", "0",
             "--workers", "1", "--no-progress"]
     root = str(Path(__file__).resolve().parents[2])  # this mp_toolkit, pip-installed or a checkout on sys.path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -256,8 +260,12 @@ def _samples(corpus: PreparedCorpus, source: str, wanted: Wanted, cache_dir: Pat
         return PairSamples(shards, special, wanted.vocab_size, never, wanted.seq_len, wanted.seed, cache / name,
                            nsp_probability=nsp_probability, mlm_probability=mlm_probability, hf_order=wanted.hf_order)
 
-    val = pairs(corpus.val, "val") if sum(len(ds) for ds in corpus.val) else None
-    return pairs(corpus.train, "train"), val, special
+    train = pairs(corpus.train, "train")
+    try:  # a validation split too small for pairs (one document) only matters to a run that evaluates
+        val = pairs(corpus.val, "val") if sum(len(ds) for ds in corpus.val) else None
+    except DataError:
+        val = None
+    return train, val, special
 
 
 def _validation(corpus: PreparedCorpus, wanted: Wanted, cache: Path) -> PackedSamples | None:

@@ -36,7 +36,8 @@ The pipeline, in order:
 Choices, each fixed here:
 
 - Document j of file k (j counts the file's non-empty texts from 0) is in chunk j // chunk_docs.
-- Validation is chosen by document: u(seed, k, j), a hash mapped to [0, 1), below ``val_fraction``; or,
+- Validation is chosen by document: u(seed, k, j), a hash mapped to [0, 1), below ``val_fraction`` (with
+  ``val_min_docs`` M: when fewer than M fall under it, the M of smallest u, at most all but one); or,
   with ``val_docs`` K, the K documents of smallest u in the whole corpus (the survey keeps the K
   smallest: O(K) memory, one reading pass without encoding, over every input file, a part's too), so
   exactly K input documents (with ``split_sentences`` a document without a sentence is dropped from
@@ -133,7 +134,8 @@ def prepare(inputs, output, *, tokenizer: str | os.PathLike | None = None, vocab
             workers: int = 1, json_key: str = "text", split_sentences: bool = False, append_eod: bool | None = None,
             val_fraction: float = 0.0, val_docs: int | None = None, seed: int = 0,
             sample_bytes: int = DEFAULT_SAMPLE_BYTES, chunk_docs: int = DEFAULT_CHUNK_DOCS,
-            shard: tuple[int, int] = (0, 1), progress: bool = False, command: str | None = None) -> PrepareSummary:
+            shard: tuple[int, int] = (0, 1), progress: bool = False, command: str | None = None,
+            val_min_docs: int = 0) -> PrepareSummary:
     """Prepare ``inputs`` into the directory ``output`` (module docstring; each argument is the `Options`
     field of its name, ``sample_bytes`` is --tokenizer-sample-bytes); ``progress``: a bar on a terminal;
     ``command``: what the manifest records (default: the equivalent ``mpt data prepare`` line). Returns what
@@ -141,7 +143,7 @@ def prepare(inputs, output, *, tokenizer: str | os.PathLike | None = None, vocab
     start = time.monotonic()
     opts = Options(tuple(map(str, inputs)), Path(output), None if tokenizer is None else Path(tokenizer), vocab_size,
                    workers, json_key, split_sentences, append_eod, val_fraction, val_docs, seed, sample_bytes,
-                   chunk_docs, tuple(shard))
+                   chunk_docs, tuple(shard), val_min_docs)
     opts.check()
     sources = expand(list(opts.inputs), exclude=opts.output)
     given = read_given_tokenizer(opts.tokenizer) if opts.tokenizer is not None else None
@@ -160,7 +162,7 @@ def prepare(inputs, output, *, tokenizer: str | os.PathLike | None = None, vocab
             manifest = json.loads(target.read_bytes())
             return PrepareSummary(out, manifest, 0, time.monotonic() - start, opts.workers, 0, 0, 0, 0)
         need_sample = given is None and not (out / TOKENIZER).is_file()
-        survey_needed = need_sample or opts.val_docs is not None
+        survey_needed = need_sample or opts.val_docs is not None or opts.val_min_docs > 0
         survey = survey_corpus(sources, opts, need_sample, progress) if survey_needed else None
         vocab = settle_tokenizer(out, opts, given, survey, progress)
         run = EncodePass(out, opts, sources, vocab, survey)
@@ -180,7 +182,8 @@ def _settings(opts: Options, sources: list[Source], given: tuple[Tokenizer, byte
             "tokenizer": {"sha256": given[2]} if given else {"train_vocab_size": opts.vocab_size,
                                                             "sample_bytes": opts.sample_bytes},
             "json_keys": [opts.json_key], "split_sentences": opts.split_sentences, "append_eod": opts.append_eod,
-            "val_fraction": opts.val_fraction, "val_docs": opts.val_docs, "seed": opts.seed,
+            "val_fraction": opts.val_fraction, "val_docs": opts.val_docs, "val_min_docs": opts.val_min_docs,
+            "seed": opts.seed,
             "chunk_docs": opts.chunk_docs, "shards": opts.shard[1]}
 
 
@@ -223,5 +226,6 @@ def _command_line(opts: Options) -> str:
         words.append("--append-eod" if opts.append_eod else "--no-append-eod")
     words += ["--val-docs", str(opts.val_docs)] if opts.val_docs is not None else ["--val-fraction",
                                                                                    str(opts.val_fraction)]
+    words += ["--val-min-docs", str(opts.val_min_docs)] if opts.val_min_docs else []
     words += ["--seed", str(opts.seed), "--chunk-docs", str(opts.chunk_docs), "--shard", "/".join(map(str, opts.shard))]
     return " ".join(words)

@@ -51,6 +51,9 @@ class Options:
     """Input documents per chunk: a shard pair, and the unit a re-run skips."""
     shard: tuple[int, int]
     """(i, n): prepare files k with k % n == i only."""
+    val_min_docs: int = 0
+    """With ``val_fraction``: when fewer documents than this fall under it, the this many of smallest hash go to
+    val instead (at most all but one document; one extra reading pass)."""
 
     def check(self) -> None:
         if not self.inputs:
@@ -71,6 +74,8 @@ class Options:
             raise DataError(f"--val-fraction {self.val_fraction} must be in [0, 1)")
         if self.val_docs is not None and (self.val_docs < 0 or self.val_fraction):
             raise DataError(f"--val-docs {self.val_docs}: give a count >= 0, and not with --val-fraction")
+        if self.val_min_docs < 0 or (self.val_min_docs and self.val_docs is not None):
+            raise DataError(f"--val-min-docs {self.val_min_docs}: give a count >= 0, with --val-fraction")
         i, n = self.shard
         if not 0 <= i < n:
             raise DataError(f"--shard {i}/{n} is not i/n with 0 <= i < n")

@@ -141,7 +141,8 @@ def build_manifest(opts: Options, sources: list[Source], vocab: Vocab, survey: S
               command: str) -> dict:
     """The manifest (`mp_toolkit.data.prepared`'s format) of these chunk records."""
     splits = {split: [r[split] for r in records if r[split]] for split in SPLITS}
-    fraction = opts.val_fraction if opts.val_docs is None else opts.val_docs / survey.documents
+    fraction = survey.val_share if survey is not None and survey.val_share is not None else \
+        (opts.val_fraction if opts.val_docs is None else 0.0)
     doc = {"format": FORMAT, "version": VERSION,
            "tokenizer": {"file": TOKENIZER, "sha256": vocab.sha256, "vocab_size": vocab.vocab_size,
                          "eod_id": vocab.eod_id},

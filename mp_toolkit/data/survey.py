@@ -52,8 +52,11 @@ class Survey:
 
     sample: list[str] = field(default_factory=list)
     val_cut: tuple[float, int, int] | None = None
-    """The largest (u, k, j) that goes to val (``val_docs``); None: no document does."""
+    """The largest (u, k, j) that goes to val (``val_docs``, or ``val_min_docs`` when it decides); None: no
+    document does (``val_docs``) or ``val_fraction`` decides (``val_min_docs``)."""
     documents: int = 0
+    val_share: float | None = None
+    """The share of documents the cut sends to val (None: ``val_fraction``'s)."""
 
 
 def survey_corpus(sources: list[Source], opts: Options, need_sample: bool, progress: bool) -> Survey:
@@ -61,6 +64,7 @@ def survey_corpus(sources: list[Source], opts: Options, need_sample: bool, progr
     reader = Documents(sources, list(range(len(sources))), opts.json_key)
     sample: list[tuple[float, int, int, int, str]] = []  # max-heap by u: (-u, k, j, bytes, text)
     held, cut = 0, math.inf  # cut: the smallest u dropped; a document at or above it would be dropped too
+    under = 0  # documents under val_fraction (val_min_docs decides whether they are enough)
     val: list[tuple[float, int, int]] = []  # max-heap of the val_docs smallest (u, k, j), negated
     result = Survey()
     with byte_bar(reader.total, "reading corpus (tokenizer sample, val split)", progress) as bar:
@@ -75,9 +79,12 @@ def survey_corpus(sources: list[Source], opts: Options, need_sample: bool, progr
                 while held > opts.sample_bytes and len(sample) > 1:
                     dropped = heapq.heappop(sample)
                     held, cut = held - dropped[3], -dropped[0]
-            if opts.val_docs:
-                heapq.heappush(val, (-unit_hash("val", opts.seed, k, j), -k, -j))
-                if len(val) > opts.val_docs:
+            keep = opts.val_docs or opts.val_min_docs
+            if keep:
+                u_val = unit_hash("val", opts.seed, k, j)
+                under += u_val < opts.val_fraction
+                heapq.heappush(val, (-u_val, -k, -j))
+                if len(val) > keep:
                     heapq.heappop(val)
     if not result.documents:
         raise DataError(f"the inputs ({', '.join(opts.inputs)}) hold no documents")
@@ -85,7 +92,13 @@ def survey_corpus(sources: list[Source], opts: Options, need_sample: bool, progr
         raise DataError(f"--val-docs {opts.val_docs} leaves no training document: the corpus has "
                         f"{result.documents}")
     result.sample = [text for _, _, _, _, text in sorted(sample, key=lambda e: (e[1], e[2]))]
+    if opts.val_docs is None and opts.val_min_docs:
+        if under >= opts.val_min_docs or result.documents < 2:
+            return result  # the fraction decides (a lone document always trains)
+        while len(val) > min(opts.val_min_docs, result.documents - 1):
+            heapq.heappop(val)
     if val:
+        result.val_share = len(val) / result.documents
         u, k, j = val[0]
         result.val_cut = (-u, -k, -j)
     return result
