@@ -1,6 +1,10 @@
-"""recipes/: the DeepSpeed configs parse, and one recipe entry runs under the deepspeed launcher, torchrun
-and `mpt train --config` (CPU, gloo, 2 processes)."""
+"""recipes/: the DeepSpeed configs parse; `make_tokenizer.py` builds GPT-2- and BERT-style tokenizers locally;
+each `run.sh` prepares its corpus, then trains on it (the smoke runs under the deepspeed launcher, CPU, gloo,
+2 processes; the production path prepares once and hands the launcher the prepared directory); the entry also
+runs under torchrun and `mpt train --config`."""
 
+import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -9,14 +13,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
 from mp_toolkit.cli import main
+from mp_toolkit.data.feed import special_ids
+from mp_toolkit.data.prepared import PreparedCorpus
 from mp_toolkit.ds.config import read_ds_config
 from mp_toolkit.optim.lr import WarmupDecayLR, WarmupLR
 from mp_toolkit.run.launch import free_port
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 BIN = Path(sys.executable).parent
+_spec = importlib.util.spec_from_file_location("make_tokenizer", RECIPES / "make_tokenizer.py")
+make_tokenizer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_tokenizer)
 
 
 def run_group(cmd, timeout, cwd=None, env=None):
@@ -64,19 +74,38 @@ def losses(path):
     return [json.loads(line)["loss"] for line in Path(path).read_text().splitlines()]
 
 
+def sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def assert_trained_on_what_it_prepared(out, work: Path, name: str, kind: str):
+    """The smoke run built its tokenizer and prepared the corpus with it under WORK, and the ranks read that
+    directory as it is (`mpt train` prepared nothing itself)."""
+    prepared = work / name / "prepared"
+    assert f"wrote {work / name / 'tokenizer' / 'tokenizer.json'}: {kind}, 512 tokens" in out, out[-3000:]
+    assert f"prepared {prepared}: train " in out and "data: preparing" not in out, out[-3000:]
+    assert f"'--data', '{prepared}'" in out  # the launcher's command line for each rank
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["tokenizer"]["sha256"] == sha256(work / name / "tokenizer" / "tokenizer.json")
+    return manifest
+
+
 def test_gpt_recipe_smoke_under_the_deepspeed_launcher(tmp_path):
-    """`run.sh --smoke`: the real deepspeed launcher starts 2 CPU processes (pipeline.stages 2) that train
-    a 4-layer GPT for 30 steps on this repository's sources; the loss falls (measured 6.25 -> 5.94 with
-    the config's "Lamb" as DeepSpeed's FusedLamb, whose clamped trust ratios on every tensor take smaller
-    early steps than our rule: the smoke run's lr is 3e-2)."""
+    """`run.sh --smoke`: a 512-token byte-level BPE built from this repository's sources, the sources prepared
+    with it, then the real deepspeed launcher starts 2 CPU processes (pipeline.stages 2) that train a 4-layer
+    GPT for 30 steps on the prepared directory; the loss falls (measured 6.26 -> 5.92 with the config's "Lamb"
+    as DeepSpeed's FusedLamb, whose clamped trust ratios on every tensor take smaller early steps than our
+    rule: the smoke run's lr is 3e-2)."""
     metrics = tmp_path / "smoke.jsonl"
-    code, out = run_group([str(RECIPES / "gpt_pretrain" / "run.sh"), "--smoke", "--cache-dir", str(tmp_path / "cache"),
-                           "--metrics", str(metrics)], timeout=150,
-                          env=env(DEEPSPEED=str(BIN / "deepspeed"), MASTER_PORT=str(free_port())))
+    code, out = run_group([str(RECIPES / "gpt_pretrain" / "run.sh"), "--smoke", "--metrics", str(metrics)],
+                          timeout=150, env=env(DEEPSPEED=str(BIN / "deepspeed"), MASTER_PORT=str(free_port()),
+                                               WORK=str(tmp_path)))
     assert code == 0, out[-3000:]
     assert "launch.py" in out and "--local_rank=1" in out  # deepspeed's launcher, which passes --local_rank
     assert "pp 2, tp 1, dp 1" in out and "optimizer lamb" in out
     assert out.count("keys not used by mp_toolkit: steps_per_print, wall_clock_breakdown") == 1  # rank 0, once
+    manifest = assert_trained_on_what_it_prepared(out, tmp_path, "gpt_smoke", "byte-level BPE")
+    assert not manifest["split_sentences"] and manifest["append_eod"]
     loss = losses(metrics)
     assert len(loss) == 30 and sum(loss[-5:]) / 5 < loss[0] - 0.25, loss
 
@@ -110,15 +139,109 @@ def test_gpt_recipe_config_under_mpt_train(tmp_path, capsys):
 
 
 def test_bert_recipe_smoke_under_the_deepspeed_launcher(tmp_path):
-    """BERT's `run.sh --smoke` (issue 22): the deepspeed launcher starts 2 CPU processes (pipeline.stages
-    2; heartbeats on, as in every run) that pre-train bert-tiny (MLM + NSP) for 30 steps; the loss falls
-    by more than its own step-to-step spread over the first five steps."""
+    """BERT's `run.sh --smoke` (issue 22): a 512-token WordPiece built from this repository's sources, the
+    sources prepared with it into sentences, then the deepspeed launcher starts 2 CPU processes (pipeline.stages
+    2; heartbeats on, as in every run) that pre-train bert-tiny (MLM + NSP) for 30 steps; the loss falls by
+    more than its own step-to-step spread over the first five steps (measured 6.93 -> 6.77 on average)."""
     metrics = tmp_path / "smoke.jsonl"
-    code, out = run_group([str(RECIPES / "bert_pretrain" / "run.sh"), "--smoke", "--cache-dir", str(tmp_path / "cache"),
-                           "--metrics", str(metrics)], timeout=240,
-                          env=env(DEEPSPEED=str(BIN / "deepspeed"), MASTER_PORT=str(free_port())))
+    code, out = run_group([str(RECIPES / "bert_pretrain" / "run.sh"), "--smoke", "--metrics", str(metrics)],
+                          timeout=240, env=env(DEEPSPEED=str(BIN / "deepspeed"), MASTER_PORT=str(free_port()),
+                                               WORK=str(tmp_path)))
     assert code == 0, out[-3000:]
     assert "launch.py" in out and "pp 2, tp 1, dp 1" in out and " hung " not in out, out[-3000:]
+    manifest = assert_trained_on_what_it_prepared(out, tmp_path, "bert_smoke", "WordPiece")
+    assert manifest["split_sentences"] and manifest["totals"]["train"]["sequences"] > 10 * manifest["totals"][
+        "train"]["documents"]  # sentences, not whole files
     loss = losses(metrics)
     noise = max(loss[:5]) - min(loss[:5])  # the floor: how much the loss moves between early steps
     assert len(loss) == 30 and sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - noise, loss
+
+
+def corpus(tmp_path) -> Path:
+    """A few small documents of several sentences each, as a folder of text files."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(6):
+        (root / f"doc{i}.txt").write_text(
+            f"The pipeline has {i + 2} stages. Each stage runs its layers! Does the loss fall? It does.\n"
+            f"Micro-batches flow through stage {i}. Gradients accumulate over them.\n")
+    return root
+
+
+def test_make_tokenizer_bpe_is_byte_level_gpt2_style(tmp_path):
+    """--kind bpe: every byte in the alphabet (any text round-trips, no unknown token), <|endoftext|> at id 0,
+    at most --vocab-size tokens, GPT-2's split (a space starts the next word's token)."""
+    line = make_tokenizer.make_tokenizer("bpe", 300, [str(corpus(tmp_path))], tmp_path / "tok")
+    assert line.startswith(f"wrote {tmp_path / 'tok' / 'tokenizer.json'}: byte-level BPE, ") and "6 documents" in line
+    tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    assert tok.token_to_id("<|endoftext|>") == 0 and 257 < tok.get_vocab_size() <= 300
+    text = "Größe → 変換 and the stages\ttab"
+    assert tok.decode(tok.encode(text).ids) == text
+    words = tok.encode("the stages").tokens  # merges learnt from the corpus; GPT-2's space marker starts a word
+    assert len(words) < len("the stages") and any(t.startswith("Ġst") for t in words), words
+
+
+def test_make_tokenizer_wordpiece_is_bert_style(tmp_path):
+    """--kind wordpiece: [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0-4, lowercased, ## continuations, BERT's pair
+    template; and a corpus prepared with it (--split-sentences) gives BERT pairs their special ids."""
+    make_tokenizer.make_tokenizer("wordpiece", 120, [str(corpus(tmp_path))], tmp_path / "tok")
+    tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    assert [tok.token_to_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")] == [0, 1, 2, 3, 4]
+    assert tok.get_vocab_size() <= 120
+    pair = tok.encode("The STAGES", "it does")
+    assert pair.tokens[0] == "[CLS]" and pair.tokens[-1] == "[SEP]" and pair.tokens.count("[SEP]") == 2
+    assert "stages" in pair.tokens and pair.type_ids[-1] == 1
+    assert tok.decode(tok.encode("The loss falls").ids) == "the loss falls"
+    assert main(["data", "prepare", "--input", str(tmp_path / "corpus"), "--output", str(tmp_path / "prep"),
+                 "--tokenizer", str(tmp_path / "tok"), "--split-sentences", "--workers", "1", "--no-progress"]) == 0
+    special, never = special_ids(PreparedCorpus.open(tmp_path / "prep"), "prep")
+    assert (special.pad, special.cls, special.sep, special.mask) == (0, 2, 3, 4) and 1 in never  # [UNK] too
+
+
+@pytest.mark.parametrize("kind,vocab,error", [
+    ("bpe", 256, "--vocab-size 256 is too small for a byte-level BPE: use at least 257 (256 byte symbols + "
+                 "<|endoftext|>)"),
+    ("wordpiece", 8, "--vocab-size 8 is too small for a WordPiece vocabulary: use at least 24")])
+def test_make_tokenizer_refuses_in_one_line(tmp_path, capsys, kind, vocab, error):
+    argv = ["--kind", kind, "--vocab-size", str(vocab), "--input", str(corpus(tmp_path)), "--out", str(tmp_path)]
+    assert make_tokenizer.main(argv) == 2
+    assert capsys.readouterr().err == f"make_tokenizer.py: error: {error}\n"
+    assert make_tokenizer.main(["--kind", kind, "--vocab-size", "500", "--input", str(tmp_path / "nope"),
+                                "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"input {tmp_path / 'nope'} does not exist" in err
+    assert not (tmp_path / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("recipe,kind,what", [("gpt_pretrain", "bpe", "byte-level BPE"),
+                                              ("bert_pretrain", "wordpiece", "BERT WordPiece")])
+def test_recipe_without_tokenizer_refuses_in_one_line(recipe, kind, what):
+    """The production path needs TOKENIZER: one line says what to set, exit 2, nothing launched."""
+    code, out = run_group([str(RECIPES / recipe / "run.sh")], timeout=30, env=env(DEEPSPEED="echo"))
+    assert code == 2 and out.count("\n") == 1, out
+    assert out.startswith(f"run.sh: set TOKENIZER to a local {what} tokenizer") and f"--kind {kind}" in out, out
+
+
+@pytest.mark.parametrize("recipe,kind,model", [("gpt_pretrain", "bpe", "gpt2"),
+                                               ("bert_pretrain", "wordpiece", "bert-large")])
+def test_recipe_prepares_once_then_launches_on_the_prepared_directory(tmp_path, recipe, kind, model):
+    """`TOKENIZER=... DATA=... ./run.sh` (the launcher echoed): DATA prepared into WORK with the tokenizer and the
+    recipe's settings, the launcher given that directory; a second start finds it finished and encodes nothing."""
+    make_tokenizer.make_tokenizer(kind, 300, [str(corpus(tmp_path))], tmp_path / "tok")
+    run_env = env(DEEPSPEED="echo", MASTER_PORT="29500", TOKENIZER=str(tmp_path / "tok"),
+                  DATA=str(tmp_path / "corpus"), WORK=str(tmp_path / "work"), WORKERS="1")
+    prepared = tmp_path / "work" / f"{recipe.split('_')[0]}_prepared"
+    outs = [run_group([str(RECIPES / recipe / "run.sh"), "--steps", "3"], timeout=60, env=run_env)
+            for _ in range(2)]
+    for i, (code, out) in enumerate(outs):
+        assert code == 0, out
+        summary, launch = out.strip().splitlines()
+        assert summary.startswith(f"prepared {prepared}: train ")
+        assert summary.endswith("1 workers; 6 chunks encoded, 0 done before" if i == 0 else
+                                "0 chunks encoded, 0 done before"), summary
+        assert launch.startswith("--num_gpus 8 --master_port 29500 train.py --deepspeed_config ds_config.json "
+                                 f"--model {model} ")
+        assert f" --data {prepared} " in launch and launch.endswith(" --steps 3")
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["tokenizer"]["sha256"] == sha256(tmp_path / "tok" / "tokenizer.json")
+    assert manifest["val_fraction"] == 0.0005 and manifest["split_sentences"] == (kind == "wordpiece")
