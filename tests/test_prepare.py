@@ -210,6 +210,15 @@ def test_parts_merge_into_what_one_run_writes(tmp_path, capsys):
     assert "lacks manifest.part-1-of-2.json" in assert_one_line_exit_2(capsys, ["data", "merge", tmp_path / "parts"])
 
 
+def test_val_min_docs_holds_out_at_least_that_many_when_the_fraction_gives_fewer(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", make_texts(12))
+    few = prepare([src], tmp_path / "few", vocab_size=300, val_fraction=0.01, val_min_docs=3).manifest
+    assert few["totals"]["val"]["documents"] == 3 and few["val_fraction"] == 3 / 12
+    enough = prepare([src], tmp_path / "enough", vocab_size=300, val_fraction=0.5, val_min_docs=1).manifest
+    plain = prepare([src], tmp_path / "plain", vocab_size=300, val_fraction=0.5).manifest
+    assert enough["totals"] == plain["totals"] and enough["totals"]["val"]["documents"] > 1  # the fraction decides
+
+
 def test_val_docs_holds_out_exactly_that_many_documents(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", make_texts(40))
     done = prepare([src], tmp_path / "out", vocab_size=300, val_docs=6, chunk_docs=8, seed=3)
@@ -255,6 +264,10 @@ def test_a_second_run_of_a_locked_or_differently_prepared_dir_is_refused(tmp_pat
     line = assert_one_line_exit_2(capsys, ["data", "prepare", "--input", src, "--output", out, "--vocab-size", 300,
                                            "--seed", 2])
     assert "other settings: seed 1 there, 2 here" in line
+    settings = json.loads((out / "prepare.json").read_text())
+    del settings["val_min_docs"]  # a directory prepared before the setting existed: its default, and it continues
+    (out / "prepare.json").write_text(json.dumps(settings))
+    assert prepare([src], out, vocab_size=300, seed=1).path == out
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     assert_one_line_exit_2(capsys, ["data", "prepare", "--input", src, "--output", tmp_path / "other", "--vocab-size",
@@ -294,6 +307,9 @@ def bad_inputs(tmp_path) -> list[tuple[list, str]]:
         (["--input", good, "--tokenizer", tmp_path / "noeod.json", "--append-eod"], "has none of <|endoftext|>"),
         (["--input", good, *tok, "--json-keys", "a", "b"], "give one key"),
         (["--input", good, "--tokenizer", tmp_path / "noeod.json", *tok], "not allowed with argument"),
+        (["--input", good, "--tokenizer", tmp_path / "noeod.json", "--split-sentences"],
+         "lacks [PAD], [CLS], [SEP], [MASK], which BERT's sentence pairs need"),
+        (["--input", good, *tok, "--val-docs", "1", "--val-min-docs", "1"], "--val-min-docs 1"),
     ]
     try:
         import zstandard  # noqa: F401 -- with it installed the .zst case reads a truncated frame instead

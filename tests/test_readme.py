@@ -5,11 +5,14 @@ Each fenced ``bash`` block is read, its commands are joined over ``\\`` continua
 - ``mpt train``, ``torchrun`` on this machine, a recipe's ``run.sh --smoke``: for real, at smoke size
   (``--steps 1``; one rank thread), in a temporary directory so relative outputs land there;
 - ``mpt plan`` / ``mpt simulate``: in this process (placeholder paths replaced by a real config);
+- ``mpt data prepare``: for real, in the document's folder (its output is what the next commands train on);
 - ``make demo`` / ``make test``: ``make -n`` names the command; the demo's ``mpt train`` runs at smoke
   size (``make test`` cannot run inside itself);
 - commands for GPUs, several nodes or a corpus under ``/data``: ``run.sh`` with ``DEEPSPEED=echo``
-  prints the launcher command, which must equal the README's ``# =`` line, and ``train.py ...
-  --dry-run`` checks it as the launcher's rank 0 would (``RANK``/``WORLD_SIZE`` of the GPUs named).
+  prepares its corpus (``DATA`` under ``/data``: this repository's sources; ``TOKENIZER``: one
+  ``recipes/make_tokenizer.py`` builds; ``WORK``: a temporary directory) and prints the launcher
+  command, which must equal the README's last ``# =`` line, and ``train.py ... --dry-run`` checks it
+  as the launcher's rank 0 would (``RANK``/``WORLD_SIZE`` of the GPUs named).
 
 A command no rule matches fails the test, so a new README command needs a rule here.
 """
@@ -135,12 +138,27 @@ def real_paths(words: list[str], tmp_path: Path) -> list[str]:
             str(tmp_path / w.lstrip("/")) if w.startswith("/shared/") else w for w in words]
 
 
+def recipe_env(assigned: dict[str, str], where: Path, tmp_path: Path) -> dict[str, str]:
+    """A production run.sh's environment here: the corpus under /data is this repository's sources, its
+    TOKENIZER one built locally for the recipe's model, and what it prepares goes to tmp (WORK)."""
+    kind = "wordpiece" if where.name.startswith("bert") else "bpe"
+    tokenizer = tmp_path / "tokenizer"
+    run([sys.executable, str(ROOT / "recipes" / "make_tokenizer.py"), "--kind", kind, "--vocab-size", "512",
+         "--input", str(ROOT / "mp_toolkit"), "--out", str(tokenizer)], where)
+    real = {k: str(ROOT / "mp_toolkit") if v.startswith("/data/") else v for k, v in assigned.items()}
+    return {**real, "TOKENIZER": str(tokenizer), "WORK": str(tmp_path / "runs"), "WORKERS": "1"}
+
+
 def check_run_sh(cmd: Command, words: list[str], tmp_path: Path) -> str:
-    """run.sh prints (DEEPSPEED=echo) the README's ``# =`` command; smoke runs run, others are dry-run."""
+    """run.sh prepares its corpus, then prints (DEEPSPEED=echo) the README's last ``# =`` command, the
+    launcher's; smoke runs run, others are dry-run."""
     assigned = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
     args = [w for w in words if not re.match(r"^[A-Z_]+=", w)][1:]
-    printed = run(["./run.sh", *args], cmd.where, DEEPSPEED="echo", MASTER_PORT="29500", **assigned).split()
-    printed = [w.removeprefix(f"{cmd.where}/") for w in printed]
+    if "--smoke" not in args:
+        assigned = recipe_env(assigned, cmd.where, tmp_path)
+    out = run(["./run.sh", *args], cmd.where, DEEPSPEED="echo", MASTER_PORT="29500", **assigned)
+    launched = [w.removeprefix(f"{cmd.where}/") for w in out.strip().splitlines()[-1].split()]
+    printed = [w.removeprefix(f"{tmp_path}/") for w in launched]  # WORK's runs/ reads as the README's
     written = [w for w in shlex.split(cmd.expansion) if not re.match(r"^[A-Z_]+=", w)]
     assert written[0] == "deepspeed" and printed == written[1:], (printed, written)
     if "--smoke" in args:
@@ -148,9 +166,9 @@ def check_run_sh(cmd: Command, words: list[str], tmp_path: Path) -> str:
             return f"run in full by {COVERED[(cmd.doc, cmd.text)].__name__}"
         return run(["./run.sh", *args, *SMOKE, "--cache-dir", CACHE[0]], cmd.where,
                    DEEPSPEED=str(BIN / "deepspeed"), MASTER_PORT=str(free_port()))
-    gpus = int(printed[printed.index("--num_gpus") + 1])
-    entry = printed.index("train.py")
-    return launcher_dry_run(real_paths(printed[entry + 1:], tmp_path), cmd.where, gpus, gpus)
+    gpus = int(launched[launched.index("--num_gpus") + 1])
+    entry = launched.index("train.py")
+    return launcher_dry_run(real_paths(launched[entry + 1:], tmp_path), cmd.where, gpus, gpus)
 
 
 def check_torchrun(cmd: Command, words: list[str], tmp_path: Path) -> str:
@@ -167,6 +185,8 @@ def check_torchrun(cmd: Command, words: list[str], tmp_path: Path) -> str:
 def check_mpt(cmd: Command, words: list[str], tmp_path: Path, monkeypatch, capsys) -> str:
     if words[1] == "train":
         return smoke_train(words, cmd.where, tmp_path)
+    if words[1] == "data":  # a process of its own (its encoding pool cannot start under run_mpt's daemon)
+        return run([sys.executable, "-m", "mp_toolkit.cli", *words[1:], "--no-progress"], cmd.where)
     config = tmp_path / "config.json"  # the README's path/to/config.json: a small GPT's
     config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4,
                                   "n_positions": 128, "vocab_size": 512}))

@@ -116,8 +116,8 @@ def open_source(source: str, wanted: Wanted, cache_dir: Path, log=None) -> Prepa
         if wanted.tokenizer is not None and corpus.tokenizer_file is not None:
             given = hashlib.sha256(tokenizer_file(wanted.tokenizer).read_bytes()).hexdigest()
             if given != corpus.manifest["tokenizer"]["sha256"]:
-                raise DataError(f"--tokenizer {wanted.tokenizer} is not the tokenizer {source} was prepared with "
-                                f"({corpus.tokenizer_file}): leave --tokenizer out, or prepare the data with it")
+                raise DataError(f"the run's tokenizer {tokenizer_file(wanted.tokenizer)} is not the one {source} was "
+                                f"prepared with ({corpus.tokenizer_file}): prepare the data with the run's tokenizer")
         return corpus
     tok = tokenizer_file(wanted.tokenizer) if wanted.tokenizer is not None else None
     if tok is not None:  # before preparing anything with it

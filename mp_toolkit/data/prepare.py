@@ -88,6 +88,7 @@ from mp_toolkit.data.prepared_files import (
 )
 from mp_toolkit.data.sources import Source, expand
 from mp_toolkit.data.survey import EOD_TOKENS, eod_id, read_given_tokenizer, settle_tokenizer, survey_corpus
+from mp_toolkit.data.tokens import SPECIAL_TOKENS
 from mp_toolkit.errors import DataError
 
 __all__ = [  # prepare, and what `mpt data` and its tests take from here
@@ -147,6 +148,10 @@ def prepare(inputs, output, *, tokenizer: str | os.PathLike | None = None, vocab
     opts.check()
     sources = expand(list(opts.inputs), exclude=opts.output)
     given = read_given_tokenizer(opts.tokenizer) if opts.tokenizer is not None else None
+    missing = [t for t in SPECIAL_TOKENS if given is not None and given[0].token_to_id(t) is None]
+    if opts.split_sentences and missing:
+        raise DataError(f"--split-sentences: tokenizer {opts.tokenizer} lacks {', '.join(missing)}, which BERT's "
+                        "sentence pairs need (give a BERT tokenizer, or --vocab-size to train ours with them)")
     if given is not None and opts.append_eod and eod_id(given[0]) is None:
         raise DataError(f"--append-eod: tokenizer {opts.tokenizer} has none of {', '.join(EOD_TOKENS)} to end a "
                         "document with (drop --append-eod)")
@@ -187,6 +192,10 @@ def _settings(opts: Options, sources: list[Source], given: tuple[Tokenizer, byte
             "chunk_docs": opts.chunk_docs, "shards": opts.shard[1]}
 
 
+SETTING_DEFAULTS = {"val_min_docs": 0}
+"""Settings added after the first prepared directories: what a prepare.json without them meant."""
+
+
 def _claim(out: Path, settings: dict) -> None:
     """Write DIR/prepare.json, or check that this run's settings are the ones there."""
     file = out / SETTINGS
@@ -203,7 +212,7 @@ def _claim(out: Path, settings: dict) -> None:
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {file}: {e}") from None
     for key, value in settings.items():
-        if before.get(key) != value:
+        if before.get(key, SETTING_DEFAULTS.get(key)) != value:  # a setting newer than DIR: its default there
             if key == "inputs":
                 old, new = before.get(key) or [], value
                 diff = next((f"{a['path']} ({a['bytes']} bytes) there, {b['path']} ({b['bytes']} bytes) here"
