@@ -32,8 +32,8 @@ the end, on an error or on SIGTERM / SIGHUP too.
    process, and its largest worker, sampled from /proc 20 times a second) at every size, with the
    4,096-id BPE: the preparation the training runs need. Goal: not growing with the corpus.
 
-    python -m tools.bench_data                              # 50 MB and 2 GB: most of an hour on 2 busy cores
-    python -m tools.bench_data --sizes-mb 50,500            # about 10 minutes on 2 busy cores
+    python -m tools.bench_data                              # 50 MB and 2 GB: 13-20 minutes on 2 shared cores
+    python -m tools.bench_data --sizes-mb 50,500            # 5-8 minutes on 2 shared cores
     python -m tools.bench_data --sizes-mb 50                # the small size alone: nothing to compare
     python -m tools.bench_data --sizes-mb 1,2 --quick       # seconds: no mpt train, no 32k BPE, 1k WordPiece
 
