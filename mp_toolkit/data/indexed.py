@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mp_toolkit.data.rows import pread
 from mp_toolkit.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -122,8 +123,29 @@ class IndexedDataset:
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
 
+    def entry(self, i: int) -> tuple[int, int]:
+        """(byte pointer, token count) of sequence ``i``, read from ``.idx`` (`rows.pread`: nothing mapped)."""
+        idx, n = idx_path(self.prefix), len(self)
+        length = int(np.frombuffer(pread(idx, HEADER_BYTES + 4 * i, 4), np.int32)[0])
+        pointer = int(np.frombuffer(pread(idx, HEADER_BYTES + 4 * n + 8 * i, 8), np.int64)[0])
+        return pointer, length
+
+    def document_bounds(self, d: int) -> tuple[int, int]:
+        """(first sequence, sequence after the last) of document ``d``, read from ``.idx``."""
+        at = HEADER_BYTES + 12 * len(self) + 8 * d
+        first, end = np.frombuffer(pread(idx_path(self.prefix), at, 16), np.int64)
+        return int(first), int(end)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens ``[start, start + count)`` of ``.bin`` (token offsets), copied by `rows.pread`."""
+        if not (0 <= start and 0 <= count and start + count <= self.num_tokens):
+            raise DataError(f"{bin_path(self.prefix)}: tokens [{start}, {start + count}) lie outside its "
+                            f"{self.num_tokens}: the index is damaged")
+        size = self.dtype.itemsize
+        return np.frombuffer(pread(bin_path(self.prefix), start * size, count * size), self.dtype)
+
     def _fits(self, i: int) -> bool:
-        start, n = int(self.sequence_pointers[i]), int(self.sequence_lengths[i])
+        start, n = self.entry(i)
         return n >= 0 and start >= 0 and start % self.dtype.itemsize == 0 and start + n * self.dtype.itemsize <= \
             self.bin_bytes
 
@@ -131,15 +153,14 @@ class IndexedDataset:
         """Tokens ``[offset, offset + length)`` of sequence ``i`` (to its end when length is None)."""
         if not 0 <= i < len(self):
             raise IndexError(f"sequence {i} of {len(self)} in {self.prefix}")
+        pointer, n = self.entry(i)
         if not self._fits(i):
-            raise DataError(f"{idx_path(self.prefix)}: sequence {i} (pointer {int(self.sequence_pointers[i])}, "
-                            f"{int(self.sequence_lengths[i])} tokens) lies outside {bin_path(self.prefix)}: damaged")
-        n = int(self.sequence_lengths[i])
+            raise DataError(f"{idx_path(self.prefix)}: sequence {i} (pointer {pointer}, {n} tokens) lies outside "
+                            f"{bin_path(self.prefix)}: damaged")
         length = n - offset if length is None else length
         if not (0 <= offset and 0 <= length and offset + length <= n):
             raise IndexError(f"tokens [{offset}, {offset + length}) of a {n}-token sequence")
-        start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
-        return self.tokens[start : start + length]
+        return self.read(pointer // self.dtype.itemsize + offset, length)
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)

@@ -11,12 +11,13 @@ builds them. Per epoch, three arrays (computed once per (corpus, seq_len, seed, 
                                 (samples overlap by one token, so every token but the first is a label)
     shuffle    (N,)      int64  the epoch's sample order: a permutation drawn from (seed, epoch)
 
-``order(epoch)`` is ``shuffle``; ``read(rows, epoch)`` starts each row at its ``samples`` entry (a
-document's position in ``documents`` and the offset into it), so a read touches only the documents it
-returns. N is the same every epoch (the same tokens, reordered). Nothing here
-holds the corpus: opening an existing cache is O(1); building one is O(documents + samples) on the
-first rank that needs it (written atomically, `mp_toolkit.data.atomic`: racing ranks build identical files
-and one wins).
+``order(epoch)`` is ``shuffle``; ``read(rows, epoch)`` starts each row at its ``sample_doc`` /
+``sample_off`` entry, so a read touches only the documents it returns. Every entry and token is read
+with ``pread`` (`mp_toolkit.data.rows`): a memory map would keep each page a random read touched in the
+rank's resident memory, which would then grow with the corpus. N is the same every epoch (the same
+tokens, reordered). Nothing here holds the corpus: opening an existing cache is O(1); building one is
+O(documents + samples) on the first rank that needs it (written atomically, `mp_toolkit.data.atomic`:
+racing ranks build identical files and one wins).
 
     corpus = PreparedCorpus.open("data/owt")
     samples = PackedSamples(corpus.train, seq_len=1024, seed=0, cache_dir="data/owt/cache")
@@ -36,6 +37,7 @@ import torch
 from mp_toolkit.data.atomic import load_array, save_array
 from mp_toolkit.data.buckets import drawn_bucket
 from mp_toolkit.data.indexed import IndexedDataset, idx_path
+from mp_toolkit.data.rows import FileRows
 from mp_toolkit.errors import DataError
 
 INDEX_STREAM = 0x6770  # keeps the index draws apart from any other use of the same seed
@@ -68,7 +70,7 @@ class DocumentSpans:
 
     def _token(self, ds: IndexedDataset, seq: int) -> int:
         """Where sequence ``seq`` of ``ds`` starts, in tokens (its end for seq == len(ds))."""
-        return ds.num_tokens if seq == len(ds) else int(ds.sequence_pointers[seq]) // ds.dtype.itemsize
+        return ds.num_tokens if seq == len(ds) else ds.entry(seq)[0] // ds.dtype.itemsize
 
     def lengths(self) -> np.ndarray:
         """(D,) int64 tokens per document (O(documents): used when an index is built)."""
@@ -86,7 +88,8 @@ class DocumentSpans:
         """(its shard, its number there, its first token, the token after it) of document ``doc``."""
         s = int(np.searchsorted(self.first_doc, doc, side="right")) - 1
         ds, d = self.shards[s], doc - int(self.first_doc[s])
-        return ds, d, self._token(ds, int(ds.document_indices[d])), self._token(ds, int(ds.document_indices[d + 1]))
+        first, end = ds.document_bounds(d)
+        return ds, d, self._token(ds, first), self._token(ds, end)
 
     def length(self, doc: int) -> int:
         _, _, start, end = self.span(doc)
@@ -98,7 +101,7 @@ class DocumentSpans:
         if not (0 <= offset and offset + length <= end - start and 0 <= start <= end <= ds.num_tokens):
             raise DataError(f"{idx_path(ds.prefix)}: document {d} does not hold tokens [{offset}, {offset + length}):"
                             " the index changed since the sample index was built (delete its cache)")
-        return ds.tokens[start + offset : start + offset + length]
+        return ds.read(start + offset, length)
 
 
 class PackedSamples:
@@ -139,7 +142,8 @@ class PackedSamples:
             arrays = [load_array(f) for f in files]
             if not self._whole(arrays):
                 raise DataError(f"cannot read back the sample index written under {self.cache}")
-        self._epochs = {epoch: tuple(arrays)}  # one epoch's maps at a time
+        # read by pread from here on: a memory map would keep every page a random row touched (`rows`)
+        self._epochs = {epoch: tuple(FileRows.npy(f) for f in files)}  # one epoch's at a time
         return self._epochs[epoch]
 
     def _whole(self, arrays: list) -> bool:
@@ -162,8 +166,8 @@ class PackedSamples:
         shuffle = rng.permutation(n).astype(np.int64) if self.shuffle else np.arange(n, dtype=np.int64)
         return documents, sample_doc, sample_off, shuffle
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The epoch's sample order (a memory-mapped permutation of range(len(self)))."""
+    def order(self, epoch: int) -> FileRows:
+        """The epoch's sample order: a permutation of range(len(self)), read from the cache as sliced."""
         return self._index(epoch)[3]
 
     def sample(self, row: int, epoch: int) -> np.ndarray:
