@@ -27,6 +27,7 @@ prefix whose ``.idx`` exists is complete.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 import struct
@@ -220,8 +221,8 @@ class IndexedWriter:
         self._bin_tmp.parent.mkdir(parents=True, exist_ok=True)
         self._bin = open(self._bin_tmp, "wb")
         self._hash = hashlib.sha256()
-        self._lengths: list[np.ndarray] = []
-        self._docs = [0]
+        self._lengths = array.array("i")  # 4 bytes a sequence, 8 a document: the index, not a list of arrays
+        self._docs = array.array("q", [0])
         self._sequences = 0
         self._bytes = 0
 
@@ -244,7 +245,7 @@ class IndexedWriter:
             self._bin.write(raw)
             self._hash.update(raw)
             self._bytes += len(raw)
-        self._lengths.append(lengths)
+        self._lengths.extend(lengths.tolist())
         self._sequences += len(arrays)
         self._docs.append(self._sequences)
 
@@ -281,12 +282,12 @@ class IndexedWriter:
         os.fsync(self._bin.fileno())
         self._bin.close()
         self._bin = None
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        lengths = np.frombuffer(self._lengths, np.int32) if len(self._lengths) else np.zeros(0, np.int32)
         pointers = np.zeros(len(lengths), np.int64)
         if len(lengths):
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         header = MAGIC + struct.pack("<QBQQ", VERSION, CODE_OF[self.dtype], len(lengths), len(self._docs))
-        body = header + lengths.tobytes() + pointers.tobytes() + np.asarray(self._docs, np.int64).tobytes()
+        body = header + lengths.tobytes() + pointers.tobytes() + np.frombuffer(self._docs, np.int64).tobytes()
         idx_tmp = Path(f"{self.prefix}.idx.partial")
         with open(idx_tmp, "wb") as f:
             f.write(body)
