@@ -5,7 +5,8 @@ Each fenced ``bash`` block is read, its commands are joined over ``\\`` continua
 - ``mpt train``, ``torchrun`` on this machine, a recipe's ``run.sh --smoke``: for real, at smoke size
   (``--steps 1``; one rank thread), in a temporary directory so relative outputs land there;
 - ``mpt plan`` / ``mpt simulate``: in this process (placeholder paths replaced by a real config);
-- ``mpt data prepare``: for real, in the document's folder (its output is what the next commands train on);
+- ``mpt data prepare``: for real, in the document's folder (its output is what the next commands train on),
+  a trained tokenizer's sample cut to 1 MB (smoke size);
 - ``make demo`` / ``make test``: ``make -n`` names the command; the demo's ``mpt train`` runs at smoke
   size (``make test`` cannot run inside itself);
 - commands for GPUs, several nodes or a corpus under ``/data``: ``run.sh`` with ``DEEPSPEED=echo``
@@ -186,7 +187,8 @@ def check_mpt(cmd: Command, words: list[str], tmp_path: Path, monkeypatch, capsy
     if words[1] == "train":
         return smoke_train(words, cmd.where, tmp_path)
     if words[1] == "data":  # a process of its own (its encoding pool cannot start under run_mpt's daemon)
-        return run([sys.executable, "-m", "mp_toolkit.cli", *words[1:], "--no-progress"], cmd.where)
+        smoke = ["--tokenizer-sample-bytes", "1000000"] if "--vocab-size" in words else []  # a smaller BPE sample
+        return run([sys.executable, "-m", "mp_toolkit.cli", *words[1:], *smoke, "--no-progress"], cmd.where)
     config = tmp_path / "config.json"  # the README's path/to/config.json: a small GPT's
     config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4,
                                   "n_positions": 128, "vocab_size": 512}))
