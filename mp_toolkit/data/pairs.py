@@ -54,6 +54,7 @@ from mp_toolkit.data.atomic import int64_memmap, load_array
 from mp_toolkit.data.buckets import fitting_bucket
 from mp_toolkit.data.indexed import IndexedDataset, idx_path
 from mp_toolkit.data.mlm import IS_NEXT, NOT_NEXT, SpecialIds, mask_tokens
+from mp_toolkit.data.rows import FileRows
 from mp_toolkit.errors import DataError
 
 __all__ = ["CHUNK", "PairSamples", "index_key", "truncate_pair"]
@@ -139,17 +140,16 @@ class PairSamples:
             inside(*row[:3], 2) and 0 <= row[3] < len(documents) for row in (segments[0], segments[-1])) and all(
             inside(*row, 1) for row in (documents[0], documents[-1]))
 
-    def order(self, epoch: int) -> np.ndarray:
-        """Epoch ``epoch``'s permutation of the samples (int64, memory-mapped), drawn from
-        (seed, epoch) and cached under cache_dir."""
+    def order(self, epoch: int) -> FileRows:
+        """Epoch ``epoch``'s permutation of the samples (int64), drawn from (seed, epoch), cached under
+        cache_dir and read as sliced (`mp_toolkit.data.rows`: no page of it stays mapped in the rank)."""
         path, n = self._path(f"order-{self.seed}-{epoch}"), len(self)
         cached = _load(path, None)
-        if cached is not None and cached.shape == (n,):
-            return cached
-        perm = np.random.default_rng([self.seed, epoch, 0, ORDER_STREAM]).permutation(n)  # (N,) int64
-        with int64_memmap(path, (n,)) as out:
-            out[:] = perm
-        return _load(path, None)
+        if cached is None or cached.shape != (n,):
+            perm = np.random.default_rng([self.seed, epoch, 0, ORDER_STREAM]).permutation(n)  # (N,) int64
+            with int64_memmap(path, (n,)) as out:
+                out[:] = perm
+        return FileRows.npy(path)
 
     def read(self, rows: Sequence[int], epoch: int) -> tuple:
         """The micro-batch of samples ``rows`` in ``epoch``: ``((input_ids, token_type_ids,
