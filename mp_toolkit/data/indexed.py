@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mp_toolkit.data.rows import pread
+from mp_toolkit.data.rows import pread, preads
 from mp_toolkit.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -126,10 +126,9 @@ class IndexedDataset:
 
     def entry(self, i: int) -> tuple[int, int]:
         """(byte pointer, token count) of sequence ``i``, read from ``.idx`` (`rows.pread`: nothing mapped)."""
-        idx, n = idx_path(self.prefix), len(self)
-        length = int(np.frombuffer(pread(idx, HEADER_BYTES + 4 * i, 4), np.int32)[0])
-        pointer = int(np.frombuffer(pread(idx, HEADER_BYTES + 4 * n + 8 * i, 8), np.int64)[0])
-        return pointer, length
+        length, pointer = preads(idx_path(self.prefix), [(HEADER_BYTES + 4 * i, 4),
+                                                         (HEADER_BYTES + 4 * len(self) + 8 * i, 8)])
+        return int(np.frombuffer(pointer, np.int64)[0]), int(np.frombuffer(length, np.int32)[0])
 
     def document_bounds(self, d: int) -> tuple[int, int]:
         """(first sequence, sequence after the last) of document ``d``, read from ``.idx``."""
@@ -145,8 +144,8 @@ class IndexedDataset:
         size = self.dtype.itemsize
         return np.frombuffer(pread(bin_path(self.prefix), start * size, count * size), self.dtype)
 
-    def _fits(self, i: int) -> bool:
-        start, n = self.entry(i)
+    def _fits(self, i: int, entry: tuple[int, int] | None = None) -> bool:
+        start, n = self.entry(i) if entry is None else entry
         return n >= 0 and start >= 0 and start % self.dtype.itemsize == 0 and start + n * self.dtype.itemsize <= \
             self.bin_bytes
 
@@ -155,7 +154,7 @@ class IndexedDataset:
         if not 0 <= i < len(self):
             raise IndexError(f"sequence {i} of {len(self)} in {self.prefix}")
         pointer, n = self.entry(i)
-        if not self._fits(i):
+        if not self._fits(i, (pointer, n)):
             raise DataError(f"{idx_path(self.prefix)}: sequence {i} (pointer {pointer}, {n} tokens) lies outside "
                             f"{bin_path(self.prefix)}: damaged")
         length = n - offset if length is None else length

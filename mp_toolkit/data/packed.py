@@ -91,17 +91,13 @@ class DocumentSpans:
         first, end = ds.document_bounds(d)
         return ds, d, self._token(ds, first), self._token(ds, end)
 
-    def length(self, doc: int) -> int:
-        _, _, start, end = self.span(doc)
-        return end - start
-
-    def tokens(self, doc: int, offset: int, length: int) -> np.ndarray:
-        """Tokens ``[offset, offset + length)`` of document ``doc`` (a view of the mapped .bin)."""
+    def tokens(self, doc: int, offset: int, most: int) -> np.ndarray:
+        """Document ``doc``'s tokens from ``offset``, at most ``most`` of them (a copy read from its .bin)."""
         ds, d, start, end = self.span(doc)
-        if not (0 <= offset and offset + length <= end - start and 0 <= start <= end <= ds.num_tokens):
-            raise DataError(f"{idx_path(ds.prefix)}: document {d} does not hold tokens [{offset}, {offset + length}):"
-                            " the index changed since the sample index was built (delete its cache)")
-        return ds.read(start + offset, length)
+        if not (0 <= offset < end - start and 0 <= start <= end <= ds.num_tokens):
+            raise DataError(f"{idx_path(ds.prefix)}: document {d} does not hold token {offset}: the index changed "
+                            "since the sample index was built (delete its cache)")
+        return ds.read(start + offset, min(most, end - start - offset))
 
 
 class PackedSamples:
@@ -177,10 +173,9 @@ class PackedSamples:
         out = np.empty(self.seq_len + 1, np.int64)
         filled = 0
         while filled < len(out):  # across document boundaries (documents end with their end-of-document token)
-            doc = int(documents[pos])
-            n = min(len(out) - filled, self.docs.length(doc) - offset)
-            out[filled : filled + n] = self.docs.tokens(doc, offset, n)
-            filled, pos, offset = filled + n, pos + 1, 0
+            got = self.docs.tokens(int(documents[pos]), offset, len(out) - filled)  # one span lookup a document
+            out[filled : filled + len(got)] = got
+            filled, pos, offset = filled + len(got), pos + 1, 0
         return out
 
     def read(self, rows: Sequence[int], epoch: int) -> tuple[torch.Tensor, torch.Tensor]:

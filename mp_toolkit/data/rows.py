@@ -23,11 +23,19 @@ from mp_toolkit.errors import DataError
 
 def pread(path: str | os.PathLike, offset: int, size: int) -> bytes:
     """``size`` bytes of ``path`` from ``offset``; a `DataError` when the file is shorter."""
+    return preads(path, [(offset, size)])[0]
+
+
+def preads(path: str | os.PathLike, spans: list[tuple[int, int]]) -> list[bytes]:
+    """The bytes of each (offset, size) of ``path``, the file opened once."""
+    out = []
     with open(path, "rb", buffering=0) as f:
-        data = os.pread(f.fileno(), size, offset)
-    if len(data) != size:
-        raise DataError(f"{path} ends before byte {offset + size}: truncated since it was opened")
-    return data
+        for offset, size in spans:
+            data = os.pread(f.fileno(), size, offset)
+            if len(data) != size:
+                raise DataError(f"{path} ends before byte {offset + size}: truncated since it was opened")
+            out.append(data)
+    return out
 
 
 class FileRows:
@@ -56,10 +64,9 @@ class FileRows:
     def __getitem__(self, key):
         if isinstance(key, slice):
             first, stop, step = key.indices(self.count)
-            count = len(range(first, stop, step))
             if step < 0:
-                return FileRows(self.path, self.dtype, self.offset, count, self._at(first), self.step * step) \
-                    if count else FileRows(self.path, self.dtype, self.offset, 0)
+                raise ValueError("FileRows reads forward: slice it with a positive step")
+            count = len(range(first, stop, step))
             return FileRows(self.path, self.dtype, self.offset, count, self._at(first) if count else 0,
                             self.step * step)
         i = int(key)
@@ -77,10 +84,9 @@ class FileRows:
         """Every entry of this view, as an array (one read of the bytes they span)."""
         if self.count == 0:
             return np.zeros(0, self.dtype)
-        lo, hi = sorted((self._at(0), self._at(self.count - 1)))
-        size = self.dtype.itemsize
+        lo, hi, size = self._at(0), self._at(self.count - 1), self.dtype.itemsize
         span = np.frombuffer(pread(self.path, self.offset + lo * size, (hi - lo + 1) * size), self.dtype)
-        return span[:: self.step] if self.step > 0 else span[::-1][:: -self.step]
+        return span[:: self.step]
 
     def __iter__(self):
         return iter(self.read())
