@@ -16,7 +16,7 @@ from mp_toolkit.data.lm import MicroBatches, SyntheticSamples
 from mp_toolkit.data.packed import PackedSamples
 from mp_toolkit.data.rows import FileRows
 from mp_toolkit.errors import DataError
-from mp_toolkit.run.state import _data_state, data_position
+from mp_toolkit.run.data_position import data_position, data_state
 
 EOD = 0
 
@@ -159,7 +159,7 @@ def test_resume_at_another_layout_reads_the_same_samples_per_step(corpus, tmp_pa
     uninterrupted, _ = step_rows(samples, (1, 4, 2), 6)
     first, replicas = step_rows(samples, (1, 4, 2), 3)
     assert first == uninterrupted[:3]
-    saved = _data_state(replicas[0], 1)
+    saved = data_state(replicas[0], 1)
     assert saved["samples"] == 3 * 8
     resumed, _ = step_rows(samples, (2, 2, 2), 3, start=(json.loads(json.dumps(saved)), 1))
     assert resumed == uninterrupted[3:]

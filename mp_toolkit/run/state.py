@@ -24,13 +24,8 @@ its tp rank (`shard_full`), loads the optimizer state by name (any grouping), re
 position, the scaler and the step. RNG state is restored only on the identical layout; elsewhere
 every rank reseeds from (seed, step), the same on every rank as at a fresh start, and says so.
 
-Data position: every replica consumes m micro-batches per step, so a step at global position
-s reads samples [s G, (s + 1) G) of the epoch's order (G = dp x m x micro_batch; `MicroBatches`
-hands replica r the samples r, r + dp, ...). The manifest stores that position in samples; a
-layout with the same micro_batch x dp product per micro-batch round resumes exactly the same
-stream. Another micro_batch x dp resumes the same stream as long as the samples consumed in the
-current epoch divide evenly; epochs whose length differs between the layouts (the remainder each
-layout drops) are reported.
+Data position: `mp_toolkit.run.data_position` (what the manifest records of the sample stream, and
+resuming it on any layout).
 """
 
 from __future__ import annotations
@@ -67,6 +62,7 @@ from mp_toolkit.parallel.agree import agree
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import full_shape, gather_full, shard_full
 from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.run.data_position import check_same_data, data_position, data_state
 
 RUN_CONTROL = ("steps", "metrics", "plot", "progress", "threads", "timeout_s", "save_dir", "save_every", "keep",
                "resume", "cache_dir", "restarts", "max_skips", "overwrite")
@@ -220,13 +216,6 @@ def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: Mo
     return error
 
 
-def _data_state(data, dp: int) -> dict:
-    per_round = data.micro_batch_size * dp  # samples one micro-batch round of every replica reads
-    return {"epoch": data.epoch, "position": data.position, "micro_batch": data.micro_batch_size, "dp": dp,
-            "samples": data.position * per_round, "samples_per_epoch": data.batches_per_epoch * per_round,
-            "digest": data.digest, "tokenizer_sha256": data.tokenizer_digest}
-
-
 def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, progress: Progress, spec, lr: float,
              run: str | None = None) -> dict:
     """Rank 0's description of the run at this step (the store adds step, files and hashes); ``run``
@@ -236,7 +225,7 @@ def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, 
     return {
         **({"run": run} if run is not None else {}),
         "config": config_json(cfg), "model": spec.to_json(), "layout": layout_of(engine, ctx, cfg),
-        "progress": dataclasses.asdict(progress), "data": _data_state(data, ctx.dp),
+        "progress": dataclasses.asdict(progress), "data": data_state(data, ctx.dp),
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "lr_schedule": {"kind": type(schedule).__name__ if schedule is not None else "WarmupDecay",
                         "position": progress.applied + 1 if schedule is not None else progress.step + 1,
@@ -305,46 +294,6 @@ def reseed(seed: int, step: int) -> None:
     torch.manual_seed(s)
     random.seed(s)
     np.random.seed(s % 2**32)
-
-
-def data_position(saved: dict, data, dp: int, seq_len_change: tuple[int, int] | None = None) -> tuple[dict, str | None]:
-    """(this replica's ``MicroBatches`` state, a note when epochs differ) resuming the saved sample stream.
-
-    ``seq_len_change`` (saved, new): the corpus is cut into sequences of another length, so the saved
-    sample count means another place in it; the run continues the saved epoch at the same fraction
-    of it (whole micro-batch rounds, rounded down), and says so."""
-    if seq_len_change is not None:
-        rounds = data.batches_per_epoch  # micro-batch rounds per epoch on the new cut
-        in_epoch = saved["samples"] - saved["epoch"] * saved["samples_per_epoch"]
-        done = rounds * in_epoch // max(1, saved["samples_per_epoch"])
-        return ({"epoch": saved["epoch"], "position": saved["epoch"] * rounds + done},
-                f"--seq-len changed {seq_len_change[0]} -> {seq_len_change[1]}: the corpus is cut anew into "
-                f"{seq_len_change[1]}-token sequences; epoch {saved['epoch']} continues at the same fraction "
-                f"({done} of {rounds} micro-batch rounds)")
-    if (saved["micro_batch"], saved["dp"]) == (data.micro_batch_size, dp):
-        return {"epoch": saved["epoch"], "position": saved["position"]}, None
-    per_round = data.micro_batch_size * dp
-    in_epoch = saved["samples"] - saved["epoch"] * saved["samples_per_epoch"]
-    if in_epoch % per_round:
-        raise ConfigError(f"the checkpoint stopped {in_epoch} samples into epoch {saved['epoch']}, not a multiple of "
-                          f"--micro-batch {data.micro_batch_size} x --dp {dp} = {per_round}: resume with a "
-                          f"micro-batch x dp that divides it (saved: {saved['micro_batch']} x {saved['dp']})")
-    note = None
-    if saved["samples_per_epoch"] != data.batches_per_epoch * per_round:
-        note = (f"an epoch holds {data.batches_per_epoch * per_round} samples on this layout, "
-                f"{saved['samples_per_epoch']} on the saved one: this epoch continues the same stream, later ones drop "
-                "another remainder")
-    return {"epoch": saved["epoch"], "position": saved["epoch"] * data.batches_per_epoch + in_epoch // per_round}, note
-
-
-def check_same_data(saved: dict, data, cfg: TrainConfig, path) -> None:
-    """A resume reads the data it was saved on (the prepared manifest's digest), unless --data-changed-ok."""
-    before, now = saved.get("digest"), data.digest
-    if before == now or cfg.dataset.data_changed_ok or before is None and "digest" not in saved:
-        return
-    raise ConfigError(f"{path} was trained on other data (digest {str(before)[:12]}, --data {cfg.dataset.data} is "
-                      f"{str(now)[:12]}): resume on the same data, or pass --data-changed-ok to continue the saved "
-                      "sample count in the new data's order")
 
 
 def _check_model(meta: dict, spec, path) -> None:
