@@ -1,0 +1,312 @@
+"""A device and cluster profile: what the planner turns FLOPs, bytes and messages into seconds and
+capacities with (issue 36).
+
+A profile is a JSON or YAML file (``mpt plan --cluster FILE``, ``mpt train --cluster FILE``)::
+
+    {"name": "8 nodes of 8 H100 SXM", "source": "specification",
+     "nodes": 8, "devices_per_node": 8,
+     "device": {"kind": "cuda", "name": "NVIDIA H100 SXM5 80GB", "memory_gb": 80,
+                "tflops": {"fp32": 67, "bf16": 989, "fp16": 989}, "mem_gbps": 3350,
+                "runtime_gb": 0.6},
+     "intra_node": {"p2p_gbps": 450, "p2p_latency_us": 10, "collective_gbps": 450, "collective_latency_us": 15},
+     "inter_node": {"p2p_gbps": 50, "p2p_latency_us": 15, "collective_gbps": 50, "collective_latency_us": 25}}
+
+``device.kind`` names the allocator the memory model follows: ``cpu`` (the glibc heap; a process's
+resident memory) or ``cuda`` (the caching allocator; `CUDA_ALLOCATOR`). ``tflops`` is the sustained
+matrix-product rate per precision of one device; on a ``cpu`` device it is the rate of **one core**
+and ``cores`` says how many cores a node has: the ranks of a node share them (`rank_tflops`), which
+is how an oversubscribed world (4 ranks on 2 cores) is described. ``runtime_gb`` is what each process
+holds beside the model's tensors (a CUDA context, the interpreter and torch's libraries).
+``source`` says where the figures come from: ``measured`` (``mpt plan --profile-here``),
+``specification`` (a datasheet: peaks, so predicted times are lower bounds) or ``default``.
+
+Ranks are laid on the grid with tp fastest, then dp, then pp (DESIGN.md invariant 3), so a tp
+group never leaves a node when tp divides the devices of a node, a dp group leaves it when
+tp x dp exceeds them, and a pipeline hop crosses nodes when tp x dp x (stage + 1) is a multiple of
+them (`Placement`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+from mp_toolkit.errors import PartitionError
+from mp_toolkit.names import PRECISIONS
+
+__all__ = ["ALLOCATORS", "ClusterError", "ClusterProfile", "DeviceSpec", "Link", "Placement", "SHIPPED",
+           "read_profile", "shipped_profile"]
+
+ALLOCATORS = ("cpu", "cuda")
+PROFILE_SOURCES = ("measured", "specification", "default")
+SHIPPED_DIR = Path(__file__).with_name("profiles")
+PROFILE_FIELDS = ("name", "source", "note", "nodes", "devices_per_node", "device", "intra_node", "inter_node")
+MAX_PROFILE_BYTES = 1 << 20
+"""A profile is a few hundred bytes; a file larger than this is not one."""
+
+
+class ClusterError(PartitionError):
+    """A cluster profile that cannot be used: one line naming the field."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of connection: point-to-point and collective bandwidth (GB/s, one direction) and
+    latency (microseconds per message, per collective step)."""
+
+    p2p_gbps: float
+    p2p_latency_us: float
+    collective_gbps: float
+    collective_latency_us: float
+
+    def p2p_s(self, nbytes: float) -> float:
+        return self.p2p_latency_us * 1e-6 + nbytes / (self.p2p_gbps * 1e9)
+
+    def allreduce_s(self, nbytes: float, ranks: int) -> float:
+        """Ring all-reduce: 2 (r-1)/r of the bytes over the wire, 2 (r-1) latency steps."""
+        if ranks <= 1:
+            return 0.0
+        return (2 * (ranks - 1) / ranks * nbytes / (self.collective_gbps * 1e9)
+                + 2 * (ranks - 1) * self.collective_latency_us * 1e-6)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device (a GPU, or on a CPU machine one rank's share of the cores)."""
+
+    kind: str
+    """The allocator: ``cpu`` or ``cuda``."""
+    name: str
+    memory_gb: float
+    """Capacity of one device (``cpu``: the node's memory, shared by its ranks)."""
+    tflops: tuple[tuple[str, float], ...]
+    """Sustained matrix-product TFLOP/s per precision (``cpu``: of one core)."""
+    mem_gbps: float
+    """Memory bandwidth (GB/s) the optimizer step streams its bytes at."""
+    runtime_gb: float = 0.0
+    """Held by each process beside the model's tensors."""
+    cores: int = 0
+    """``cpu``: the cores of a node, which its ranks share; 0 on other kinds."""
+    peak_tflops: tuple[tuple[str, float], ...] = ()
+    """The datasheet's peak per precision, the denominator of MFU; empty: ``tflops``."""
+
+    def rate(self, precision: str) -> float:
+        return dict(self.tflops)[precision]
+
+    def peak(self, precision: str) -> float:
+        return dict(self.peak_tflops or self.tflops)[precision]
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    name: str
+    source: str
+    """``measured``, ``specification`` or ``default``."""
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: Link
+    inter_node: Link
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def describe(self) -> str:
+        """The line every plan prints: which profile, and where its figures come from."""
+        d = self.device
+        where = {"measured": "measured", "specification": "specification figures, not measurements",
+                 "default": "defaults, not measurements"}[self.source]
+        return (f"profile: {self.name} ({where}): {self.nodes} x {self.devices_per_node} {d.name}, "
+                f"{d.memory_gb:g} GB each, {', '.join(f'{p} {t:g}' for p, t in d.tflops)} TFLOP/s"
+                f"{' per core' if d.kind == 'cpu' else ''}")
+
+    def rank_tflops(self, precision: str, ranks_per_node: int, threads: int | None = None) -> float:
+        """A rank's matrix-product rate: the device's, or on a ``cpu`` device its cores' share
+        (``threads`` each, at most the cores over the node's ranks)."""
+        d = self.device
+        if d.kind != "cpu":
+            return d.rate(precision)
+        share = d.cores / max(1, ranks_per_node)  # cores per rank; under 1 when oversubscribed
+        cores = min(threads, share) if threads else (math.floor(share) if share >= 1 else share)
+        return d.rate(precision) * cores
+
+    def rank_memory_bytes(self, ranks_per_node: int) -> int:
+        """What one rank may hold: the device's memory, or on a ``cpu`` device the node's share."""
+        per = self.device.memory_gb * 1e9
+        return int(per / max(1, ranks_per_node) if self.device.kind == "cpu" else per)
+
+    def placement(self, tp: int, dp: int, pp: int) -> "Placement":
+        return Placement(self, tp, dp, pp)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which link each communication of a (tp, dp, pp) grid crosses on ``cluster``."""
+
+    cluster: ClusterProfile
+    tp: int
+    dp: int
+    pp: int
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.cluster.devices_per_node, self.tp * self.dp * self.pp)
+
+    def _link(self, crosses: bool) -> Link:
+        return self.cluster.inter_node if crosses else self.cluster.intra_node
+
+    @property
+    def tp_link(self) -> Link:
+        return self._link(self.tp > self.cluster.devices_per_node)
+
+    @property
+    def dp_link(self) -> Link:
+        return self._link(self.tp * self.dp > self.cluster.devices_per_node)
+
+    def hop_link(self, stage: int) -> Link:
+        """The link from pipeline stage ``stage``'s ranks to stage ``stage + 1``'s (stages past pp
+        wrap around, as interleaved chunks do)."""
+        g, span = self.cluster.devices_per_node, self.tp * self.dp
+        first = (stage % self.pp) * span
+        nxt = ((stage + 1) % self.pp) * span
+        return self._link(any((first + i) // g != (nxt + i) // g for i in range(span)))
+
+
+def _positive(where: str, value, integer: bool = False, zero_ok: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and integer:
+        ok = float(value).is_integer()
+    if not ok or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        kind = "a positive integer" if integer else "a non-negative number" if zero_ok else "a positive number"
+        raise ClusterError(f"{where} is {value!r}: it must be {kind}")
+    return int(value) if integer else float(value)
+
+
+def _section(doc: dict, key: str, source: str) -> dict:
+    if key not in doc:
+        raise ClusterError(f"{source}: the field {key!r} is missing")
+    if not isinstance(doc[key], dict):
+        raise ClusterError(f"{source}: {key!r} must be a mapping, not {type(doc[key]).__name__}")
+    return doc[key]
+
+
+def _link(doc: dict, key: str, source: str) -> Link:
+    sec = _section(doc, key, source)
+    values = {}
+    for f in fields(Link):
+        if f.name not in sec:
+            raise ClusterError(f"{source}: the field {key}.{f.name} is missing")
+        values[f.name] = _positive(f"{source}: {key}.{f.name}", sec[f.name], zero_ok=f.name.endswith("latency_us"))
+    return Link(**values)
+
+
+def _rates(sec: dict, key: str, source: str, required: bool) -> tuple[tuple[str, float], ...]:
+    if key not in sec:
+        if required:
+            raise ClusterError(f"{source}: the field device.{key} is missing")
+        return ()
+    rates = sec[key]
+    if not isinstance(rates, dict) or not rates:
+        raise ClusterError(f"{source}: device.{key} must map precisions ({', '.join(PRECISIONS)}) to TFLOP/s")
+    out = []
+    for p, v in rates.items():
+        if p not in PRECISIONS:
+            raise ClusterError(f"{source}: device.{key} names precision {p!r}: choose among {', '.join(PRECISIONS)}")
+        out.append((p, _positive(f"{source}: device.{key}.{p}", v)))
+    return tuple(out)
+
+
+def profile_from_dict(doc, source: str = "profile") -> ClusterProfile:
+    """A `ClusterProfile` from a parsed file; every missing or non-positive field is one `ClusterError`."""
+    if not isinstance(doc, dict):
+        raise ClusterError(f"{source}: a cluster profile is a mapping of fields, not {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(PROFILE_FIELDS))
+    if unknown:
+        raise ClusterError(f"{source}: unknown field {unknown[0]!r}: the fields are {', '.join(PROFILE_FIELDS)}")
+    dev = _section(doc, "device", source)
+    kind = dev.get("kind")
+    if kind not in ALLOCATORS:
+        raise ClusterError(f"{source}: device.kind is {kind!r}: choose {' or '.join(ALLOCATORS)} (the allocator)")
+    for key in ("nodes", "devices_per_node"):
+        if key not in doc:
+            raise ClusterError(f"{source}: the field {key!r} is missing")
+    for key in ("memory_gb", "mem_gbps"):
+        if key not in dev:
+            raise ClusterError(f"{source}: the field device.{key} is missing")
+    cores = 0
+    if kind == "cpu":
+        if "cores" not in dev:
+            raise ClusterError(f"{source}: a cpu device needs device.cores, the cores its node's ranks share")
+        cores = _positive(f"{source}: device.cores", dev["cores"], integer=True)
+    src = doc.get("source", "specification")
+    if src not in PROFILE_SOURCES:
+        raise ClusterError(f"{source}: source is {src!r}: choose one of {', '.join(PROFILE_SOURCES)}")
+    tflops = _rates(dev, "tflops", source, required=True)
+    if "fp32" not in dict(tflops):
+        raise ClusterError(f"{source}: device.tflops needs an fp32 rate (the precision every run may use)")
+    return ClusterProfile(
+        name=str(doc.get("name") or Path(source).stem), source=src,
+        nodes=_positive(f"{source}: nodes", doc["nodes"], integer=True),
+        devices_per_node=_positive(f"{source}: devices_per_node", doc["devices_per_node"], integer=True),
+        device=DeviceSpec(kind=kind, name=str(dev.get("name") or kind),
+                          memory_gb=_positive(f"{source}: device.memory_gb", dev["memory_gb"]),
+                          tflops=tflops, mem_gbps=_positive(f"{source}: device.mem_gbps", dev["mem_gbps"]),
+                          runtime_gb=_positive(f"{source}: device.runtime_gb", dev.get("runtime_gb", 0.0),
+                                               zero_ok=True),
+                          cores=cores, peak_tflops=_rates(dev, "peak_tflops", source, required=False)),
+        intra_node=_link(doc, "intra_node", source), inter_node=_link(doc, "inter_node", source))
+
+
+def profile_to_dict(p: ClusterProfile) -> dict:
+    """What `read_profile` reads back (``mpt plan --profile-here`` writes it)."""
+    d = p.device
+    device = {"kind": d.kind, "name": d.name, "memory_gb": d.memory_gb, "tflops": dict(d.tflops),
+              "mem_gbps": d.mem_gbps, "runtime_gb": d.runtime_gb}
+    if d.kind == "cpu":
+        device["cores"] = d.cores
+    if d.peak_tflops:
+        device["peak_tflops"] = dict(d.peak_tflops)
+    link = lambda k: {f.name: getattr(k, f.name) for f in fields(Link)}
+    return {"name": p.name, "source": p.source, "nodes": p.nodes, "devices_per_node": p.devices_per_node,
+            "device": device, "intra_node": link(p.intra_node), "inter_node": link(p.inter_node)}
+
+
+def read_profile(path: str | Path) -> ClusterProfile:
+    """A profile file (``.json``, ``.yaml`` / ``.yml``) or the name of a shipped one (`SHIPPED`)."""
+    p = Path(path)
+    if not p.exists() and str(path) in SHIPPED:
+        p = SHIPPED_DIR / f"{path}.json"
+    try:
+        if not p.is_file():
+            raise ClusterError(f"--cluster {path}: no such file (shipped profiles: {', '.join(SHIPPED)})")
+        if p.stat().st_size > MAX_PROFILE_BYTES:
+            raise ClusterError(f"--cluster {path}: {p.stat().st_size} bytes is not a cluster profile")
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ClusterError(f"--cluster {path}: cannot read it: {e}") from None
+    try:
+        doc = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
+    except (ValueError, yaml.YAMLError, RecursionError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ClusterError(f"--cluster {path}: not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'JSON'}: "
+                           f"{first}") from None
+    return profile_from_dict(doc, str(path))
+
+
+def _shipped() -> tuple[str, ...]:
+    return tuple(sorted(f.stem for f in SHIPPED_DIR.glob("*.json"))) if SHIPPED_DIR.is_dir() else ()
+
+
+SHIPPED = _shipped()
+"""The profiles shipped beside this module (from public specifications): pass the name to ``--cluster``."""
+
+
+def shipped_profile(name: str, nodes: int | None = None) -> ClusterProfile:
+    """A shipped profile, with ``nodes`` nodes instead of its own count when given."""
+    p = read_profile(SHIPPED_DIR / f"{name}.json")
+    return p if nodes is None else ClusterProfile(p.name, p.source, nodes, p.devices_per_node, p.device,
+                                                  p.intra_node, p.inter_node)
