@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import yaml
@@ -110,6 +110,8 @@ class ClusterProfile:
     device: DeviceSpec
     intra_node: Link
     inter_node: Link
+    note: str = ""
+    """Where the figures come from, in words (a datasheet's, or how and where they were measured)."""
 
     @property
     def devices(self) -> int:
@@ -258,7 +260,8 @@ def profile_from_dict(doc, source: str = "profile") -> ClusterProfile:
                           runtime_gb=_positive(f"{source}: device.runtime_gb", dev.get("runtime_gb", 0.0),
                                                zero_ok=True),
                           cores=cores, peak_tflops=_rates(dev, "peak_tflops", source, required=False)),
-        intra_node=_link(doc, "intra_node", source), inter_node=_link(doc, "inter_node", source))
+        intra_node=_link(doc, "intra_node", source), inter_node=_link(doc, "inter_node", source),
+        note=str(doc.get("note") or ""))
 
 
 def profile_to_dict(p: ClusterProfile) -> dict:
@@ -271,8 +274,9 @@ def profile_to_dict(p: ClusterProfile) -> dict:
     if d.peak_tflops:
         device["peak_tflops"] = dict(d.peak_tflops)
     link = lambda k: {f.name: getattr(k, f.name) for f in fields(Link)}
-    return {"name": p.name, "source": p.source, "nodes": p.nodes, "devices_per_node": p.devices_per_node,
-            "device": device, "intra_node": link(p.intra_node), "inter_node": link(p.inter_node)}
+    return {"name": p.name, "source": p.source, **({"note": p.note} if p.note else {}), "nodes": p.nodes,
+            "devices_per_node": p.devices_per_node, "device": device, "intra_node": link(p.intra_node),
+            "inter_node": link(p.inter_node)}
 
 
 def read_profile(path: str | Path) -> ClusterProfile:
@@ -308,5 +312,4 @@ SHIPPED = _shipped()
 def shipped_profile(name: str, nodes: int | None = None) -> ClusterProfile:
     """A shipped profile, with ``nodes`` nodes instead of its own count when given."""
     p = read_profile(SHIPPED_DIR / f"{name}.json")
-    return p if nodes is None else ClusterProfile(p.name, p.source, nodes, p.devices_per_node, p.device,
-                                                  p.intra_node, p.inter_node)
+    return p if nodes is None else replace(p, nodes=nodes)
