@@ -1,0 +1,307 @@
+"""This machine's device and cluster profile, measured (``mpt plan --profile-here OUT``, issue 36).
+
+`measure_profile` returns a `cluster.ClusterProfile` with ``source: measured``; `write_profile`
+writes it where ``--cluster`` reads it back. What each figure is, and how it is measured:
+
+* **device**: ``cuda`` when torch sees a GPU (its name and memory from
+  ``torch.cuda.get_device_properties(0)``, ``cores`` 0), else ``cpu``: the processor's name
+  (``/proc/cpuinfo``), the machine's RAM as ``memory_gb`` (all ranks of the node share it) and the
+  cores this process may run on as ``cores`` (``sched_getaffinity``: a container's or ``taskset``'s
+  limit, not the machine's count).
+* **tflops** per precision: the rate of the matrix products of one transformer block at the
+  model's own shapes, for the micro-batch's N = micro_batch x seq_len tokens: (N x h)(h x 3h),
+  (N x h)(h x h), (N x h)(h x f), (N x f)(f x h), their FLOPs over the sum of each product's median
+  time. Small models' products are far from a processor's peak, which is why the shapes are the
+  model's, not a large square. On a ``cpu`` device it is the rate of **one core** (one torch
+  thread), as `cluster.DeviceSpec` defines it: the planner shares the cores out among a node's
+  ranks (`ClusterProfile.rank_tflops`). A precision the processor has no fast kernel for (bf16 or
+  fp16 on a CPU without AVX-512 BF16 / FP16) is still recorded at its measured, low rate: that is
+  what a run in it gets. Where the full products would take over a precision's share of
+  `RATE_BUDGET_S`, fewer token rows are timed (at least `PROBE_ROWS`): a slow kernel's rate does
+  not depend on the rows.
+* **mem_gbps**: a copy of a `COPY_BYTES` fp32 tensor (larger than a processor's last-level cache),
+  bytes read plus bytes written over the median time; one thread on a CPU, as the optimizer step
+  of one rank streams its states. Not the machine's total bandwidth over all cores.
+* **runtime_gb**: what a rank holds before it holds a tensor. ``cpu``: the resident memory of a
+  fresh interpreter that has imported torch and joined its process group (`link_rank`, measured in
+  each rank started below, the largest kept); a training rank imports more of the toolkit and
+  grows gloo's buffers with its messages, so this is a floor. ``cuda``: the device memory rank 0's
+  CUDA context and communicator take (``torch.cuda.mem_get_info`` in the rank, less what was in
+  use before it started).
+* **links**: `ranks` processes (`link_rank`, one thread each) join a process group over
+  127.0.0.1: gloo, or NCCL between GPUs where there are two or more (one GPU: gloo through host
+  memory, and the note says so). Point-to-point: rank 0 sends a 1-element and a `LARGE_BYTES`
+  message to rank 1 and back, each receive posted before its message arrives, as a pipeline's
+  are (a blocking receive posted after the message arrived costs gloo a handshake: a ~4 ms round
+  trip instead of ~0.3 ms on a 2-core VM); half the median round trips, fitted to `Link.p2p_s`
+  (latency + bytes / bandwidth) through both points. All-reduce: both sizes over all ranks, each
+  call after an untimed barrier, fitted to the ring formula of `Link.allreduce_s` through both
+  points. These are idle ranks' messages: a pipeline's compete with its compute for the cores.
+  Loopback messages are memory copies between processes, not a network: ``intra_node`` is this
+  host's, and ``inter_node`` repeats it, since one host has no other node to measure (the note
+  says so); a cluster's inter-node figures come from its own profile file.
+
+``nodes`` is 1; ``devices_per_node`` is `ranks` on a CPU (the ranks this machine runs) or the GPU
+count. No ``peak_tflops``: MFU against a measured profile is against the measured rate. The whole
+measurement takes ~8 s on 2 cores for ``gpt-small-cpu`` at 2 ranks (~12 s at 4), most of it the
+ranks' ``import torch``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mp_toolkit.optim.master import PRECISIONS
+
+from .cluster import ClusterError, ClusterProfile, DeviceSpec, Link, profile_to_dict
+from .cost import model_shape
+
+__all__ = ["block_products", "fit_link", "matmul_tflops", "measure_links", "measure_profile", "write_profile"]
+
+RATE_BUDGET_S = 2.5
+"""Seconds for the matrix-product rates of all precisions together."""
+PROBE_ROWS = 16
+"""Token rows of the first, sizing run of a precision's products."""
+COPY_BYTES = 256 << 20
+"""The tensor `copy_gbps` copies (twice the largest last-level cache of a CPU die we know of)."""
+LARGE_BYTES = {"gloo": 4 << 20, "nccl": 64 << 20}
+"""The large message of the link measurement: its time well above the latency on each backend."""
+LINK_TIMEOUT_S = 90.0
+"""A bound on the whole link measurement (the ranks' ``import torch`` included) and on each wait."""
+
+
+def block_products(hidden: int, ffn: int, tokens: int) -> list[tuple[int, int, int]]:
+    """(rows, inner, columns) of one transformer block's matrix products for ``tokens`` tokens:
+    the fused q/k/v projection, the attention output, the MLP's two."""
+    return [(tokens, hidden, 3 * hidden), (tokens, hidden, hidden), (tokens, hidden, ffn), (tokens, ffn, hidden)]
+
+
+def _seconds(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def matmul_tflops(products: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device,
+                  budget_s: float) -> float:
+    """The products' total FLOPs over the sum of each one's median time (see the module docstring),
+    in about ``budget_s``: rows cut where the full products would not fit it thrice."""
+    probe = [(min(rows, PROBE_ROWS), k, n) for rows, k, n in products]
+    operands = [(torch.randn(r, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device))
+                for r, k, n in probe]
+    # the second pass's time: the first pays one-time costs (cuBLAS's handle, oneDNN's kernel choice)
+    per_row = [sum(_seconds(lambda a=a, b=b: a @ b, device) for a, b in operands) for _ in range(2)][1] / probe[0][0]
+    full = products[0][0]
+    rows = full if per_row * full <= budget_s / 3 else max(probe[0][0], int(budget_s / 3 / per_row))
+    operands = [(torch.randn(rows, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device))
+                for _, k, n in products]
+    times: list[list[float]] = [[] for _ in operands]
+    started = time.perf_counter()
+    for i in range(1 + 25):  # the first pass warms up; 3 timed passes at least, 25 at most
+        for slot, (a, b) in zip(times, operands):
+            t = _seconds(lambda a=a, b=b: a @ b, device)
+            if i:
+                slot.append(t)
+        if i >= 3 and time.perf_counter() - started > budget_s:
+            break
+    flops = sum(2 * rows * k * n for _, k, n in products)
+    return flops / sum(statistics.median(t) for t in times) / 1e12
+
+
+def copy_gbps(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = 3) -> float:
+    """Bytes read plus bytes written by a copy of ``nbytes`` of fp32, over its median time."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # the first copy also faults the destination's pages in
+    t = statistics.median(_seconds(lambda: dst.copy_(src), device) for _ in range(repeats))
+    return 2 * src.numel() * 4 / t / 1e9
+
+
+def fit_link(p2p_one_way_s: tuple[float, float], allreduce_s: tuple[float, float],
+             nbytes: tuple[int, int], ranks: int) -> Link:
+    """A `Link` whose `Link.p2p_s` and `Link.allreduce_s` pass through both measured sizes."""
+    def through(times, factor: float, steps: int) -> tuple[float, float]:  # (GB/s, microseconds)
+        (t_small, t_large), (n_small, n_large) = times, nbytes
+        if t_large <= t_small:  # noise at the small size: the large time bounds the bandwidth alone
+            return factor * n_large / t_large / 1e9, t_small / steps * 1e6
+        per_byte = (t_large - t_small) / (factor * (n_large - n_small))
+        return 1 / per_byte / 1e9, max(0.0, t_small - factor * n_small * per_byte) / steps * 1e6
+
+    p2p_gbps, p2p_us = through(p2p_one_way_s, 1.0, 1)
+    ar_gbps, ar_us = through(allreduce_s, 2 * (ranks - 1) / ranks, 2 * (ranks - 1))
+    return Link(p2p_gbps=p2p_gbps, p2p_latency_us=p2p_us, collective_gbps=ar_gbps, collective_latency_us=ar_us)
+
+
+def _loopback_env() -> dict[str, str]:
+    """The ranks' environment: gloo's sockets on the loopback interface unless the user named one."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    loops = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if loops:
+        env.setdefault("GLOO_SOCKET_IFNAME", loops[0])
+    return env
+
+
+def _run_ranks(ranks: int, backend: str, kind: str, timeout_s: float) -> list[dict]:
+    """Start the `link_rank` processes, collect their JSON lines; every one is ended on the way out."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))  # loopback only; the store takes the open socket, so no race for the port
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    with listener:
+        store = dist.TCPStore("127.0.0.1", port, ranks, is_master=True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the socket now and closes it when it goes
+    argv = [backend, kind, str(LARGE_BYTES[backend]), str(timeout_s)]
+    procs = [subprocess.Popen([sys.executable, "-m", "mp_toolkit.partition.link_rank", str(r), str(ranks), str(port),
+                               *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_loopback_env())
+             for r in range(ranks)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        results = []
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            if p.returncode != 0:
+                last = (err.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
+                raise ClusterError(f"measuring the links: rank {r} of {ranks} failed: {last}; "
+                                   "give the cluster's figures in a file instead (--cluster FILE)")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"measuring the links: {ranks} {backend} ranks did not finish within {timeout_s:g} s "
+                           "(a loaded machine?); give the cluster's figures in a file instead (--cluster FILE)"
+                           ) from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        del store
+
+
+def measure_links(ranks: int, backend: str = "gloo", kind: str = "cpu",
+                  timeout_s: float = LINK_TIMEOUT_S) -> tuple[Link, float]:
+    """(the link between ``ranks`` processes of this host, the largest runtime bytes a rank held)."""
+    rows = _run_ranks(ranks, backend, kind, timeout_s)
+    first = rows[0]
+    link = fit_link(tuple(t / 2 for t in first["p2p_round_trip_s"]), tuple(first["allreduce_s"]),
+                    (first["small_bytes"], first["large_bytes"]), ranks)
+    held = first["cuda_used_bytes"] if kind == "cuda" else max(r["rss_bytes"] for r in rows)
+    return link, float(held)
+
+
+def cpu_facts() -> tuple[str, float, int]:
+    """(the processor's name, the machine's RAM in GB, the cores this process may use)."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return name or platform.processor() or "cpu", ram, cores
+
+
+def _rates(shape, tokens: int, precisions: tuple[str, ...], device: torch.device) -> dict[str, float]:
+    """TFLOP/s per precision at the model's block shapes; one torch thread on a CPU (restored after)."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        products = block_products(shape.hidden, shape.ffn, tokens)
+        return {p: matmul_tflops(products, PRECISIONS[p], device, RATE_BUDGET_S / len(precisions))
+                for p in precisions}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _checked(ranks: int, precisions, micro_batch: int, seq_len: int) -> tuple[str, ...]:
+    for what, v, least in (("ranks", ranks, 2), ("micro_batch", micro_batch, 1), ("seq_len", seq_len, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ClusterError(f"--profile-here: {what} is {v!r}: it must be an integer of at least {least}")
+    chosen = tuple(precisions or ("fp32", "bf16", "fp16"))
+    bad = [p for p in chosen if p not in PRECISIONS]
+    if bad:
+        raise ClusterError(f"--profile-here: precision {bad[0]!r}: choose among {', '.join(PRECISIONS)}")
+    return chosen if "fp32" in chosen else ("fp32", *chosen)  # a profile needs fp32 (`profile_from_dict`)
+
+
+def _sig(v: float) -> float:
+    """4 significant digits: more than the run-to-run noise of any of these figures."""
+    return float(f"{v:.4g}")
+
+
+def measure_profile(model: str = "gpt-small-cpu", ranks: int = 2, precisions=None, micro_batch: int = 8,
+                    seq_len: int = 128, name: str | None = None, hf: bool = False) -> ClusterProfile:
+    """This machine's profile (the module docstring says what each figure is and is not)."""
+    chosen = _checked(ranks, precisions, micro_batch, seq_len)
+    shape = model_shape(model, hf_modules=hf)
+    host = socket.gethostname()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = torch.device("cuda", 0) if gpus else torch.device("cpu")
+    tflops = _rates(shape, micro_batch * seq_len, chosen, device)
+    mem = copy_gbps(device, COPY_BYTES * (4 if gpus else 1))  # HBM copies 256 MiB in a tenth of a millisecond
+    how = (f"measured on {host} at {model}'s block shapes for {micro_batch} x {seq_len} tokens")
+    if gpus:
+        props = torch.cuda.get_device_properties(0)
+        dev_name, memory_gb, cores = props.name, props.total_memory / 1e9, 0
+        backend, world = ("nccl", min(ranks, gpus)) if gpus >= 2 else ("gloo", ranks)
+        torch.cuda.empty_cache()  # what this process holds on the device now is the baseline
+        free, total = torch.cuda.mem_get_info(0)
+        link, held = measure_links(world, backend, "cuda")
+        runtime = max(0.0, held - (total - free))
+        links = (f"links over NCCL between {world} GPUs" if backend == "nccl" else
+                 f"links over gloo between {world} processes through host memory (one GPU: no NCCL peer)")
+    else:
+        dev_name, memory_gb, cores = cpu_facts()
+        link, runtime = measure_links(ranks, "gloo", "cpu")
+        links = f"links over gloo on 127.0.0.1 between {ranks} processes of one thread each"
+        how += "; tflops of one core (one torch thread), mem_gbps of one thread"
+    kind = device.type
+    note = (f"{how}; {links}; one node: inter_node repeats intra_node (no second node measured), "
+            "give a cluster's own figures in a --cluster file")
+    spec = DeviceSpec(kind=kind, name=dev_name, memory_gb=_sig(memory_gb), tflops=tuple((p, _sig(t)) for p, t in
+                      tflops.items()), mem_gbps=_sig(mem), runtime_gb=_sig(runtime / 1e9), cores=cores)
+    link = Link(*(_sig(getattr(link, f.name)) for f in fields(Link)))
+    return ClusterProfile(name=name or f"{host}-{kind}", source="measured", nodes=1,
+                          devices_per_node=gpus or ranks, device=spec, intra_node=link, inter_node=link, note=note)
+
+
+def write_profile(profile: ClusterProfile, path: str | Path) -> Path:
+    """Write ``profile`` as JSON (`profile_to_dict`) whole or not at all; a one-line `ClusterError`
+    when it cannot be written."""
+    p = Path(path)
+    text = json.dumps(profile_to_dict(profile), indent=2) + "\n"
+    tmp = None
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=p.parent, prefix=f".{p.name}.", suffix=".tmp", delete=False,
+                                         encoding="utf-8") as f:
+            tmp = f.name
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except OSError as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise ClusterError(f"--profile-here {path}: cannot write it ({e.strerror or e}): "
+                           "choose a path in a directory you can write") from None
+    return p
