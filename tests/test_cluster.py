@@ -1,0 +1,293 @@
+"""Device and cluster profiles (issue 36): the reader's one-line errors, the shipped specification
+profiles, where a grid's communication runs (`Placement`), a CPU rank's share of the cores, and
+this machine's measured profile (`profile_here`), checked for its structure only."""
+import copy
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import yaml
+
+from mp_toolkit.partition.cluster import (
+    SHIPPED,
+    ClusterError,
+    ClusterProfile,
+    Link,
+    profile_from_dict,
+    profile_to_dict,
+    read_profile,
+    shipped_profile,
+)
+from mp_toolkit.partition.profile_here import block_products, fit_link, measure_profile, write_profile
+
+INTRA = {"p2p_gbps": 450, "p2p_latency_us": 10, "collective_gbps": 400, "collective_latency_us": 15}
+INTER = {"p2p_gbps": 50, "p2p_latency_us": 15, "collective_gbps": 45, "collective_latency_us": 25}
+
+
+def gpu_doc() -> dict:
+    return {"name": "two nodes", "source": "specification", "note": "a test's figures", "nodes": 2,
+            "devices_per_node": 4,
+            "device": {"kind": "cuda", "name": "GPU", "memory_gb": 80, "tflops": {"fp32": 60, "bf16": 900},
+                       "mem_gbps": 3000, "runtime_gb": 0.5, "peak_tflops": {"fp32": 67, "bf16": 989}},
+            "intra_node": dict(INTRA), "inter_node": dict(INTER)}
+
+
+def cpu_doc() -> dict:
+    return {"name": "this cpu", "source": "measured", "nodes": 1, "devices_per_node": 4,
+            "device": {"kind": "cpu", "name": "CPU", "memory_gb": 32, "tflops": {"fp32": 0.08}, "mem_gbps": 14,
+                       "runtime_gb": 0.25, "cores": 2},
+            "intra_node": dict(INTRA), "inter_node": dict(INTRA)}
+
+
+def refused(doc, match: str) -> str:
+    with pytest.raises(ClusterError, match=match) as e:
+        profile_from_dict(doc, "test.json")
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def edit(path: tuple[str, ...], value=None, delete: bool = False) -> dict:
+    doc = gpu_doc()
+    holder = doc
+    for key in path[:-1]:
+        holder = holder[key]
+    if delete:
+        del holder[path[-1]]
+    else:
+        holder[path[-1]] = value
+    return doc
+
+
+# --- shipped profiles -----------------------------------------------------------------------------
+
+def test_every_shipped_profile_loads_as_specification_figures():
+    assert {"h100-sxm", "a100-sxm-80gb", "h200-sxm", "l4"} <= set(SHIPPED)
+    for name in SHIPPED:
+        p = read_profile(name)
+        assert p.source == "specification" and "specification figures, not measurements" in p.describe()
+        assert p.device.kind == "cuda" and "datasheet" in p.note and "NCCL" in p.note
+        assert p.device.rate("fp32") > 0 and p.device.rate("bf16") > p.device.rate("fp32")
+        assert p.intra_node.p2p_gbps > p.inter_node.p2p_gbps
+
+
+def test_shipped_figures_are_the_datasheets():
+    h100, h200, l4 = read_profile("h100-sxm"), read_profile("h200-sxm"), read_profile("l4")
+    assert (h200.device.memory_gb, h200.device.mem_gbps) == (141, 4800)
+    assert h200.device.tflops == h100.device.tflops == (("fp32", 67), ("bf16", 989), ("fp16", 989))
+    assert (l4.device.memory_gb, l4.device.mem_gbps, dict(l4.device.tflops)) == (
+        24, 300, {"fp32": 30.3, "bf16": 121, "fp16": 121})
+    assert (l4.intra_node.p2p_gbps, l4.inter_node.p2p_gbps, l4.devices_per_node) == (32, 25, 8)
+    assert shipped_profile("l4", nodes=4).devices == 32 and shipped_profile("l4", nodes=4).note == l4.note
+
+
+# --- the reader's errors --------------------------------------------------------------------------
+
+REQUIRED = [("nodes",), ("devices_per_node",), ("device",), ("device", "kind"), ("device", "memory_gb"),
+            ("device", "tflops"), ("device", "mem_gbps"), ("intra_node",), ("inter_node",)] + [
+    (link, f) for link in ("intra_node", "inter_node") for f in INTRA]
+
+
+@pytest.mark.parametrize("path", REQUIRED, ids=".".join)
+def test_a_missing_field_is_one_line_naming_it(path):
+    message = refused(edit(path, delete=True), "missing" if path[-1] != "kind" else "device.kind is None")
+    assert path[-1] in message
+
+
+BAD_VALUES = [(("nodes",), 0), (("nodes",), -1), (("nodes",), 1.5), (("nodes",), "2"), (("nodes",), True),
+              (("devices_per_node",), 0), (("devices_per_node",), None), (("device", "memory_gb"), 0),
+              (("device", "memory_gb"), -80), (("device", "memory_gb"), "80"), (("device", "memory_gb"), False),
+              (("device", "memory_gb"), math.nan), (("device", "memory_gb"), math.inf),
+              (("device", "tflops", "fp32"), 0), (("device", "tflops", "bf16"), math.nan),
+              (("device", "tflops", "fp32"), True), (("device", "tflops", "bf16"), "fast"),
+              (("device", "peak_tflops", "fp32"), -1), (("device", "mem_gbps"), -1), (("device", "runtime_gb"), -0.5),
+              (("intra_node", "p2p_gbps"), 0), (("inter_node", "collective_gbps"), math.nan),
+              (("intra_node", "p2p_latency_us"), -1), (("inter_node", "collective_latency_us"), "fast")]
+
+
+@pytest.mark.parametrize("path,value", BAD_VALUES, ids=lambda v: ".".join(v) if isinstance(v, tuple) else repr(v))
+def test_a_non_positive_or_non_numeric_value_is_one_line_naming_it(path, value):
+    message = refused(edit(path, value), "must be a positive|must be a non-negative")
+    assert ".".join(path) in message and repr(value) in message
+
+
+def test_a_zero_latency_and_a_zero_runtime_are_allowed():
+    doc = edit(("intra_node", "p2p_latency_us"), 0)
+    doc["device"]["runtime_gb"] = 0
+    p = profile_from_dict(doc)
+    assert p.intra_node.p2p_latency_us == 0 and p.device.runtime_gb == 0
+
+
+def test_unknown_fields_precisions_and_kinds_are_refused():
+    refused(edit(("gpus",), 8), "unknown field 'gpus': the fields are name, source")
+    refused(edit(("device", "tflops", "fp8"), 2000), "precision 'fp8': choose among fp32, fp16, bf16")
+    refused(edit(("device", "tflops"), {"bf16": 900}), "needs an fp32 rate")
+    refused(edit(("device", "tflops"), {}), "device.tflops must map precisions")
+    refused(edit(("device", "tflops"), 60), "device.tflops must map precisions")
+    refused(edit(("device", "kind"), "tpu"), "device.kind is 'tpu': choose cpu or cuda")
+    refused(edit(("source",), "guess"), "source is 'guess': choose one of measured, specification, default")
+    refused(edit(("intra_node",), 5), "'intra_node' must be a mapping, not int")
+
+
+def test_a_cpu_device_needs_its_cores():
+    doc = cpu_doc()
+    del doc["device"]["cores"]
+    refused(doc, "a cpu device needs device.cores")
+    doc["device"]["cores"] = 0
+    refused(doc, r"device.cores is 0: it must be a positive integer")
+    doc["device"]["cores"] = 2.5
+    refused(doc, r"device.cores is 2.5: it must be a positive integer")
+
+
+@pytest.mark.parametrize("doc", [[1, 2], "h100", 8, None], ids=repr)
+def test_a_document_that_is_not_a_mapping_is_refused(doc):
+    refused(doc, "a cluster profile is a mapping of fields")
+
+
+def read_refused(path, match: str) -> None:
+    with pytest.raises(ClusterError, match=match) as e:
+        read_profile(path)
+    assert "\n" not in str(e.value)
+
+
+def test_files_the_reader_refuses(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"nodes": 1,')
+    read_refused(bad, "bad.json: not valid JSON")
+    bad.write_text(json.dumps(gpu_doc()).replace('"memory_gb": 80', '"memory_gb": NaN'))
+    read_refused(bad, r"device.memory_gb is nan")
+    bad.write_text("[1, 2]")
+    read_refused(bad, "a mapping of fields, not list")
+    bad.write_text(" " * (1 << 20) + "{}")
+    read_refused(bad, "bytes is not a cluster profile")
+    read_refused(tmp_path / "absent.json", "no such file .shipped profiles: .*h100-sxm")
+    broken = tmp_path / "bad.yaml"
+    broken.write_text("nodes: [1\ndevices_per_node: 4\n")
+    read_refused(broken, "bad.yaml: not valid YAML")
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml"])
+def test_a_yaml_profile_reads_as_its_json(tmp_path, suffix):
+    (tmp_path / "c.json").write_text(json.dumps(gpu_doc()))
+    (tmp_path / f"c{suffix}").write_text(yaml.safe_dump(gpu_doc(), sort_keys=False))  # tflops keep the file's order
+    assert read_profile(tmp_path / f"c{suffix}") == read_profile(tmp_path / "c.json") == profile_from_dict(gpu_doc())
+
+
+# --- round trip -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("doc", [gpu_doc(), cpu_doc()], ids=["cuda", "cpu"])
+def test_profile_to_dict_reads_back_to_the_same_profile(doc, tmp_path):
+    p = profile_from_dict(copy.deepcopy(doc))
+    assert profile_from_dict(profile_to_dict(p)) == p
+    assert profile_to_dict(p) == doc  # every field written, none added
+    assert read_profile(write_profile(p, tmp_path / "p.json")) == p
+    assert os.listdir(tmp_path) == ["p.json"]  # the temporary file renamed, none left behind
+
+
+def test_shipped_profiles_round_trip():
+    for name in SHIPPED:
+        p = read_profile(name)
+        assert profile_from_dict(profile_to_dict(p)) == p
+
+
+def test_a_profile_that_cannot_be_written_is_one_line(tmp_path):
+    p = profile_from_dict(cpu_doc())
+    for where in (tmp_path / "no-such-dir" / "p.json", tmp_path):  # a missing directory; a directory itself
+        with pytest.raises(ClusterError, match="cannot write it .* choose a path in a directory you can write") as e:
+            write_profile(p, where)
+        assert "\n" not in str(e.value) and str(where) in str(e.value)
+    assert os.listdir(tmp_path) == []  # nothing half-written left, here or beside the directory
+    assert not list(tmp_path.parent.glob(f".{tmp_path.name}.*"))
+
+
+# --- placement and a rank's share -----------------------------------------------------------------
+
+def place(tp: int, dp: int, pp: int, per_node: int = 4):
+    return ClusterProfile("t", "specification", 8, per_node, profile_from_dict(gpu_doc()).device, Link(**INTRA),
+                          Link(**INTER)).placement(tp, dp, pp)
+
+
+def test_tp_stays_in_a_node_and_dp_leaves_it_past_the_node():
+    intra, inter = Link(**INTRA), Link(**INTER)
+    assert place(2, 2, 2).tp_link == intra and place(2, 2, 2).dp_link == intra  # tp x dp = 4 = the node
+    assert place(4, 2, 1).tp_link == intra and place(4, 2, 1).dp_link == inter  # 8 > 4: dp crosses
+    assert place(1, 8, 1).dp_link == inter and place(8, 1, 1).tp_link == inter
+    assert place(2, 1, 1).ranks_per_node == 2 and place(2, 2, 4).ranks_per_node == 4
+
+
+def test_pipeline_hops_cross_nodes_at_the_node_boundaries():
+    intra, inter = Link(**INTRA), Link(**INTER)
+    # tp=2, dp=1, pp=4 on nodes of 4: stages on ranks (0,1) (2,3) | (4,5) (6,7)
+    assert [place(2, 1, 4).hop_link(s) for s in range(4)] == [intra, inter, intra, inter]  # 3 -> 0 wraps
+    # tp=2, dp=2, pp=2: one stage per node
+    assert [place(2, 2, 2).hop_link(s) for s in range(2)] == [inter, inter]
+    # tp=1, dp=1, pp=3: all on node 0, the wrap too
+    assert [place(1, 1, 3).hop_link(s) for s in range(3)] == [intra, intra, intra]
+    # the rule: hop s crosses exactly where tp x dp x (s + 1) is a multiple of the node's devices
+    for tp, dp, pp, g in [(1, 1, 8, 4), (1, 2, 4, 4), (2, 1, 8, 8), (1, 1, 6, 2), (2, 2, 4, 8)]:
+        for s in range(pp):
+            crosses = tp * dp * (s + 1) % g == 0
+            assert place(tp, dp, pp, g).hop_link(s) == (inter if crosses else intra), (tp, dp, pp, g, s)
+
+
+def test_a_cpu_rank_gets_its_share_of_the_cores():
+    p = profile_from_dict(cpu_doc())  # 2 cores at 0.08 TFLOP/s each
+    assert p.rank_tflops("fp32", 4) == pytest.approx(0.04)  # 4 ranks on 2 cores: half a core each
+    assert p.rank_tflops("fp32", 2) == pytest.approx(0.08)  # one core each
+    assert p.rank_tflops("fp32", 1) == pytest.approx(0.16)  # both cores
+    assert p.rank_tflops("fp32", 1, threads=1) == pytest.approx(0.08)
+    assert p.rank_memory_bytes(4) == 8_000_000_000
+    assert "per core" in p.describe()
+    gpu = profile_from_dict(gpu_doc())
+    assert gpu.rank_tflops("bf16", 4) == 900 and gpu.rank_memory_bytes(4) == 80_000_000_000
+    assert gpu.device.peak("bf16") == 989 and gpu.device.rate("bf16") == 900
+
+
+# --- the measured profile -------------------------------------------------------------------------
+
+def test_block_products_are_the_blocks_gemms():
+    assert block_products(128, 512, 1024) == [(1024, 128, 384), (1024, 128, 128), (1024, 128, 512), (1024, 512, 128)]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fit_link_passes_through_both_measured_sizes(ranks):
+    truth = Link(p2p_gbps=2.0, p2p_latency_us=100.0, collective_gbps=0.5, collective_latency_us=300.0)
+    sizes = (4, 4 << 20)
+    link = fit_link(tuple(truth.p2p_s(n) for n in sizes), tuple(truth.allreduce_s(n, ranks) for n in sizes),
+                    sizes, ranks)
+    for f in ("p2p_gbps", "p2p_latency_us", "collective_gbps", "collective_latency_us"):
+        assert getattr(link, f) == pytest.approx(getattr(truth, f)), f
+
+
+def test_fit_link_keeps_its_figures_positive_when_the_small_size_took_longer():
+    link = fit_link((2e-3, 1e-3), (3e-3, 2e-3), (4, 4 << 20), 2)
+    assert link.p2p_gbps == pytest.approx((4 << 20) / 1e-3 / 1e9) and link.p2p_latency_us == pytest.approx(2000)
+    assert link.collective_gbps > 0 and link.collective_latency_us == pytest.approx(1500)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"ranks": 1}, "ranks is 1: it must be an integer of at least 2"),
+                                          ({"precisions": ["fp8"]}, "precision 'fp8': choose among"),
+                                          ({"micro_batch": 0}, "micro_batch is 0"),
+                                          ({"seq_len": True}, "seq_len is True")])
+def test_measure_profile_refuses_bad_arguments_before_measuring(kwargs, match):
+    with pytest.raises(ClusterError, match=match):
+        measure_profile("gpt-tiny", **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_measure_profile_gives_a_readable_profile_of_this_machine(tmp_path):
+    p = measure_profile("gpt-tiny", ranks=2, precisions=("bf16",))
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    assert (p.source, p.device.kind, p.nodes, p.name) == ("measured", kind, 1, f"{socket.gethostname()}-{kind}")
+    assert dict(p.device.tflops).keys() == {"fp32", "bf16"}  # fp32 always: every profile needs it
+    assert all(t > 0 for _, t in p.device.tflops) and p.device.mem_gbps > 0 and p.device.runtime_gb > 0
+    assert p.device.memory_gb > 0
+    if kind == "cpu":
+        assert p.devices_per_node == 2 and p.device.cores == len(os.sched_getaffinity(0))
+    link = p.intra_node
+    assert link.p2p_gbps > 0 and link.collective_gbps > 0 and link.p2p_latency_us >= 0
+    assert link.collective_latency_us >= 0 and p.inter_node == link and "one node" in p.note
+    assert "measured" in p.describe()
+    assert read_profile(write_profile(p, tmp_path / "here.json")) == p
