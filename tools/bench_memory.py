@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from mp_toolkit.partition import PartitionError
-from mp_toolkit.partition.planner import gemm_tflops
+from mp_toolkit.partition.rates import gemm_tflops
 from tools.peers import Workload, run_peer
 from tools.predict import predict, rank_bytes, workload_config
 from tools.ranks import RunError

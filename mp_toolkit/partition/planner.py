@@ -14,17 +14,14 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
-import statistics
-import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
-from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
 from mp_toolkit.schedule import SPLIT_SCHEDULES, get_schedule, simulate
+from mp_toolkit.schedule.simulator import prepare
 
 from .build import measure_model
 from .cost import (
@@ -38,6 +35,7 @@ from .cost import (
     step_bytes_per_param,
 )
 from .memory import MemoryCapError, StageMemory, min_max_memory
+from .rates import Rates, rates_of
 from .recompute import apply_to_plan, choose_recompute
 from .request import PLAN_METHODS, PlanRequest, check_request
 from .solvers import PartitionError, explicit, min_max, uniform
@@ -79,6 +77,19 @@ class Plan:
     timeline: object = None
     recompute: list = field(default_factory=list)
     """Per stage, its `mp_toolkit.recompute.StageRecompute` (empty: none anywhere)."""
+    rates: Rates | None = None
+    """The rates and capacity it was planned with (`rates.rates_of`)."""
+    rank_bytes: list[int] = field(default_factory=list)
+    """Per pipeline rank, what it occupies on its device: its stages' bytes through the device's
+    allocator model, plus the process's runtime (`Rates.device_bytes`)."""
+    mfu: float | None = None
+    """Model FLOPs per second over the devices' peak (None without a profile)."""
+
+    @property
+    def fits(self) -> bool:
+        """Every rank within the capacity (``--memory-gb``, else the profile's device; no cap: True)."""
+        cap = self.rates.capacity if self.rates is not None else None
+        return cap is None or max(self.rank_bytes) <= cap
 
     @property
     def max_stage_time_ms(self) -> float:
@@ -96,28 +107,10 @@ class Plan:
                        for s in self.stages],
             "max_stage_time_ms": self.max_stage_time_ms, "bubble_fraction": self.bubble_fraction,
             "step_time_ms": self.step_time_ms, "tokens_per_s": self.tokens_per_s,
+            "rank_memory_bytes": self.rank_bytes, "mfu": self.mfu,
+            "profile": self.rates.profile if self.rates is not None else None,
             **({"recompute": [{"mode": c.mode, "layers": c.layers} for c in self.recompute]} if self.recompute else {}),
         }
-
-
-def gemm_tflops(dtype: str, n: int = 512, k: int = 512, repeats: int = 5) -> float:
-    """Measured TFLOP/s of an (n x k) @ (k x 4k) matrix product in ``dtype`` on this CPU."""
-    dt = PRECISIONS[dtype]
-    a, b = torch.randn(n, k, dtype=dt), torch.randn(k, 4 * k, dtype=dt)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return 2.0 * n * k * 4 * k / statistics.median(times) / 1e12
-
-
-def _allreduce_s(nbytes: float, ranks: int, req: PlanRequest) -> float:
-    """Ring all-reduce: 2 (r-1)/r of the bytes over the wire, 2 (r-1) latency steps."""
-    if ranks == 1:
-        return 0.0
-    return 2 * (ranks - 1) / ranks * nbytes / (req.p2p_gbps * GB) + 2 * (ranks - 1) * req.p2p_latency_us * 1e-6
 
 
 @dataclass
@@ -142,7 +135,7 @@ class LayerTimes:
     """Measured ZB-H1 bytes I records for W per micro-batch (`StageMemory.recorded`); [] when not."""
 
 
-def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> LayerTimes:
+def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rates: Rates) -> LayerTimes:
     """Per layer times, optimizer seconds and bytes: measured here (``--method time`` or
     ``--measure``; the split's I and W too for ``--schedule zbh1`` / ``zbdrain``) or from FLOPs."""
     split, recorded = None, []
@@ -157,17 +150,18 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost]) -> 
         source = ("measured on this machine (per micro-batch inside rounds of accumulating micro-batches, "
                   f"median of 3 rounds after 1 warm-up; {how})")
     else:
-        tflops = req.tflops or gemm_tflops(req.precision)
+        tflops = rates.tflops
         times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
         bpp_touched = bytes_per_param(req.precision, req.optimizer, momentum=req.momentum) + 8  # read + write
-        opt_s = [c.params * bpp_touched / (req.mem_gbps * GB) for c in costs]
+        opt_s = [c.params * bpp_touched / (rates.mem_gbps * GB) for c in costs]
         step_bpp = step_bytes_per_param(req.precision, req.optimizer, req.weight_decay)
         step_bytes = [c.params * step_bpp for c in costs]
         residue = 0
-        source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None else "")
+        source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None and
+                                                     req.cluster is None else "")
     if req.tp > 1:  # two all-reduces of the block's activations forward, two backward (Megatron)
         msg = req.micro_batch * req.seq_len * shape.hidden * ACT_BYTES[req.precision]
-        ar = 2 * _allreduce_s(msg, req.tp, req)
+        ar = 2 * rates.tp.allreduce_s(msg, req.tp)
         times = [(f + ar, b + ar) if c.kind.endswith(("Block", "Layer")) else (f, b) for (f, b), c in zip(times, costs)]
     return LayerTimes(times, opt_s, step_bytes, residue, costs, source, split, recorded)
 
@@ -210,11 +204,18 @@ def _inflight(req: PlanRequest):
     split backward keeps a micro-batch's activations until its W), for a split schedule what each
     stage holds at its peaks (`StageMemory.held`; empty otherwise), and for ranks of several stages
     what they hold at once (`StageMemory.rank_held`)."""
-    schedule = get_schedule(req.schedule, req.pp, req.microbatches, chunks=req.chunks)
-    tl = simulate(schedule)
-    split = req.schedule in SPLIT_SCHEDULES
+    return _unit_schedule(req.schedule, req.pp, req.microbatches, req.chunks)[:4]
+
+
+@functools.lru_cache(maxsize=128)
+def _unit_schedule(name: str, pp: int, microbatches: int, chunks: int):
+    """`_inflight`'s answer, kept: a layout search plans many requests that share a schedule."""
+    schedule = get_schedule(name, pp, microbatches, chunks=chunks)
+    ready = prepare(schedule)
+    tl = simulate(schedule, prepared=ready)
+    split = name in SPLIT_SCHEDULES
     inflight = tl.peak_inflight_w if split else tl.peak_inflight
-    return schedule, list(inflight), list(tl.peak_held_w) if split else [], list(tl.rank_held)
+    return schedule, tuple(inflight), tuple(tl.peak_held_w) if split else (), tuple(tl.rank_held), ready
 
 
 def _split_backward_ms(stage: StagePlan, bounds: list[int],
@@ -243,7 +244,8 @@ def make_plan(req: PlanRequest) -> Plan:
         raise PartitionError("--hf plans from the cost model: measuring layers (--method time, --measure) builds "
                              "model_zoo's modules; drop --hf or the measurement")
     costs = layer_costs(shape, req.micro_batch, req.seq_len, req.precision, req.tp)
-    lt = layer_times(req, shape, costs)
+    rates = rates_of(req, timed=req.method == "time" or req.measure)
+    lt = layer_times(req, shape, costs, rates)
     times, opt_s, step_bytes = lt.times, lt.opt_s, lt.step_bytes
     residue, costs, source = lt.residue, lt.costs, lt.source
     schedule, inflight, held, rank_held = _inflight(req)
@@ -257,13 +259,18 @@ def make_plan(req: PlanRequest) -> Plan:
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], accumulated=accumulated,
                          fixed=2 * msg_in + residue, step_transient=step_bytes, recorded=lt.recorded,
                          held=held, rank_held=rank_held)
+    # with a profile the cap is the rank's device (or --memory-gb) less the runtime, through its allocator
+    cut_req = req if req.cluster is None or rates.capacity is None else replace(
+        req, memory_gb=rates.tensor_capacity / GB)
     try:
-        bounds, choices = choose_recompute(req, shape, costs, times, memory, num_stages, lambda: cut(
-            req, costs, times, memory, num_stages))
+        bounds, choices = choose_recompute(cut_req, shape, costs, times, memory, num_stages, lambda: cut(
+            cut_req, costs, times, memory, num_stages))
     except MemoryCapError as e:
         a, b = e.boundaries[e.stage], e.boundaries[e.stage + 1]
-        need = e.needed * req.chunks / GB
-        error = PartitionError(f"--memory-gb {req.memory_gb:g} is too small: even the leanest cut puts "
+        need = rates.device_bytes(e.needed * req.chunks) / GB
+        what = (f"--memory-gb {req.memory_gb:g}" if req.memory_gb is not None
+                else f"the device's {rates.capacity / GB:.3g} GB")
+        error = PartitionError(f"{what} is too small: even the leanest cut puts "
                                f"{need:.3g} GB on stage {e.stage} ({costs[a].name}..{costs[b - 1].name}); "
                                f"use --memory-gb {_round_up(need)} or more")
         error.needed_gb = need  # the least cap that fits, for programs (tools/bench_memory.py)
@@ -282,25 +289,47 @@ def make_plan(req: PlanRequest) -> Plan:
     def message_bytes(action) -> float:  # F sends the stage's output, B the gradient of its input
         return out_bytes[action.stage] if action.kind.value == "SEND_F" else out_bytes[action.stage - 1]
 
-    timeline = simulate(schedule, stage_costs, p2p_latency=req.p2p_latency_us * 1e-3,
-                        p2p_bandwidth=req.p2p_gbps * GB / 1e3, message_bytes=message_bytes)
-    per_rank_opt = [0.0] * req.pp
-    for st in stages:  # every rank steps its own stages; the slowest rank closes the step
-        r = schedule.stage_to_rank[st.index]
-        grad_bytes = st.params * 4
-        # ZeRO-1: a reduce-scatter and an all-gather move an all-reduce's bytes; the step covers 1/dp
-        per_rank_opt[r] += st.optimizer_ms / zero_dp + 1e3 * _allreduce_s(grad_bytes, req.dp, req)
-    ends = {schedule.stage_to_rank[0], schedule.stage_to_rank[len(stages) - 1]}
-    if shape.tied and len(ends) == 2:  # the tied embedding / LM head gradient, summed over its two ranks
-        tie_ms = 1e3 * _allreduce_s(shape.vocab_size * shape.hidden // req.tp * ACT_BYTES[req.precision], 2, req)
-        for r in ends:
-            per_rank_opt[r] += tie_ms
+    hops = [rates.hop(s) for s in range(num_stages)]
+
+    def transfer(action) -> tuple[float, float]:  # ms: the link between the two stages
+        link = hops[min(action.stage, action.peer_stage)]
+        return link.p2p_latency_us * 1e-3, message_bytes(action) / (link.p2p_gbps * GB / 1e3)
+
+    prepared = _unit_schedule(req.schedule, req.pp, req.microbatches, req.chunks)[4]
+    timeline = simulate(schedule, stage_costs, transfer=transfer, prepared=prepared)
+    per_rank_opt = step_overhead_ms(req, rates, shape, [(st.params, st.optimizer_ms) for st in stages],
+                                    schedule.stage_to_rank)
     step_ms = timeline.step_time + max(per_rank_opt)
     tokens = req.microbatches * req.micro_batch * req.seq_len * req.dp
+    rank_bytes = [0] * req.pp
+    for st in stages:
+        rank_bytes[schedule.stage_to_rank[st.index]] += st.memory_bytes
+    model_flops = sum(c.flops_fwd + c.flops_bwd for c in costs) * req.microbatches * req.tp * req.dp
+    mfu = (model_flops / (step_ms / 1e3) / (rates.peak_tflops * 1e12 * req.pp * req.tp * req.dp)
+           if rates.peak_tflops else None)
     plan = Plan(req, costs, bounds, stages, timeline.bubble_fraction, step_ms, tokens / (step_ms / 1e3),
-                source, timeline=timeline, recompute=choices)
-    plan.warnings.extend(_memory_warnings(req, plan, schedule))
+                source, timeline=timeline, recompute=choices, rates=rates,
+                rank_bytes=[rates.device_bytes(b) for b in rank_bytes], mfu=mfu)
+    plan.warnings.extend(_memory_warnings(plan))
     return plan
+
+
+def step_overhead_ms(req: PlanRequest, rates: Rates, shape: ModelShape, stages: list[tuple[int, float]],
+                     stage_to_rank) -> list[float]:
+    """Per pipeline rank, what its step adds after the schedule's last action (ms): the optimizer over
+    its stages (``stages``: per stage its parameters and optimizer ms), their data-parallel gradient
+    all-reduce, and the tied embedding / LM head gradient summed over the two ranks holding it."""
+    zero_dp = req.dp if req.zero else 1
+    per_rank = [0.0] * req.pp
+    for s, (params, optimizer_ms) in enumerate(stages):  # every rank steps its own stages
+        # ZeRO-1: a reduce-scatter and an all-gather move an all-reduce's bytes; the step covers 1/dp
+        per_rank[stage_to_rank[s]] += optimizer_ms / zero_dp + 1e3 * rates.dp.allreduce_s(params * 4, req.dp)
+    ends = {stage_to_rank[0], stage_to_rank[len(stages) - 1]}
+    if shape.tied and len(ends) == 2:  # the tied embedding / LM head gradient, summed over its two ranks
+        tie_ms = 1e3 * rates.tie.allreduce_s(shape.vocab_size * shape.hidden // req.tp * ACT_BYTES[req.precision], 2)
+        for r in ends:
+            per_rank[r] += tie_ms
+    return per_rank
 
 
 def memory_shares(memory: StageMemory, bounds: list[int], stage_to_rank) -> list[int]:
@@ -315,17 +344,17 @@ def memory_shares(memory: StageMemory, bounds: list[int], stage_to_rank) -> list
     return out
 
 
-def _memory_warnings(req: PlanRequest, plan: Plan, schedule) -> list[str]:
-    if req.memory_gb is None:
-        return []
-    out = []
-    for rank in range(req.pp):
-        mine = [s for s in plan.stages if schedule.stage_to_rank[s.index] == rank]
-        total = sum(s.memory_bytes for s in mine)
-        if total > req.memory_gb * GB:
-            names = ", ".join(str(s.index) for s in mine)
-            out.append(f"warning: rank {rank} (stage {names}) needs {total / GB:.3g} GB, over the "
-                       f"--memory-gb {req.memory_gb:g} cap")
+def _memory_warnings(plan: Plan) -> list[str]:
+    cap, out = plan.rates.capacity, []
+    if cap is None:
+        return out
+    what = (f"the --memory-gb {plan.request.memory_gb:g} cap" if plan.request.memory_gb is not None
+            else f"the device's {cap / GB:.3g} GB")
+    to_rank = plan.timeline.schedule.stage_to_rank
+    for rank, total in enumerate(plan.rank_bytes):
+        if total > cap:
+            names = ", ".join(str(s.index) for s in plan.stages if to_rank[s.index] == rank)
+            out.append(f"warning: rank {rank} (stage {names}) needs {total / GB:.3g} GB, over {what}")
     return out
 
 

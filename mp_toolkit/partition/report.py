@@ -32,13 +32,19 @@ def format_plan(plan: Plan) -> str:
         span = first if first == last else f"{first}..{last}"
         rows.append((str(s.index), span, _human(s.params), f"{s.time_ms:.3f}", f"{s.memory_bytes / GB:.3f} GB"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [head, ""]
+    lines = [head] + ([plan.rates.profile] if plan.rates is not None else []) + [""]
     for row in rows:
         lines.append("  ".join(cell.ljust(w) if i == 1 else cell.rjust(w)
                                for i, (cell, w) in enumerate(zip(row, widths))))
     lines += recompute_lines(plan)
     lines += ["", f"bubble fraction {plan.bubble_fraction:.3f}   step time {plan.step_time_ms:.2f} ms   "
-                  f"{plan.tokens_per_s:,.0f} tokens/s   slowest stage {plan.max_stage_time_ms:.3f} ms"]
+                  f"{plan.tokens_per_s:,.0f} tokens/s   slowest stage {plan.max_stage_time_ms:.3f} ms"
+                  + (f"   MFU {plan.mfu:.1%}" if plan.mfu is not None else "")]
+    if r.cluster is not None:
+        cap = plan.rates.capacity
+        lines.append("per rank on its device (runtime and allocator included): "
+                     + ", ".join(f"{b / GB:.3g}" for b in plan.rank_bytes) + " GB"
+                     + (f" of {cap / GB:.3g} GB" if cap is not None else ""))
     lines += plan.warnings
     return "\n".join(lines)
 

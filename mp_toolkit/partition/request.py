@@ -13,6 +13,7 @@ from mp_toolkit.errors import PartitionError
 from mp_toolkit.names import PLAN_METHODS, PRECISIONS, SCHEDULES
 
 if TYPE_CHECKING:  # the argument's types only
+    from .cluster import ClusterProfile
     from .cost import ModelShape, OptimizerBytes
 
 __all__ = ["MAX_MICROBATCHES", "PLAN_METHODS", "PlanRequest", "check_request"]
@@ -81,6 +82,11 @@ class PlanRequest:
     zero: int = 0
     """ZeRO stage 0 or 1: masters and optimizer state partitioned over the dp replicas
     (`bytes_per_param`'s ``zero_dp``); each replica's optimizer step touches 1/dp of them."""
+    cluster: ClusterProfile | None = None
+    """The device and cluster profile (`cluster.ClusterProfile`): FLOP times at its rate for the
+    precision (``tflops`` not consulted), each message and collective over the link it crosses
+    (``p2p_*`` not consulted), the optimizer step at its memory bandwidth, and a rank's memory
+    against its capacity when ``memory_gb`` is not given. None: the flags' figures, this machine's GEMM."""
 
 
 def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: Mapping[str, OptimizerBytes]) -> None:

@@ -124,13 +124,15 @@ def insert_comms(
     out = []
     for rank, acts in enumerate(compute):
         row: list[Action] = []
+        received: set[Action] = set()  # the receives already in ``row`` (a set: rows hold thousands)
         for a in acts:
             need = _needed_receive(a, owner, num_stages)
-            if need is not None and need not in row:
+            if need is not None and need not in received:
                 fifo = pending[(owner[need.peer_stage], rank)]
                 while True:  # receive everything posted before `need` on this link
                     got = fifo.popleft()
                     row.append(got)
+                    received.add(got)
                     if got == need:
                         break
             row.append(a)

@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Union
 from .actions import Action, Kind, Schedule
 from .validate import simulate_order
 
-__all__ = ["Timeline", "Event", "simulate", "cost_function", "complete_kinds", "DEFAULT_COSTS"]
+__all__ = ["Timeline", "Event", "Prepared", "simulate", "prepare", "cost_function", "complete_kinds", "DEFAULT_COSTS"]
 
 CostSpec = Union[Callable[[Action], float], Mapping]
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -145,22 +145,27 @@ def simulate(
     p2p_latency: float = 0.0,
     p2p_bandwidth: float | None = None,
     message_bytes: float | Callable[[Action], float] | None = None,
+    transfer: Callable[[Action], tuple[float, float]] | None = None,
+    prepared: "Prepared | None" = None,
 ) -> Timeline:
     """Simulate ``schedule``; see the module docstring for the model.
 
     ``message_bytes`` is a number or ``send_action -> bytes``; the transfer term
     ``bytes / p2p_bandwidth`` is used only when both are given. Raises ``ScheduleError``
-    when the schedule deadlocks.
+    when the schedule deadlocks. ``transfer`` (``send -> (latency, wire time)``), when given, replaces
+    the three: messages crossing links of different speeds (a cluster's nodes). ``prepared``
+    (`prepare`): what depends on the schedule alone, computed once for many simulations of it.
     """
+    prepared = prepared or prepare(schedule)
     cost = cost_function(costs)
-    transfer = _transfer_function(p2p_latency, p2p_bandwidth, message_bytes)
+    transfer = transfer or _transfer_function(p2p_latency, p2p_bandwidth, message_bytes)
     owner = schedule.stage_to_rank
     clock = [0.0] * schedule.num_ranks
     busy = [0.0] * schedule.num_ranks
     link_free: dict[tuple[int, int], float] = {}
     arrival: dict[Action, float] = {}  # receive action -> time its message arrives
     events: list[dict[int, Event]] = [{} for _ in range(schedule.num_ranks)]
-    for rank, pos in simulate_order(schedule):  # every send is visited before its receive
+    for rank, pos in prepared.order:  # every send is visited before its receive
         a = schedule.actions[rank][pos]
         start = clock[rank]
         if a.kind.is_compute:
@@ -177,7 +182,20 @@ def simulate(
         events[rank][pos] = Event(a, start, clock[rank])
     per_rank = tuple(tuple(ev[i] for i in range(len(ev))) for ev in events)
     step_time = max((e.end for evs in per_rank for e in evs), default=0.0)
-    return Timeline(schedule, per_rank, step_time, tuple(busy), *_held_counts(schedule))
+    return Timeline(schedule, per_rank, step_time, tuple(busy), *prepared.held)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `simulate` needs of a schedule whatever its costs: the order in which it visits the actions
+    (`validate.simulate_order`) and what the stages hold (`_held_counts`)."""
+
+    order: tuple
+    held: tuple
+
+
+def prepare(schedule: Schedule) -> Prepared:
+    return Prepared(tuple(simulate_order(schedule)), _held_counts(schedule))
 
 
 def _transfer_function(latency, bandwidth, message_bytes):
