@@ -253,6 +253,20 @@ def _add_plan_parser(sub) -> None:
                    help="none, full, selective, or auto (with --method memory: chosen per stage with the cut)")
     p.add_argument("--recompute-layers", type=_layer_counts, default=None, metavar="N[,N...]",
                    help="first N block layers of every stage, or one count per stage (default: all)")
+    g = p.add_argument_group("device profile and layout search (issue 36)")
+    g.add_argument("--cluster", default=None, metavar="FILE|NAME",
+                   help="device and cluster profile (JSON / YAML, or a shipped one: h100-sxm, h200-sxm, "
+                        "a100-sxm-80gb, l4): FLOP rates, links, memory; replaces --tflops, --p2p-*, --mem-gbps")
+    g.add_argument("--profile-here", type=Path, default=None, metavar="OUT",
+                   help="measure this machine (matmul rates at --model's shapes, gloo links, memory) into OUT")
+    g.add_argument("--search", action="store_true",
+                   help="search every layout for --devices and --global-batch (ignores --pp --tp --dp "
+                        "--micro-batch --microbatches --schedule --recompute --zero)")
+    g.add_argument("--devices", type=int, default=None, help="devices to lay the run out on (--search)")
+    g.add_argument("--global-batch", type=int, default=None, help="sequences per step over all replicas (--search)")
+    g.add_argument("--top", type=int, default=5, help="layouts to print (--search; default 5)")
+    g.add_argument("--max-micro-batch", type=int, default=None,
+                   help="largest micro-batch size to try (--search; default any divisor of the batch per replica)")
 
 
 def _buckets(text: str) -> tuple[int, ...]:

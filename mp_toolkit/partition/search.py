@@ -1,0 +1,350 @@
+"""``mpt plan --search``: the whole layout of a run for a described cluster (issue 36).
+
+Given N devices (`cluster.ClusterProfile`: nodes of G), a model, a global batch B and a sequence
+length, the search enumerates every layout (`Layout`): pp x tp x dp = N with tp dividing G (a tp
+group stays in a node) and the model's heads and MLP, dp dividing B; micro-batch size x micro-batch
+count = B / dp; every schedule (interleaved with 2 chunks per rank); recomputation none, selective
+(where the family has it), full, or auto (per stage, chosen with the cut under the rank's memory, as
+``--recompute auto``); ZeRO 0 and, with dp > 1, 1. Each layout's prediction is `planner.make_plan`'s
+for that request: the search adds no model of its own, so what it ranks is what ``mpt plan`` prints
+for the pick.
+
+How it prunes, exactly (nothing feasible that could be in the top k is dropped):
+
+1. **Structure** (`enumerate_layouts`): a layout the run would refuse (tp not dividing the heads,
+   more stages than layers, B not divisible by dp, interleaved micro-batches not a multiple of pp)
+   is counted under its first reason and never planned.
+2. **Static memory** (`static_floor`): a rank's weights, gradients and optimizer state on the flops
+   cut (`cost.bytes_per_param`), with the process's runtime, through the allocator model; a layout
+   whose floor exceeds the capacity cannot fit whatever its schedule or recomputation, since these
+   only add activations to that floor. (Recomputation ``auto`` re-cuts by memory: its floor is the
+   leanest stage's, the total over pp.)
+3. **Time bound** (`time_floor`): a lower bound on the step time of any schedule of the layout: some
+   rank must run all its stages' forwards and backwards of m micro-batches (FLOPs at the profile's
+   rate, recomputation not counted), not before micro-batch 0 has passed the stages before its first.
+   Layouts are planned in the order of their bound, and the search stops when the next bound is above
+   the k-th best step time found: those left are slower than all k.
+
+GPT-2-XL on 64 H100s with a global batch of 512 searches in a few seconds on one core
+(BENCHMARKS.md, tests/test_search.py).
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from mp_toolkit.arch.architectures import ARCHITECTURES
+from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
+from mp_toolkit.schedule import SPLIT_SCHEDULES
+
+from .cluster import ClusterProfile
+from .cost import ACT_BYTES, CostModelError, bytes_per_param, layer_costs, model_shape
+from .planner import GB, Plan, PlanRequest, make_plan, step_overhead_ms
+from .rates import rates_of
+from .recompute import recompute_costs
+from .request import MAX_MICROBATCHES
+from .solvers import PartitionError, min_max
+
+__all__ = ["Layout", "SearchRequest", "SearchResult", "enumerate_layouts", "search"]
+
+SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbdrain", "zbh1")
+SEARCH_RECOMPUTE = ("none", "selective", "full", "auto")
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """What ``mpt plan --search`` is asked."""
+
+    model: str
+    devices: int
+    global_batch: int
+    """Sequences per optimizer step over all replicas."""
+    seq_len: int
+    cluster: ClusterProfile
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    momentum: float | None = None
+    weight_decay: float = 0.01
+    hf: bool = False
+    memory_gb: float | None = None
+    """A cap per rank below the device's; None: the device's capacity."""
+    top: int = 5
+    schedules: tuple[str, ...] = SEARCH_SCHEDULES
+    recompute: tuple[str, ...] = SEARCH_RECOMPUTE
+    zero: tuple[int, ...] = (0, 1)
+    max_micro_batch: int | None = None
+    """The largest micro-batch size tried; None: any divisor of B / dp."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space: the flags ``mpt train`` takes for it (`SearchResult.to_json`)."""
+
+    pp: int
+    tp: int
+    dp: int
+    micro_batch: int
+    microbatches: int
+    schedule: str
+    chunks: int
+    recompute: str
+    zero: int
+
+    def request(self, req: SearchRequest) -> PlanRequest:
+        """``mpt plan``'s request for this layout: the flops cut, or with recompute auto the memory cut."""
+        auto = self.recompute == "auto"
+        return PlanRequest(
+            model=req.model, pp=self.pp, tp=self.tp, dp=self.dp, micro_batch=self.micro_batch,
+            microbatches=self.microbatches, seq_len=req.seq_len, method="memory" if auto else "flops",
+            memory_gb=req.memory_gb, precision=req.precision, optimizer=req.optimizer, momentum=req.momentum,
+            weight_decay=req.weight_decay, schedule=self.schedule, chunks=self.chunks, load=False, hf=req.hf,
+            recompute=self.recompute, zero=self.zero, cluster=req.cluster)
+
+    def describe(self) -> str:
+        sched = self.schedule + (f" x{self.chunks}" if self.chunks > 1 else "")
+        return (f"pp {self.pp} tp {self.tp} dp {self.dp}, {self.microbatches} x {self.micro_batch}, {sched}, "
+                f"recompute {self.recompute}" + (", ZeRO-1" if self.zero else ""))
+
+
+@dataclass
+class SearchResult:
+    request: SearchRequest
+    best: list[tuple[Layout, Plan]]
+    """The top k feasible layouts, fastest first."""
+    rejected: Counter
+    """Layouts ruled out, per first reason."""
+    considered: int
+    planned: int
+    """Layouts planned in full (`make_plan`)."""
+    bounded: int
+    """Layouts never planned: their step-time bound was above the k-th best."""
+    seconds: float
+    same_as_none: int = 0
+    """Recompute auto layouts not planned: their recompute none layout fits, and auto would choose it."""
+    least_memory_gb: float | None = None
+    """With nothing feasible: the smallest per-rank capacity at which some layout fits."""
+    notes: list[str] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(req: SearchRequest, shape, layers: int):
+    """Every layout of ``req``: yields ``(layout, None)`` for the structurally valid ones and
+    ``(None, reason)`` for each one refused (counted per first reason)."""
+    arch = ARCHITECTURES[shape.family]
+    g = req.cluster.devices_per_node
+    for tp in _divisors(req.devices):
+        if tp > g:
+            yield None, f"tp over the {g} devices of a node"
+            continue
+        if any(v % tp for v in (shape.heads, shape.kvh, shape.ffn)):
+            yield None, "tp does not divide the heads or the MLP"
+            continue
+        for pp in _divisors(req.devices // tp):
+            dp = req.devices // (tp * pp)
+            if pp > layers:
+                yield None, "more stages than layers"
+                continue
+            if req.global_batch % dp:
+                yield None, "global batch not divisible by dp"
+                continue
+            yield from _per_replica(req, arch, layers, pp, tp, dp)
+
+
+def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: int):
+    per_replica = req.global_batch // dp
+    for mb in _divisors(per_replica):
+        if req.max_micro_batch is not None and mb > req.max_micro_batch:
+            continue
+        m = per_replica // mb
+        if m > MAX_MICROBATCHES:
+            yield None, f"more than {MAX_MICROBATCHES} micro-batches"
+            continue
+        for schedule in req.schedules if pp > 1 else ("1f1b",):
+            chunks = 2 if schedule == "interleaved" else 1
+            if chunks > 1 and (m % pp or pp * chunks > layers):
+                yield None, ("interleaved: micro-batches not a multiple of pp" if m % pp
+                             else "more stages than layers")
+                continue
+            for rec in req.recompute:
+                if rec == "selective" and not arch.selective:
+                    continue
+                for zero in req.zero if dp > 1 else (0,):
+                    yield Layout(pp, tp, dp, mb, m, schedule, chunks, rec, zero), None
+
+
+class _Floors:
+    """The static-memory and step-time floors of layouts, with costs and cuts shared between them."""
+
+    def __init__(self, req: SearchRequest, shape):
+        self.req, self.shape = req, shape
+        self._costs, self._cuts = {}, {}
+
+    def costs(self, tp: int, mb: int):
+        """The layer costs `make_plan` takes: the vocabulary padded for tp."""
+        key = (tp, mb)
+        if key not in self._costs:
+            shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, tp))
+            self._costs[key] = layer_costs(shape, mb, self.req.seq_len, self.req.precision, tp)
+        return self._costs[key]
+
+    def cut(self, tp: int, mb: int, stages: int) -> list[int]:
+        """`make_plan`'s flops cut."""
+        key = (tp, mb, stages)
+        if key not in self._cuts:
+            self._cuts[key] = min_max([c.flops_fwd + c.flops_bwd for c in self.costs(tp, mb)], stages)
+        return self._cuts[key]
+
+    def kept_full(self, tp: int, mb: int) -> list[int]:
+        """Per layer, the activation bytes it keeps per micro-batch with every block recomputed in full
+        (its input; `recompute.recompute_costs`)."""
+        costs = self.costs(tp, mb)
+        rc = recompute_costs(self.shape, costs, [(0.0, 0.0)] * len(costs), mb, self.req.seq_len,
+                             ACT_BYTES[self.req.precision], tp)
+        return [c.activation_bytes - saved for c, saved in zip(costs, rc.full_saved)]
+
+    def static_floor(self, lay: Layout, plan_req: PlanRequest, rates) -> int:
+        """The least bytes some rank holds on its device (module docstring, 2)."""
+        costs = self.costs(lay.tp, lay.micro_batch)
+        bpp = bytes_per_param(self.req.precision, self.req.optimizer, zero_dp=lay.dp if lay.zero else 1,
+                              momentum=self.req.momentum)
+        static = [c.params * bpp for c in costs]
+        if lay.recompute == "auto":  # any cut; every stage holds at least one micro-batch's layer inputs
+            per_rank = (sum(static) + sum(self.kept_full(lay.tp, lay.micro_batch))) / lay.pp
+        else:
+            bounds = self.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks)
+            per_rank = max(sum(sum(static[bounds[s]:bounds[s + 1]]) for s in range(r, len(bounds) - 1, lay.pp))
+                           for r in range(lay.pp))
+        return rates.device_bytes(int(per_rank))
+
+    def time_floor(self, lay: Layout, plan_req: PlanRequest, rates) -> float:
+        """A lower bound on the step time in ms (module docstring, 3), with the step's overhead after
+        the schedule (`planner.step_overhead_ms`) exactly as `make_plan` adds it."""
+        costs, tflops = self.costs(lay.tp, lay.micro_batch), rates.tflops
+        stages = lay.pp * lay.chunks
+        bounds = self.cut(lay.tp, lay.micro_batch, stages)
+        fb = [sum(c.flops_fwd + c.flops_bwd for c in costs[a:b]) / (tflops * 1e9) for a, b in zip(bounds, bounds[1:])]
+        touched = bytes_per_param(self.req.precision, self.req.optimizer, momentum=self.req.momentum) + 8
+        params = [sum(c.params for c in costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, lay.tp))
+        overhead = step_overhead_ms(plan_req, rates, shape, [(p, 1e3 * p * touched / (rates.mem_gbps * GB))
+                                                              for p in params], [s % lay.pp for s in range(stages)])
+        f = [sum(c.flops_fwd for c in costs[a:b]) / (tflops * 1e9) for a, b in zip(bounds, bounds[1:])]
+        b = [x - y for x, y in zip(fb, f)]
+        split = lay.schedule in SPLIT_SCHEDULES
+        # One micro-batch goes forward through every stage and back: a split backward's I (half of B
+        # unmeasured) on every stage but the first, whose whole backward is W. Without a split, the last
+        # backward a rank runs is followed by the backwards of every stage before its first; with a split
+        # its W's may come last, so the per-rank bound keeps only what precedes its first action.
+        chain = sum(f) + (sum(b[1:]) / 2 + b[0] if split else sum(b))
+        if lay.recompute == "auto":  # cut by memory: no rank beats the balanced cut's slowest stage
+            work = max(fb) if lay.chunks == 1 else sum(fb) / lay.pp
+            return max(work * lay.microbatches, sum(f) + (0.0 if split else sum(b))) + sum(overhead) / lay.pp
+        tail = [0.0] * stages if split else b
+        return max(chain, *(sum(f[:r]) + lay.microbatches * sum(fb[s] for s in range(r, stages, lay.pp))
+                            + sum(tail[:r]) for r in range(lay.pp))) + max(overhead)
+
+
+def search(req: SearchRequest) -> SearchResult:
+    """The top ``req.top`` layouts by predicted step time among those that fit (module docstring)."""
+    t0 = time.perf_counter()
+    _check(req)
+    shape = model_shape(req.model, hf_modules=req.hf)
+    layers = len(layer_costs(shape, 1, 1))
+    floors = _Floors(req, shape)
+    rejected: Counter = Counter()
+    queue, least = [], None
+    for lay, reason in enumerate_layouts(req, shape, layers):
+        if lay is None:
+            rejected[reason] += 1
+            continue
+        plan_req = lay.request(req)
+        rates = rates_of(plan_req, timed=False)
+        floor = floors.static_floor(lay, plan_req, rates)
+        if floor > rates.capacity:
+            rejected["memory: weights, gradients and optimizer state (and, recomputing, the layer inputs) "
+                     "alone exceed a rank"] += 1
+            least = floor if least is None else min(least, floor)
+            continue
+        # "none" before "auto" at equal bounds: auto is planned only where "none" does not fit
+        queue.append((floors.time_floor(lay, plan_req, rates), lay.recompute == "auto", len(queue), lay, plan_req))
+    considered = sum(rejected.values()) + len(queue)
+    heapq.heapify(queue)
+    best: list[tuple[float, int, Layout, Plan]] = []  # a min-heap of the k fastest, keyed by -time
+    outcome: dict[Layout, Plan | str] = {}
+
+    def evaluate(lay: Layout, plan_req: PlanRequest) -> Plan | str:
+        """The layout's plan, or why it does not fit; each layout planned once."""
+        nonlocal least
+        if lay not in outcome:
+            try:
+                plan = make_plan(plan_req)
+            except (PartitionError, CostModelError) as e:
+                needed = getattr(e, "needed_gb", None)
+                if needed is not None:
+                    least = needed * GB if least is None else min(least, needed * GB)
+                outcome[lay] = _reason(e)
+                return outcome[lay]
+            if not plan.fits:
+                least = max(plan.rank_bytes) if least is None else min(least, max(plan.rank_bytes))
+            outcome[lay] = plan if plan.fits else "memory: activations and temporaries exceed a rank"
+        return outcome[lay]
+
+    unneeded = 0
+    while queue:
+        bound, is_auto, order, lay, plan_req = heapq.heappop(queue)
+        if len(best) == req.top and bound >= -best[0][0]:
+            queue.append((bound, is_auto, order, lay, plan_req))
+            break
+        if is_auto:  # auto recomputes nothing where nothing is needed: "none"'s plan, ranked once
+            plain = replace(lay, recompute="none")
+            if isinstance(evaluate(plain, plain.request(req)), Plan):
+                unneeded += 1
+                continue
+        got = evaluate(lay, plan_req)
+        if isinstance(got, str):
+            rejected[got] += 1
+            continue
+        item = (-got.step_time_ms, -order, lay, got)
+        if len(best) < req.top:
+            heapq.heappush(best, item)
+        elif item > best[0]:
+            heapq.heapreplace(best, item)
+    ranked = [(lay, plan) for _, _, lay, plan in sorted(best, key=lambda x: (-x[0], -x[1]))]
+    never = sum(1 for item in queue if item[3] not in outcome)
+    result = SearchResult(req, ranked, rejected, considered, len(outcome), never, time.perf_counter() - t0,
+                          same_as_none=unneeded)
+    if not ranked and least is not None:
+        result.least_memory_gb = least / GB
+    return result
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).splitlines()[0]
+    if "too small" in text:
+        return "memory: no cut fits a rank"
+    return text.split(":")[0] if ":" in text else text
+
+
+def _check(req: SearchRequest) -> None:
+    """Requests no layout can answer, one line each."""
+    for name in ("devices", "global_batch", "seq_len", "top"):
+        v = getattr(req, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PartitionError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+    c = req.cluster
+    if req.devices > c.devices and req.devices % c.devices_per_node:
+        nearest = req.devices // c.devices_per_node * c.devices_per_node
+        raise PartitionError(f"--devices {req.devices} is not a whole number of the profile's nodes of "
+                             f"{c.devices_per_node}: use {nearest} or {nearest + c.devices_per_node}")
+
+
+def with_devices(cluster: ClusterProfile, devices: int) -> ClusterProfile:
+    """``cluster`` with as many nodes as ``devices`` needs (a shipped profile describes one node)."""
+    g = cluster.devices_per_node
+    nodes = max(cluster.nodes, -(-devices // g))
+    return replace(cluster, nodes=nodes)
