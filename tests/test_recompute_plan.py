@@ -3,6 +3,7 @@ per-stage recomputation against brute force over every cut and every choice on s
 instances, and `mpt plan` / `mpt train --recompute auto` applying it; ``--schedule auto``."""
 
 import dataclasses
+import json
 import itertools
 import random
 import re
@@ -169,12 +170,27 @@ def test_train_schedule_auto_resolves_alike_and_says_so():
     assert (first.parallel.chunks == 2) == (first.parallel.schedule == "interleaved")
 
 
-@pytest.mark.parametrize("microbatches,expected", [(4, "zbh1"), (8, "zbdrain")])
-def test_a_run_naming_no_schedule_takes_the_planners_pick_of_1f1b_and_the_zero_bubble_ones(microbatches, expected):
-    """Issue 23: without --schedule our engine at pp > 1 runs what the planner predicts fastest of 1F1B,
-    ZB-drain and ZB-H1 on the run's own cut (ZB-H1 pays the split's cost on every micro-batch, ZB-drain
-    once: from 8 micro-batches on, ZB-drain); DeepSpeed's engine, one stage, or a named schedule keep theirs."""
-    cfg = TrainConfig.of(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, microbatches=microbatches)
+def cpu_profile(tmp_path, tflops: float) -> str:
+    """A two-rank CPU profile at ``tflops`` per core, links as gloo on one host."""
+    link = {"p2p_gbps": 3, "p2p_latency_us": 150, "collective_gbps": 3, "collective_latency_us": 150}
+    doc = {"name": f"cpu at {tflops}", "source": "measured", "nodes": 1, "devices_per_node": 2,
+           "device": {"kind": "cpu", "name": "test", "memory_gb": 16, "tflops": {"fp32": tflops}, "mem_gbps": 8,
+                      "cores": 2}, "intra_node": link, "inter_node": link}
+    path = tmp_path / f"cpu-{tflops}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("tflops,microbatches,expected", [(0.05, 4, "zbdrain"), (0.05, 8, "zbdrain"),
+                                                          (1.0, 4, "zbh1"), (1.0, 8, "zbdrain"), (10.0, 8, "zbh1")])
+def test_a_run_naming_no_schedule_takes_the_planners_pick_at_its_device_rate(tmp_path, tflops, microbatches,
+                                                                             expected):
+    """Issues 23 and 36: without --schedule our engine at pp > 1 runs what the planner predicts fastest of 1F1B,
+    ZB-drain, ZB-H1 and interleaved on the run's own cut, at its device profile's rate: the split's cost and the
+    messages weigh differently against compute at 0.05, 1 and 10 TFLOP/s (at 8 micro-batches ZB-drain at 1,
+    ZB-H1 at 10); DeepSpeed's engine, one stage, or a named schedule keep theirs."""
+    cfg = TrainConfig.of(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, microbatches=microbatches,
+                         cluster=cpu_profile(tmp_path, tflops))
     picked, line = default_schedule(cfg)
     _, auto_line = resolve_auto_schedule(cfg, candidates=DEFAULT_CANDIDATES)
     times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) ms", auto_line)}
@@ -184,6 +200,18 @@ def test_a_run_naming_no_schedule_takes_the_planners_pick_of_1f1b_and_the_zero_b
     assert picked.replace(schedule="1f1b") == cfg  # nothing else changes: the cut is --partition's
     for kept in (cfg.replace(engine="deepspeed"), cfg.replace(pp=1), cfg.replace(schedule="gpipe")):
         assert default_schedule(kept) == (kept, None)
+
+
+def test_without_memory_gb_the_device_capacity_rules_schedules_out(tmp_path):
+    """Issue 36: memory always counts: with no --memory-gb a candidate over the device's capacity is left out."""
+    profile = json.loads(open(cpu_profile(tmp_path, 0.05)).read())
+    profile["device"]["memory_gb"] = 0.2  # 0.1 GB per rank: gpt-small-cpu's GPipe at 8 micro-batches holds more
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(profile))
+    cfg = TrainConfig.of(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, microbatches=8, cluster=str(small),
+                         schedule="auto")
+    _, line = resolve_auto_schedule(cfg)
+    assert "left out: over the device's 0.1 GB" in line
 
 
 def test_a_run_naming_no_schedule_weighs_interleaved_where_the_cut_is_the_planners():

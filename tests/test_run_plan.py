@@ -57,12 +57,15 @@ def test_the_default_schedule_plans_each_candidate_once_and_predicts_from_the_wi
     assert run.schedule.num_stages == len(run.boundaries) - 1 == run.cfg.parallel.pp * run.cfg.parallel.chunks
 
 
-def test_a_cut_no_candidate_planned_is_planned_once_more(monkeypatch):
+def test_the_default_schedule_is_planned_on_the_partition_cut(monkeypatch):
+    """Issue 36: every candidate is planned on the cut the run trains (--partition's), so the winner's plan
+    is the run's prediction and nothing is planned again."""
     calls = _count_plans(monkeypatch)
     run = _plan("--partition", "0,2,7")
     assert run.boundaries == (0, 2, 7)
-    assert [r.schedule for r in calls[:-1]] == ["1f1b", "zbdrain", "zbh1"]  # interleaved would re-cut: left out
-    assert calls[-1].boundaries == (0, 2, 7) and run.prediction.request == calls[-1]
+    assert [r.schedule for r in calls] == ["1f1b", "zbdrain", "zbh1"]  # interleaved would re-cut: left out
+    assert all(r.boundaries == (0, 2, 7) for r in calls) and run.prediction.request in calls
+    assert run.prediction.request.schedule == run.cfg.parallel.schedule
 
 
 def test_a_named_schedule_plans_only_the_prediction(monkeypatch):

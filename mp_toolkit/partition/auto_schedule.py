@@ -3,7 +3,8 @@ ZB-H1 that fits the memory cap.
 
 Each candidate is planned in full (`planner.make_plan`: its own cut, in-flight memory, simulated
 timeline with messages, optimizer step); a candidate fits when no rank is over ``memory_gb`` (and
-its cut exists: ``method`` memory raises when nothing fits). Interleaved runs with ``chunks`` model
+its cut exists: ``method`` memory raises when nothing fits); with a device profile and no cap, the
+device's capacity is the cap (`Plan.fits`). Interleaved runs with ``chunks`` model
 chunks per rank (2 unless the request names more) where the micro-batches are a multiple of pp and
 the layers suffice. Ties go to the earlier candidate in the order above (the simpler schedule):
 `mp_toolkit.names.SCHEDULES`' order.
@@ -38,17 +39,6 @@ class ScheduleChoice:
         return f"--schedule auto: {name} ({'; '.join(f'{k} {v}' for k, v in self.considered.items())})"
 
 
-def _fits(plan: Plan) -> bool:
-    cap = plan.request.memory_gb
-    if cap is None:
-        return True
-    per_rank: dict[int, int] = {}
-    for s in plan.stages:
-        rank = s.index % plan.request.pp
-        per_rank[rank] = per_rank.get(rank, 0) + s.memory_bytes
-    return max(per_rank.values()) <= cap * GB
-
-
 def fastest_schedule(req: PlanRequest, candidates: tuple[str, ...] = CANDIDATES) -> ScheduleChoice:
     """Plan ``req`` under every candidate schedule; the fastest that fits. Raises PartitionError
     (one line, each candidate's reason) when none does."""
@@ -60,8 +50,10 @@ def fastest_schedule(req: PlanRequest, candidates: tuple[str, ...] = CANDIDATES)
         except (PartitionError, CostModelError) as e:
             considered[schedule] = f"left out: {str(e).splitlines()[0]}"
             continue
-        if not _fits(plan):
-            considered[schedule] = f"left out: over --memory-gb {req.memory_gb:g}"
+        if not plan.fits:
+            cap = (f"--memory-gb {req.memory_gb:g}" if req.memory_gb is not None
+                   else f"the device's {plan.rates.capacity / GB:.3g} GB")
+            considered[schedule] = f"left out: over {cap}"
             continue
         considered[schedule] = f"{plan.step_time_ms:.1f} ms"
         if best is None or plan.step_time_ms < best.step_time_ms:

@@ -38,7 +38,7 @@ from mp_toolkit.errors import PartitionError
 from mp_toolkit.names import PRECISIONS
 
 __all__ = ["ALLOCATORS", "ClusterError", "ClusterProfile", "DeviceSpec", "Link", "Placement", "SHIPPED",
-           "read_profile", "shipped_profile"]
+           "default_profile", "read_profile", "shipped_profile"]
 
 ALLOCATORS = ("cpu", "cuda")
 PROFILE_SOURCES = ("measured", "specification", "default")
@@ -283,7 +283,7 @@ def read_profile(path: str | Path) -> ClusterProfile:
     """A profile file (``.json``, ``.yaml`` / ``.yml``) or the name of a shipped one (`SHIPPED`)."""
     p = Path(path)
     if not p.exists() and str(path) in SHIPPED:
-        p = SHIPPED_DIR / f"{path}.json"
+        p = SHIPPED_DIR / f"{path}.yaml"
     try:
         if not p.is_file():
             raise ClusterError(f"--cluster {path}: no such file (shipped profiles: {', '.join(SHIPPED)})")
@@ -302,7 +302,7 @@ def read_profile(path: str | Path) -> ClusterProfile:
 
 
 def _shipped() -> tuple[str, ...]:
-    return tuple(sorted(f.stem for f in SHIPPED_DIR.glob("*.json"))) if SHIPPED_DIR.is_dir() else ()
+    return tuple(sorted(f.stem for f in SHIPPED_DIR.glob("*.yaml"))) if SHIPPED_DIR.is_dir() else ()
 
 
 SHIPPED = _shipped()
@@ -311,5 +311,36 @@ SHIPPED = _shipped()
 
 def shipped_profile(name: str, nodes: int | None = None) -> ClusterProfile:
     """A shipped profile, with ``nodes`` nodes instead of its own count when given."""
-    p = read_profile(SHIPPED_DIR / f"{name}.json")
+    p = read_profile(SHIPPED_DIR / f"{name}.yaml")
     return p if nodes is None else replace(p, nodes=nodes)
+
+
+CUDA_SHIPPED = (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-sxm-80gb"), ("L4", "l4"))
+"""A CUDA device name's shipped profile (the first whose key the name contains)."""
+CPU_DEFAULT_TFLOPS = 0.05
+"""fp32 TFLOP/s of one core in the CPU default profile: the order of a block's forward + backward on
+the AVX2 EPYC and AVX-512 Xeons this project is tested on (a matrix product alone runs 0.06-0.08);
+bf16 and fp16 at the same rate (machines with AMX run them faster: measure with --profile-here)."""
+CPU_DEFAULT_LINK = Link(p2p_gbps=3.0, p2p_latency_us=150.0, collective_gbps=3.0, collective_latency_us=150.0)
+"""gloo over loopback on one host (the figures `mpt plan`'s flags default to)."""
+
+
+def default_profile(devices: int, cuda_name: str | None = None, cuda_memory_gb: float = 0.0,
+                    cores: int = 1, memory_gb: float = 0.0) -> ClusterProfile:
+    """The profile of this device kind when none is given: a CUDA device's shipped profile by its name
+    (its figures, this device's memory), else the H100's figures marked as a default; on a CPU, one node
+    of ``devices`` ranks sharing ``cores`` cores and ``memory_gb``, at `CPU_DEFAULT_TFLOPS` per core.
+    Every input is a fact of the machine, so every rank of a run derives the same profile."""
+    per_node = max(1, devices)
+    if cuda_name is not None:
+        name = next((ship for key, ship in CUDA_SHIPPED if key in cuda_name), None)
+        base = shipped_profile(name or "h100-sxm")
+        dev = replace(base.device, memory_gb=cuda_memory_gb or base.device.memory_gb, name=cuda_name)
+        g = base.devices_per_node
+        return replace(base, source=base.source if name else "default", device=dev,
+                       nodes=max(1, -(-devices // g)), name=base.name if name else f"default for {cuda_name}")
+    rates = tuple((p, CPU_DEFAULT_TFLOPS) for p in PRECISIONS)
+    dev = DeviceSpec(kind="cpu", name="this CPU", memory_gb=memory_gb or 1.0, tflops=rates, mem_gbps=8.0,
+                     runtime_gb=0.0, cores=max(1, cores))
+    return ClusterProfile(name="cpu default", source="default", nodes=1, devices_per_node=per_node, device=dev,
+                          intra_node=CPU_DEFAULT_LINK, inter_node=CPU_DEFAULT_LINK)

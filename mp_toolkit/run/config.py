@@ -72,6 +72,17 @@ class Parallel:
     flops``), parameters, uniform, time (layers timed on rank 0, the cut broadcast), or explicit
     boundaries such as 0,3,7."""
 
+    cluster: str | None = None
+    """Device and cluster profile (a JSON / YAML file, or a shipped name: h100-sxm, h200-sxm, a100-sxm-80gb,
+    l4; ``mpt plan --profile-here OUT`` measures one) that every planner decision takes: the default
+    schedule, ``--schedule auto``, ``--recompute auto`` and ``--layout``. Default: the profile of this
+    device kind (`run.predict.run_profile`)."""
+    layout: str | None = None
+    """The run's layout from the planner's search (``mpt plan --search``): ``auto`` searches pp, tp, dp,
+    micro-batch size and count, schedule, recomputation and ZeRO over this run's world (pp x tp x dp as
+    given) for ``--global-batch``; ``FILE[:K]`` takes the K-th layout (default the first) of a
+    ``mpt plan --search --json`` output, and its profile."""
+
     @property
     def world_size(self) -> int:
         """Ranks the run needs: pp x tp x dp."""
@@ -90,6 +101,8 @@ class Batch:
     seq_len: int = 128
     """Tokens per sequence; at most the model's n_positions. A resumed run may change it (the model's
     positions allowing): the pipeline agrees the new shapes (`mp_toolkit.engine.shapes`)."""
+    global_batch: int | None = None
+    """Sequences per step over all replicas that ``--layout auto`` searches a layout for."""
     length_buckets: tuple[int, ...] = ()
     """Sequence lengths micro-batches are cut to, each at most seq_len (seq_len is always one):
     padded data (BERT) to the smallest bucket holding the longest pair, packed data (GPT) to a

@@ -7,7 +7,8 @@ decides, in this order, each thing once:
    given (128, or the model's positions when it has fewer), and the precision (``auto``: bf16 where
    this device multiplies it fast, else fp32), so that every check, ``--dry-run`` and the planner see
    what the ranks will train;
-2. the schedule and its chunks (``--schedule auto``, or the planner's pick when none is named;
+2. the layout where ``--layout`` asks the planner's search for it (`run.layout`), then the schedule and
+   its chunks (``--schedule auto``, or the planner's pick when none is named;
    `run.recompute_plan.choose_schedule`), keeping the winning candidate's plan;
 3. every check that needs no process group, the cut and each stage's recomputation, the
    schedule's actions (`run.checks`);
@@ -34,13 +35,16 @@ from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.checks import Checked, check_received, find_model, validate
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.families import ModelSpec
+from mp_toolkit.run.layout import apply_layout
 from mp_toolkit.run.predict import run_plan
 from mp_toolkit.run.recompute_plan import choose_schedule
 from mp_toolkit.schedule import Schedule
 
 __all__ = ["RunPlan", "resolve_run"]
 
-RUN_PLAN_FORMAT = 1
+RUN_PLAN_FORMAT = 2
+LAID_OUT = ("pp", "tp", "dp", "micro_batch", "microbatches", "zero", "recompute", "partition")
+"""What ``--layout`` may set beside the schedule (`run.layout`), handed to the ranks as decided."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,8 @@ class RunPlan:
         return {"format": RUN_PLAN_FORMAT, "seq_len": cfg.batch.seq_len, "precision": cfg.numerics.precision,
                 "schedule": cfg.parallel.schedule, "chunks": cfg.parallel.chunks, "boundaries": list(self.boundaries),
                 "recompute": [[c.mode, c.layers] for c in self.recompute],
-                "stage_bytes": None if self.stage_bytes is None else list(self.stage_bytes)}
+                "stage_bytes": None if self.stage_bytes is None else list(self.stage_bytes),
+                "layout": {k: cfg.flat()[k] for k in LAID_OUT}}
 
     @classmethod
     def received(cls, cfg: TrainConfig, doc: dict) -> RunPlan:
@@ -102,7 +107,7 @@ class RunPlan:
             raise ConfigError("MPT_RUN_PLAN is not a run plan of this mpt: start the ranks with mpt train or a "
                               "launcher, not with MPT_RUN_PLAN set by hand")
         cfg = cfg.replace(seq_len=doc["seq_len"], precision=doc["precision"], schedule=doc["schedule"],
-                          chunks=doc["chunks"])
+                          chunks=doc["chunks"], **doc["layout"])
         recompute = tuple(StageRecompute(mode, layers) for mode, layers in doc["recompute"])
         checked = check_received(cfg, tuple(doc["boundaries"]), recompute)
         stage_bytes = doc["stage_bytes"]
@@ -128,6 +133,9 @@ def resolve_run(cfg: TrainConfig, *, schedule_named: bool = True, chunks_given: 
                          "exceeds them)")
         cfg = cfg.replace(seq_len=spec.positions)
     cfg = cfg.replace(precision=resolve_precision(cfg.numerics.precision, device))
+    cfg, laid_out = apply_layout(cfg)
+    if laid_out is not None:  # the search chose the schedule and its chunks too
+        notes, schedule_named, chunks_given = (*notes, laid_out), True, True
     cfg, line, candidate = choose_schedule(cfg, schedule_named, chunks_given)
     notes = (*notes, line) if line else tuple(notes)
     checked = validate(cfg, planned=candidate, spec=spec)

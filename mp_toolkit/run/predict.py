@@ -3,20 +3,59 @@ each rank's predicted bytes for its own cut, printed beside the measured peak (D
 a first-class result)."""
 from __future__ import annotations
 
+import json
+import os
+
+import torch
+
+from mp_toolkit.errors import ConfigError
 from mp_toolkit.partition import PartitionError
+from mp_toolkit.partition.cluster import ClusterProfile, default_profile, profile_from_dict, read_profile
 from mp_toolkit.partition.cost import ACT_BYTES, CostModelError
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.partition.report import format_plan
+from mp_toolkit.partition.search import with_devices
 from mp_toolkit.run.config import TrainConfig
 
-PLAN_TFLOPS = 1.0
-"""The rate turning FLOPs into seconds when `mpt train` plans (no layer is timed; memory and the
-ratios of times do not depend on it)."""
+
+def run_profile(cfg: TrainConfig) -> ClusterProfile:
+    """The device profile every planner decision of ``cfg``'s run takes: ``--cluster``'s, else a
+    ``--layout FILE``'s own, else this device kind's default (`cluster.default_profile`: a CUDA device's
+    shipped profile by name; on a CPU this machine's cores and memory), with as many nodes as the run's
+    world needs."""
+    par = cfg.parallel
+    try:
+        if par.cluster is not None:
+            profile = read_profile(par.cluster)
+        elif par.layout is not None and par.layout != "auto":
+            profile = profile_from_dict(read_search(par.layout)[0].get("profile"), par.layout)
+        elif torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            profile = default_profile(par.world_size, props.name, props.total_memory / 1e9)
+        else:
+            pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            profile = default_profile(par.world_size, cores=len(os.sched_getaffinity(0)), memory_gb=pages / 1e9)
+    except PartitionError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    return with_devices(profile, par.world_size)
+
+
+def read_search(spec: str) -> tuple[dict, int]:
+    """(the ``mpt plan --search --json`` document, the 1-based layout index) of ``FILE[:K]``."""
+    path, _, k = spec.rpartition(":") if spec.rpartition(":")[2].isdigit() else (spec, "", "1")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"--layout {spec}: cannot read a search output: {str(e).splitlines()[0]}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("layouts"), list):
+        raise ConfigError(f"--layout {spec}: not an mpt plan --search --json output (no layouts)")
+    return doc, int(k)
 
 
 def plan_request(cfg: TrainConfig, **fields) -> PlanRequest:
     """The ``mpt plan`` request describing ``cfg``'s run (``fields`` override it): its grid and schedule, batch,
-    recomputation, precision and optimizer, read from their sections."""
+    recomputation, precision and optimizer, read from their sections, and its device profile (`run_profile`)."""
     par, batch, rec, precision = cfg.parallel, cfg.batch, cfg.recomputation, cfg.numerics.precision
     base = dict(model=cfg.hf or cfg.model, pp=par.pp, tp=par.tp, dp=par.dp, zero=par.zero, schedule=par.schedule,
                 chunks=par.chunks, micro_batch=batch.micro_batch, microbatches=batch.microbatches,
@@ -24,7 +63,7 @@ def plan_request(cfg: TrainConfig, **fields) -> PlanRequest:
                 memory_gb=rec.memory_gb, recompute=rec.recompute, recompute_layers=rec.recompute_layers,
                 precision=precision if precision in ACT_BYTES else "fp32", optimizer=cfg.optim.optimizer,
                 momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay,
-                tflops=PLAN_TFLOPS, load=False, hf=cfg.hf is not None)
+                cluster=run_profile(cfg), load=False, hf=cfg.hf is not None)
     return PlanRequest(**{**base, **fields})
 
 
@@ -53,4 +92,4 @@ def dry_run_report(cfg: TrainConfig, boundaries: list[int], plan, launcher: str)
     return f"{head}\n{format_plan(plan)}"
 
 
-__all__ = ["PLAN_TFLOPS", "dry_run_report", "plan_request", "run_plan"]
+__all__ = ["dry_run_report", "plan_request", "read_search", "run_plan", "run_profile"]

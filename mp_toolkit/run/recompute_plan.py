@@ -3,9 +3,9 @@
 ``--recompute none|full|selective`` keeps the cut ``--partition`` names and recomputes the first
 ``--recompute-layers`` block layers of each stage (`mp_toolkit.recompute.stage_choices`).
 ``--recompute auto`` asks the planner for both, as ``mpt plan --method memory --recompute auto
---memory-gb GB`` answers (`mp_toolkit.partition.recompute.min_max_recompute`), with times from the
-cost model's FLOPs at one fixed rate: pure arithmetic, so every rank plans the same cut (the choice
-depends on ratios of times only).
+--memory-gb GB`` answers (`mp_toolkit.partition.recompute.min_max_recompute`), under ``--memory-gb``
+or else the device's capacity, with times from the cost model's FLOPs at the run's device profile
+(`run.predict.run_profile`): pure arithmetic on facts of the machine, so every rank plans the same cut.
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from mp_toolkit.run.predict import plan_request
 
 
 def auto_request(cfg: TrainConfig) -> PlanRequest:
-    """The ``mpt plan`` request whose answer ``--recompute auto`` applies (FLOP times at `PLAN_TFLOPS`:
-    any fixed rate gives the same choice)."""
+    """The ``mpt plan`` request whose answer ``--recompute auto`` applies (FLOP times at the run's profile)."""
     return plan_request(cfg, method="memory", recompute="auto", recompute_layers=None,
                         recompute_modes=("full",) if cfg.hf is not None else ("full", "selective"))  # HF: full only
 
@@ -41,8 +40,6 @@ def cut_and_recompute(cfg: TrainConfig, layers: LayerList, config, ctx=None,
             return bounds, stage_choices(rec.recompute, rec.recompute_layers, len(bounds) - 1)
         except RecomputeError as e:
             raise ConfigError(str(e)) from None
-    if rec.memory_gb is None:
-        raise ConfigError("--recompute auto plans for a memory cap: give --memory-gb GB (per rank)")
     request = auto_request(cfg)
     try:
         plan = planned if planned is not None and planned.request == request else make_plan(request)
@@ -91,18 +88,28 @@ def choose_schedule(cfg: TrainConfig, named: bool = True,
 
 
 def _auto_choice(cfg: TrainConfig, chunks_given: bool, candidates: tuple[str, ...] | None) -> ScheduleChoice:
-    """The planner's fastest schedule for ``cfg`` among ``candidates`` (default: all): FLOP times at
-    `PLAN_TFLOPS`, the cut ``--recompute auto`` or ``--partition flops`` would make, fitting
-    ``--memory-gb`` when given."""
+    """The planner's fastest schedule for ``cfg`` among ``candidates`` (default: all): FLOP times at the
+    run's device profile, on the cut the run will train (`own_cut`), fitting ``--memory-gb`` or else the
+    device's capacity."""
     request = dataclasses.replace(auto_request(cfg), chunks=cfg.parallel.chunks if chunks_given else 1)
     rec = cfg.recomputation
     if rec.recompute != "auto":
-        request = dataclasses.replace(request, method="flops", recompute=rec.recompute,
+        request = dataclasses.replace(request, **own_cut(cfg), recompute=rec.recompute,
                                       recompute_layers=rec.recompute_layers)
     try:
         return fastest_schedule(request, *(() if candidates is None else (candidates,)))
     except (PartitionError, CostModelError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def own_cut(cfg: TrainConfig) -> dict:
+    """The plan request's fields for the cut ``cfg`` trains: ``--partition``'s boundaries, or its method
+    (``time``, measured by rank 0 when the ranks start, planned on the flops cut)."""
+    bounds = parse_boundaries(cfg.parallel.partition)
+    if bounds is not None:
+        return {"boundaries": tuple(bounds)}
+    method = cfg.parallel.partition
+    return {"method": "flops" if method == "time" else method}
 
 
 def _with_choice(cfg: TrainConfig, choice: ScheduleChoice) -> TrainConfig:
