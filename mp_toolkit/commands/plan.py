@@ -40,6 +40,8 @@ def _search(args: argparse.Namespace) -> int:
     for flag, value in (("--devices", args.devices), ("--global-batch", args.global_batch)):
         if value is None:
             raise PartitionError(f"--search needs {flag}")
+        if value < 1:
+            raise PartitionError(f"{flag} {value} must be a positive integer")
     if args.cluster is not None:
         cluster = read_profile(args.cluster)
     else:  # this machine, measured now; every rank on it

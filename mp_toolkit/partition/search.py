@@ -69,7 +69,7 @@ class SearchRequest:
     weight_decay: float = 0.01
     hf: bool = False
     memory_gb: float | None = None
-    """A cap per rank below the device's; None: the device's capacity."""
+    """A cap per rank instead of the device's capacity (None: the device's)."""
     top: int = 5
     schedules: tuple[str, ...] = SEARCH_SCHEDULES
     recompute: tuple[str, ...] = SEARCH_RECOMPUTE
@@ -122,9 +122,10 @@ class SearchResult:
     """Layouts never planned: their step-time bound was above the k-th best."""
     seconds: float
     same_as_none: int = 0
-    """Recompute auto layouts not planned: their recompute none layout fits, and auto would choose it."""
+    """Recompute auto layouts whose plan is recompute none's (the flops cut fits without recomputing)."""
     least_memory_gb: float | None = None
-    """With nothing feasible: the smallest per-rank capacity at which some layout fits."""
+    """With nothing feasible: the smallest per-rank capacity at which some layout fits (a layout's need
+    through the allocator model and runtime: the cap it would have to be planned under)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -257,7 +258,7 @@ def search(req: SearchRequest) -> SearchResult:
     layers = len(layer_costs(shape, 1, 1))
     floors = _Floors(req, shape)
     rejected: Counter = Counter()
-    queue, least = [], None
+    queue, over = [], []  # (bound, order, layout, request); (floor, layout, request) of those over the floor
     for lay, reason in enumerate_layouts(req, shape, layers):
         if lay is None:
             rejected[reason] += 1
@@ -266,48 +267,31 @@ def search(req: SearchRequest) -> SearchResult:
         rates = rates_of(plan_req, timed=False)
         floor = floors.static_floor(lay, plan_req, rates)
         if floor > rates.capacity:
-            rejected["memory: weights, gradients and optimizer state (and, recomputing, the layer inputs) "
-                     "alone exceed a rank"] += 1
-            least = floor if least is None else min(least, floor)
+            rejected[FLOOR_REASON] += 1
+            over.append((floor, len(over), plan_req))
             continue
-        # "none" before "auto" at equal bounds: auto is planned only where "none" does not fit
-        queue.append((floors.time_floor(lay, plan_req, rates), lay.recompute == "auto", len(queue), lay, plan_req))
+        queue.append((floors.time_floor(lay, plan_req, rates), len(queue), lay, plan_req))
+    if not queue and not over:
+        _no_batch_split(req, rejected)
     considered = sum(rejected.values()) + len(queue)
     heapq.heapify(queue)
     best: list[tuple[float, int, Layout, Plan]] = []  # a min-heap of the k fastest, keyed by -time
-    outcome: dict[Layout, Plan | str] = {}
-
-    def evaluate(lay: Layout, plan_req: PlanRequest) -> Plan | str:
-        """The layout's plan, or why it does not fit; each layout planned once."""
-        nonlocal least
-        if lay not in outcome:
-            try:
-                plan = make_plan(plan_req)
-            except (PartitionError, CostModelError) as e:
-                needed = getattr(e, "needed_gb", None)
-                if needed is not None:
-                    least = needed * GB if least is None else min(least, needed * GB)
-                outcome[lay] = _reason(e)
-                return outcome[lay]
-            if not plan.fits:
-                least = max(plan.rank_bytes) if least is None else min(least, max(plan.rank_bytes))
-            outcome[lay] = plan if plan.fits else "memory: activations and temporaries exceed a rank"
-        return outcome[lay]
-
-    unneeded = 0
+    planned = same_as_none = 0
+    least = None  # with nothing feasible: the least device bytes some layout needs
     while queue:
-        bound, is_auto, order, lay, plan_req = heapq.heappop(queue)
+        bound, order, lay, plan_req = heapq.heappop(queue)
         if len(best) == req.top and bound >= -best[0][0]:
-            queue.append((bound, is_auto, order, lay, plan_req))
+            queue.append((bound, order, lay, plan_req))
             break
-        if is_auto:  # auto recomputes nothing where nothing is needed: "none"'s plan, ranked once
-            plain = replace(lay, recompute="none")
-            if isinstance(evaluate(plain, plain.request(req)), Plan):
-                unneeded += 1
-                continue
-        got = evaluate(lay, plan_req)
+        planned += 1
+        got, needed = _evaluate(plan_req)
+        if lay.recompute == "auto" and isinstance(got, Plan) and not any(c.mode != "none" for c in got.recompute) \
+                and list(got.boundaries) == floors.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks):
+            same_as_none += 1  # recompute none's layout and plan: ranked once, as none
+            continue
         if isinstance(got, str):
             rejected[got] += 1
+            least = needed if least is None or (needed is not None and needed < least) else least
             continue
         item = (-got.step_time_ms, -order, lay, got)
         if len(best) < req.top:
@@ -315,12 +299,69 @@ def search(req: SearchRequest) -> SearchResult:
         elif item > best[0]:
             heapq.heapreplace(best, item)
     ranked = [(lay, plan) for _, _, lay, plan in sorted(best, key=lambda x: (-x[0], -x[1]))]
-    never = sum(1 for item in queue if item[3] not in outcome)
-    result = SearchResult(req, ranked, rejected, considered, len(outcome), never, time.perf_counter() - t0,
-                          same_as_none=unneeded)
-    if not ranked and least is not None:
-        result.least_memory_gb = least / GB
+    result = SearchResult(req, ranked, rejected, considered, planned, len(queue), time.perf_counter() - t0,
+                          same_as_none)
+    if not ranked:
+        result.least_memory_gb, extra = _least_memory(least, over)
+        result.planned += extra
     return result
+
+
+FLOOR_REASON = "memory: weights, gradients and optimizer state (and, recomputing, the layer inputs) alone exceed a rank"
+
+
+UNCAPPED_GB = 1e12
+"""A cap no rank reaches: the memory cut under it is the time-balanced cut."""
+
+
+def _evaluate(plan_req: PlanRequest) -> tuple[Plan | str, int | None]:
+    """(the plan, or why it is ruled out; the device bytes it needs where it does not fit, when known).
+
+    Recompute auto minimises the slowest stage over every cut and recomputation that fits, so where the
+    time-balanced cut without recomputation fits, that is its answer (recomputation only adds time, and
+    both break ties alike): planned as that, it skips the per-stage recomputation's dynamic programme."""
+    try:
+        if plan_req.recompute == "auto":
+            free = make_plan(replace(plan_req, recompute="none", memory_gb=UNCAPPED_GB))
+            free = replace(free, request=plan_req, rates=rates_of(plan_req, timed=False))
+            if free.fits:
+                return free, None
+        plan = make_plan(plan_req)
+    except (PartitionError, CostModelError) as e:
+        needed = getattr(e, "needed_gb", None)
+        return _reason(e), None if needed is None else int(needed * GB)
+    if plan.fits:
+        return plan, None
+    return "memory: activations and temporaries exceed a rank", max(plan.rank_bytes)
+
+
+def _least_memory(least: int | None, over: list) -> tuple[float | None, int]:
+    """With nothing feasible, the least per-rank device memory at which some layout fits (GB), and how many
+    more layouts that took planning: those ruled out by their static floor are planned in the order of
+    their floor while it is below the least need found (their need is at least their floor)."""
+    extra = 0
+    for floor, _, plan_req in sorted(over):
+        if least is not None and floor >= least:
+            break
+        extra += 1
+        _, needed = _evaluate(plan_req)
+        if needed is not None and (least is None or needed < least):
+            least = needed
+    return (None if least is None else least / GB), extra
+
+
+def _no_batch_split(req: SearchRequest, rejected: Counter) -> None:
+    """Every layout refused by its structure, the global batch among the reasons: one line naming the
+    nearest global batch some layout's dp divides."""
+    if not rejected.get("global batch not divisible by dp"):
+        return
+    shape = model_shape(req.model, hf_modules=req.hf)
+    dps = sorted({lay.dp for lay, _ in enumerate_layouts(replace(req, global_batch=req.devices), shape,
+                                                           len(layer_costs(shape, 1, 1))) if lay is not None})
+    if dps:
+        nearest = min((-(-req.global_batch // d) * d for d in dps))
+        raise PartitionError(f"--global-batch {req.global_batch}: no layout of {req.devices} devices has a dp that "
+                             f"divides it (dp can be {', '.join(map(str, dps))}); use --global-batch {nearest}")
 
 
 def _reason(e: Exception) -> str:
@@ -346,5 +387,10 @@ def _check(req: SearchRequest) -> None:
 def with_devices(cluster: ClusterProfile, devices: int) -> ClusterProfile:
     """``cluster`` with as many nodes as ``devices`` needs (a shipped profile describes one node)."""
     g = cluster.devices_per_node
-    nodes = max(cluster.nodes, -(-devices // g))
-    return replace(cluster, nodes=nodes)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise PartitionError(f"--devices {devices!r} must be a positive integer")
+    if devices > g and devices % g:
+        nearest = devices // g * g
+        raise PartitionError(f"--devices {devices} is not a whole number of the profile's nodes of {g}: use "
+                             f"{nearest} or {nearest + g}")
+    return replace(cluster, nodes=max(cluster.nodes, -(-devices // g)))
