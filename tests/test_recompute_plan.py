@@ -3,8 +3,8 @@ per-stage recomputation against brute force over every cut and every choice on s
 instances, and `mpt plan` / `mpt train --recompute auto` applying it; ``--schedule auto``."""
 
 import dataclasses
-import json
 import itertools
+import json
 import random
 import re
 
