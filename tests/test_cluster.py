@@ -1,6 +1,7 @@
 """Device and cluster profiles (issue 36): the reader's one-line errors, the shipped specification
 profiles, where a grid's communication runs (`Placement`), a CPU rank's share of the cores, and
-this machine's measured profile (`profile_here`), checked for its structure only."""
+this machine's measured profile (`profile_here`, its compute rates from `compute_rates`), checked
+for its structure only."""
 import copy
 import json
 import math
@@ -11,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from mp_toolkit.layers import LayerList
 from mp_toolkit.partition.cluster import (
     SHIPPED,
     ClusterError,
@@ -21,7 +23,19 @@ from mp_toolkit.partition.cluster import (
     read_profile,
     shipped_profile,
 )
-from mp_toolkit.partition.profile_here import block_products, fit_link, measure_profile, write_profile
+from mp_toolkit.partition.compute_rates import (
+    PROBE_ROWS,
+    SUSTAINED_PASSES,
+    SUSTAINED_SHARE,
+    block_products,
+    device_rates,
+    model_ends,
+    sustained_tflops,
+    synced_layer_seconds,
+    timed_tokens,
+)
+from mp_toolkit.partition.cost import layer_costs, model_shape
+from mp_toolkit.partition.profile_here import fit_link, measure_profile, write_profile
 
 INTRA = {"p2p_gbps": 450, "p2p_latency_us": 10, "collective_gbps": 400, "collective_latency_us": 15}
 INTER = {"p2p_gbps": 50, "p2p_latency_us": 15, "collective_gbps": 45, "collective_latency_us": 25}
@@ -282,7 +296,10 @@ def test_measure_profile_gives_a_readable_profile_of_this_machine(tmp_path):
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     assert (p.source, p.device.kind, p.nodes, p.name) == ("measured", kind, 1, f"{socket.gethostname()}-{kind}")
     assert dict(p.device.tflops).keys() == {"fp32", "bf16"}  # fp32 always: every profile needs it
-    assert all(t > 0 for _, t in p.device.tflops) and p.device.mem_gbps > 0 and p.device.runtime_gb > 0
+    assert dict(p.device.peak_tflops).keys() == {"fp32", "bf16"}  # the matrix products' rate beside it
+    assert all(t > 0 for _, t in p.device.tflops + p.device.peak_tflops)
+    assert p.device.mem_gbps > 0 and p.device.runtime_gb > 0
+    assert "sustained rate in the cost model's FLOPs of gpt-tiny's block and LM head" in p.note
     assert p.device.memory_gb > 0
     if kind == "cpu":
         assert p.devices_per_node == 2 and p.device.cores == len(os.sched_getaffinity(0))
@@ -291,3 +308,69 @@ def test_measure_profile_gives_a_readable_profile_of_this_machine(tmp_path):
     assert link.collective_latency_us >= 0 and p.inter_node == link and "one node" in p.note
     assert "measured" in p.describe()
     assert read_profile(write_profile(p, tmp_path / "here.json")) == p
+
+
+# --- the compute rates ----------------------------------------------------------------------------
+
+def ends_flops(shape, b: int, s: int) -> float:
+    """The cost model's forward + backward FLOPs of one block and of the layers after the last."""
+    flops = [c.flops_fwd + c.flops_bwd for c in layer_costs(shape, b, s)]
+    return flops[1] + sum(flops[1 + shape.num_layers:])
+
+
+def test_timed_tokens_keeps_the_models_shapes_within_the_budget_and_cuts_the_micro_batch_first():
+    shape = model_shape("gpt-small-cpu")
+    assert timed_tokens(shape, 8, 128, "fp32", 1e3, 1.0) == (8, 128)  # a fast device: the model's own
+    # a budget that just holds 2 x 128 at SUSTAINED_SHARE of the peak: 8 -> 4 -> 2
+    budget = SUSTAINED_PASSES * ends_flops(shape, 2, 128) / (SUSTAINED_SHARE * 0.05e12) * 1.01
+    assert timed_tokens(shape, 8, 128, "fp32", 0.05, budget) == (2, 128)
+    # a budget under one sequence: the micro-batch to 1, then the sequence halved
+    budget = SUSTAINED_PASSES * ends_flops(shape, 1, 32) / (SUSTAINED_SHARE * 0.05e12) * 1.01
+    assert timed_tokens(shape, 8, 128, "fp32", 0.05, budget) == (1, 32)
+    assert timed_tokens(shape, 8, 128, "bf16", 1e-9, 1.0) == (1, PROBE_ROWS)  # never under PROBE_ROWS
+    assert timed_tokens(shape, 4, 8, "bf16", 1e-9, 1.0) == (1, 8)  # a sequence already shorter stays
+
+
+def test_model_ends_draws_only_the_layers_timed():
+    shape = model_shape("gpt-tiny")
+    ends = model_ends("gpt-tiny", shape, torch.device("cpu"))
+    real = {name: not any(p.is_meta for p in ends.layers[name].parameters()) for name in ends.layers.names}
+    assert real == {"embed": True, "h.0": True, "h.1": False, "h.2": False, "h.3": False, "ln_f": True,
+                    "lm_head": True}
+    assert ends.layers["lm_head"].weight is ends.layers["embed"].wte.weight  # the tie kept
+    inputs, labels = ends.make_batch(2, 8)
+    assert inputs.shape == labels.shape == (2, 8)
+
+
+def test_model_ends_is_none_for_a_model_model_zoo_does_not_build(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 300, "hidden_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "intermediate_size": 96, "max_position_embeddings": 64}))
+    shape = model_shape(str(config))
+    assert model_ends(str(config), shape, torch.device("cpu")) is None
+    tflops, peak, how = device_rates(str(config), shape, 2, 16, ("fp32",), torch.device("cpu"))
+    assert tflops == peak and peak["fp32"] > 0  # the matrix products' rate, said so
+    assert "the block's matrix products only (model_zoo does not build" in how
+
+
+def test_synced_layer_seconds_times_every_layer_and_leaves_no_gradients():
+    shape = model_shape("gpt-tiny")
+    ends = model_ends("gpt-tiny", shape, torch.device("cpu"))
+    inputs, labels = ends.make_batch(2, 16)
+    with torch.no_grad():
+        x = ends.layers["embed"](inputs)
+    timed = LayerList([(n, ends.layers[n]) for n in ("h.0", "ln_f", "lm_head")])
+    times = synced_layer_seconds(timed, x, ends.loss, labels, torch.device("cpu"), repeats=2)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert all(p.grad is None for p in timed.parameters())
+
+
+def test_sustained_rates_of_a_zoo_model_and_the_sequence_its_positions_allow():
+    shape = model_shape("bert-tiny")  # 64 positions: a longer sequence is timed at 64
+    tflops, peak, how = device_rates("bert-tiny", shape, 2, 128, ("fp32",), torch.device("cpu"))
+    assert tflops.keys() == peak.keys() == {"fp32"} and tflops["fp32"] > 0 and peak["fp32"] > 0
+    assert "for 2 x 64 tokens" in how and "peak_tflops: the block's four matrix products" in how
+    gpt = model_shape("gpt-tiny")
+    rate = sustained_tflops(model_ends("gpt-tiny", gpt, torch.device("cpu")), gpt, 1, 16, "bf16", torch.device("cpu"))
+    assert math.isfinite(rate) and rate > 0

@@ -8,17 +8,38 @@ writes it where ``--cluster`` reads it back. What each figure is, and how it is 
   (``/proc/cpuinfo``), the machine's RAM as ``memory_gb`` (all ranks of the node share it) and the
   cores this process may run on as ``cores`` (``sched_getaffinity``: a container's or ``taskset``'s
   limit, not the machine's count).
-* **tflops** per precision: the rate of the matrix products of one transformer block at the
-  model's own shapes, for the micro-batch's N = micro_batch x seq_len tokens: (N x h)(h x 3h),
-  (N x h)(h x h), (N x h)(h x f), (N x f)(f x h), their FLOPs over the sum of each product's median
-  time. Small models' products are far from a processor's peak, which is why the shapes are the
-  model's, not a large square. On a ``cpu`` device it is the rate of **one core** (one torch
-  thread), as `cluster.DeviceSpec` defines it: the planner shares the cores out among a node's
-  ranks (`ClusterProfile.rank_tflops`). A precision the processor has no fast kernel for (bf16 or
-  fp16 on a CPU without AVX-512 BF16 / FP16) is still recorded at its measured, low rate: that is
-  what a run in it gets. Where the full products would take over a precision's share of
-  `RATE_BUDGET_S`, fewer token rows are timed (at least `PROBE_ROWS`): a slow kernel's rate does
-  not depend on the rows.
+* **tflops** per precision: the **sustained rate in the cost model's FLOPs of a block and the LM
+  head, forward + backward, at the model's shapes** (`compute_rates.sustained_tflops`). One
+  model_zoo block of the model and its head with the loss (the layers after the last block; a
+  final norm between them is run but not counted) are built (`compute_rates.model_ends`: on meta,
+  only those layers drawn) and timed for micro_batch x seq_len tokens inside `measure_layers`'
+  rounds, as ``--method time`` times layers (a warm-up round, then the median of three, gradients
+  accumulating over a round's micro-batches); the cost model's ``flops_fwd + flops_bwd`` of those
+  layers (`cost.layer_costs` at tp 1) over that time, weighted as the model has them: n_layer
+  blocks and one head, total FLOPs over total time. So the planner's FLOP times
+  (`planner.layer_times`) carry what the FLOPs leave out: norms, GELU, softmax, dropout, the
+  backward's products at their own shapes, the LM head's memory-bound softmax and cross-entropy.
+  On a GPU each layer's forward + backward is timed with the device synchronised
+  (`compute_rates.synced_layer_seconds`). Models model_zoo does not build (the Llama family,
+  ``hf``) keep the matrix-product rate below as ``tflops``, and the note says so. What it still
+  misses: the embedding and a final norm, which have no FLOPs in the cost model; the per-action
+  overheads of a pipeline run (sends, receives, the executor); co-located ranks' contention for
+  memory bandwidth (each rate is timed alone).
+* **peak_tflops** per precision: the rate of the block's four forward matrix products at the
+  model's shapes, for the same N = micro_batch x seq_len tokens: (N x h)(h x 3h), (N x h)(h x h),
+  (N x h)(h x f), (N x f)(f x h), their FLOPs over the sum of each product's median time
+  (`compute_rates.matmul_tflops`): the denominator of MFU. Small models' products are far from a
+  processor's peak, which is why the shapes are the model's, not a large square.
+
+  Both rates are of **one core** (one torch thread) on a ``cpu`` device, as `cluster.DeviceSpec`
+  defines it: the planner shares the cores out among a node's ranks (`ClusterProfile.rank_tflops`).
+  A precision the processor has no fast kernel for (bf16 or fp16 on a CPU without AVX-512 BF16 /
+  FP16) is still recorded at its measured, low rates: that is what a run in it gets. Each is
+  measured in a bounded time (`compute_rates.device_rates`): where the full products would take
+  over a precision's share of ``RATE_BUDGET_S``, fewer token rows are timed; where a block and the
+  head would take over its share of ``SUSTAINED_BUDGET_S``, fewer tokens
+  (`compute_rates.timed_tokens`; the note says which): a slow kernel's rate does not depend on
+  the tokens.
 * **mem_gbps**: a copy of a `COPY_BYTES` fp32 tensor (larger than a processor's last-level cache),
   bytes read plus bytes written over the median time; one thread on a CPU, as the optimizer step
   of one rank streams its states. Not the machine's total bandwidth over all cores.
@@ -42,9 +63,8 @@ writes it where ``--cluster`` reads it back. What each figure is, and how it is 
   says so); a cluster's inter-node figures come from its own profile file.
 
 ``nodes`` is 1; ``devices_per_node`` is `ranks` on a CPU (the ranks this machine runs) or the GPU
-count. No ``peak_tflops``: MFU against a measured profile is against the measured rate. The whole
-measurement takes ~8 s on 2 cores for ``gpt-small-cpu`` at 2 ranks (~12 s at 4), most of it the
-ranks' ``import torch``.
+count. The whole measurement takes ~7 s on 2 idle cores for ``gpt-small-cpu`` at 2 ranks with the
+three precisions (~14 s while other work shares the cores), most of it the ranks' ``import torch``.
 """
 from __future__ import annotations
 
@@ -67,14 +87,11 @@ import torch.distributed as dist
 from mp_toolkit.optim.master import PRECISIONS
 
 from .cluster import ClusterError, ClusterProfile, DeviceSpec, Link, profile_to_dict
+from .compute_rates import device_rates, synced_seconds
 from .cost import model_shape
 
-__all__ = ["block_products", "fit_link", "matmul_tflops", "measure_links", "measure_profile", "write_profile"]
+__all__ = ["fit_link", "measure_links", "measure_profile", "write_profile"]
 
-RATE_BUDGET_S = 2.5
-"""Seconds for the matrix-product rates of all precisions together."""
-PROBE_ROWS = 16
-"""Token rows of the first, sizing run of a precision's products."""
 COPY_BYTES = 256 << 20
 """The tensor `copy_gbps` copies (twice the largest last-level cache of a CPU die we know of)."""
 LARGE_BYTES = {"gloo": 4 << 20, "nccl": 64 << 20}
@@ -83,54 +100,12 @@ LINK_TIMEOUT_S = 90.0
 """A bound on the whole link measurement (the ranks' ``import torch`` included) and on each wait."""
 
 
-def block_products(hidden: int, ffn: int, tokens: int) -> list[tuple[int, int, int]]:
-    """(rows, inner, columns) of one transformer block's matrix products for ``tokens`` tokens:
-    the fused q/k/v projection, the attention output, the MLP's two."""
-    return [(tokens, hidden, 3 * hidden), (tokens, hidden, hidden), (tokens, hidden, ffn), (tokens, ffn, hidden)]
-
-
-def _seconds(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
-
-
-def matmul_tflops(products: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device,
-                  budget_s: float) -> float:
-    """The products' total FLOPs over the sum of each one's median time (see the module docstring),
-    in about ``budget_s``: rows cut where the full products would not fit it thrice."""
-    probe = [(min(rows, PROBE_ROWS), k, n) for rows, k, n in products]
-    operands = [(torch.randn(r, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device))
-                for r, k, n in probe]
-    # the second pass's time: the first pays one-time costs (cuBLAS's handle, oneDNN's kernel choice)
-    per_row = [sum(_seconds(lambda a=a, b=b: a @ b, device) for a, b in operands) for _ in range(2)][1] / probe[0][0]
-    full = products[0][0]
-    rows = full if per_row * full <= budget_s / 3 else max(probe[0][0], int(budget_s / 3 / per_row))
-    operands = [(torch.randn(rows, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device))
-                for _, k, n in products]
-    times: list[list[float]] = [[] for _ in operands]
-    started = time.perf_counter()
-    for i in range(1 + 25):  # the first pass warms up; 3 timed passes at least, 25 at most
-        for slot, (a, b) in zip(times, operands):
-            t = _seconds(lambda a=a, b=b: a @ b, device)
-            if i:
-                slot.append(t)
-        if i >= 3 and time.perf_counter() - started > budget_s:
-            break
-    flops = sum(2 * rows * k * n for _, k, n in products)
-    return flops / sum(statistics.median(t) for t in times) / 1e12
-
-
 def copy_gbps(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = 3) -> float:
     """Bytes read plus bytes written by a copy of ``nbytes`` of fp32, over its median time."""
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # the first copy also faults the destination's pages in
-    t = statistics.median(_seconds(lambda: dst.copy_(src), device) for _ in range(repeats))
+    t = statistics.median(synced_seconds(lambda: dst.copy_(src), device) for _ in range(repeats))
     return 2 * src.numel() * 4 / t / 1e9
 
 
@@ -220,19 +195,6 @@ def cpu_facts() -> tuple[str, float, int]:
     return name or platform.processor() or "cpu", ram, cores
 
 
-def _rates(shape, tokens: int, precisions: tuple[str, ...], device: torch.device) -> dict[str, float]:
-    """TFLOP/s per precision at the model's block shapes; one torch thread on a CPU (restored after)."""
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        products = block_products(shape.hidden, shape.ffn, tokens)
-        return {p: matmul_tflops(products, PRECISIONS[p], device, RATE_BUDGET_S / len(precisions))
-                for p in precisions}
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _checked(ranks: int, precisions, micro_batch: int, seq_len: int) -> tuple[str, ...]:
     for what, v, least in (("ranks", ranks, 2), ("micro_batch", micro_batch, 1), ("seq_len", seq_len, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
@@ -249,6 +211,10 @@ def _sig(v: float) -> float:
     return float(f"{v:.4g}")
 
 
+def _sigs(rates: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    return tuple((p, _sig(t)) for p, t in rates.items())
+
+
 def measure_profile(model: str = "gpt-small-cpu", ranks: int = 2, precisions=None, micro_batch: int = 8,
                     seq_len: int = 128, name: str | None = None, hf: bool = False) -> ClusterProfile:
     """This machine's profile (the module docstring says what each figure is and is not)."""
@@ -257,9 +223,9 @@ def measure_profile(model: str = "gpt-small-cpu", ranks: int = 2, precisions=Non
     host = socket.gethostname()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
-    tflops = _rates(shape, micro_batch * seq_len, chosen, device)
+    tflops, peak, how = device_rates(model, shape, micro_batch, seq_len, chosen, device)
     mem = copy_gbps(device, COPY_BYTES * (4 if gpus else 1))  # HBM copies 256 MiB in a tenth of a millisecond
-    how = (f"measured on {host} at {model}'s block shapes for {micro_batch} x {seq_len} tokens")
+    how = f"measured on {host}; {how}"
     if gpus:
         props = torch.cuda.get_device_properties(0)
         dev_name, memory_gb, cores = props.name, props.total_memory / 1e9, 0
@@ -274,12 +240,12 @@ def measure_profile(model: str = "gpt-small-cpu", ranks: int = 2, precisions=Non
         dev_name, memory_gb, cores = cpu_facts()
         link, runtime = measure_links(ranks, "gloo", "cpu")
         links = f"links over gloo on 127.0.0.1 between {ranks} processes of one thread each"
-        how += "; tflops of one core (one torch thread), mem_gbps of one thread"
+        how += "; both of one core (one torch thread), mem_gbps of one thread"
     kind = device.type
     note = (f"{how}; {links}; one node: inter_node repeats intra_node (no second node measured), "
             "give a cluster's own figures in a --cluster file")
-    spec = DeviceSpec(kind=kind, name=dev_name, memory_gb=_sig(memory_gb), tflops=tuple((p, _sig(t)) for p, t in
-                      tflops.items()), mem_gbps=_sig(mem), runtime_gb=_sig(runtime / 1e9), cores=cores)
+    spec = DeviceSpec(kind=kind, name=dev_name, memory_gb=_sig(memory_gb), tflops=_sigs(tflops), mem_gbps=_sig(mem),
+                      runtime_gb=_sig(runtime / 1e9), cores=cores, peak_tflops=_sigs(peak))
     link = Link(*(_sig(getattr(link, f.name)) for f in fields(Link)))
     return ClusterProfile(name=name or f"{host}-{kind}", source="measured", nodes=1,
                           devices_per_node=gpus or ranks, device=spec, intra_node=link, inter_node=link, note=note)
