@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(f"{label:24s} {row['considered']:8d} {row['planned']:8d} {row['bounded']:8d} {row['median_s']:9.2f} "
               f"{row['max_s']:7.2f}  {pick}")
-    print(json_line("bench_search", head, rows=rows))
+    json_line("bench_search", head, rows=rows)
 
 
 if __name__ == "__main__":
