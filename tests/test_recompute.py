@@ -196,7 +196,8 @@ def test_deepspeed_keys_are_read_and_applied(tmp_path, capsys):
 
 def test_train_refuses_in_one_line(capsys):
     tiny = ["train", "--model", "gpt-tiny", "--seq-len", "16"]
-    assert_one_line_exit_2(capsys, tiny + ["--recompute", "auto"], mentions="--memory-gb")
+    # --recompute auto without --memory-gb plans for the device's capacity (issue 36): only a cap nothing fits refuses
+    assert_one_line_exit_2(capsys, tiny + ["--recompute", "auto", "--memory-gb", "0.0001"], mentions="too small")
     assert_one_line_exit_2(capsys, tiny + ["--recompute", "full", "--recompute-layers", "1,1,1"],
                            mentions="3 counts for 2 stages")
     assert_one_line_exit_2(capsys, tiny + ["--recompute-layers", "a"], mentions="--recompute-layers")

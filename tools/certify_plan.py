@@ -235,8 +235,9 @@ def train(layout: Layout, plan: Plan, steps: int, folder: Path, timeout_s: float
         if name == "chunks" and value == 1:
             continue  # --chunks is the interleaved schedule's
         flags += [f"--{name.replace('_', '-')}", str(value)]
+    # BERT's synthetic corpus is prepared on first use: into the tool's folder, never the user's cache
     mpt("train", "--model", layout.model, *flags, "--steps", str(steps), "--metrics", str(path), "--no-progress",
-        env=MEMORY_ENV if memory else None, timeout_s=timeout_s)
+        "--cache-dir", str(folder / "cache"), env=MEMORY_ENV if memory else None, timeout_s=timeout_s)
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

@@ -24,6 +24,7 @@ def run_profile(cfg: TrainConfig) -> ClusterProfile:
     shipped profile by name; on a CPU this machine's cores and memory), with as many nodes as the run's
     world needs."""
     par = cfg.parallel
+    world = max(1, par.world_size)  # a grid the checks refuse (--tp 0) is refused there, by its own flag
     try:
         if par.cluster is not None:
             profile = read_profile(par.cluster)
@@ -31,13 +32,13 @@ def run_profile(cfg: TrainConfig) -> ClusterProfile:
             profile = profile_from_dict(read_search(par.layout)[0].get("profile"), par.layout)
         elif torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            profile = default_profile(par.world_size, props.name, props.total_memory / 1e9)
+            profile = default_profile(world, props.name, props.total_memory / 1e9)
         else:
             pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            profile = default_profile(par.world_size, cores=len(os.sched_getaffinity(0)), memory_gb=pages / 1e9)
+            profile = default_profile(world, cores=len(os.sched_getaffinity(0)), memory_gb=pages / 1e9)
+        return with_devices(profile, world)
     except PartitionError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    return with_devices(profile, par.world_size)
 
 
 def read_search(spec: str) -> tuple[dict, int]:
