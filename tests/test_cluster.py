@@ -7,6 +7,7 @@ import json
 import math
 import os
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,7 +36,9 @@ from mp_toolkit.partition.compute_rates import (
     timed_tokens,
 )
 from mp_toolkit.partition.cost import layer_costs, model_shape
+from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.partition.profile_here import fit_link, measure_profile, write_profile
+from mp_toolkit.partition.rates import CUDA_ALLOCATOR_OVERHEAD
 
 INTRA = {"p2p_gbps": 450, "p2p_latency_us": 10, "collective_gbps": 400, "collective_latency_us": 15}
 INTER = {"p2p_gbps": 50, "p2p_latency_us": 15, "collective_gbps": 45, "collective_latency_us": 25}
@@ -299,6 +302,7 @@ def test_measure_profile_gives_a_readable_profile_of_this_machine(tmp_path):
     assert dict(p.device.peak_tflops).keys() == {"fp32", "bf16"}  # the matrix products' rate beside it
     assert all(t > 0 for _, t in p.device.tflops + p.device.peak_tflops)
     assert p.device.mem_gbps > 0 and p.device.runtime_gb > 0
+    assert p.device.layer_overhead_us > 0 and p.device.comm_gb >= 0  # a fixed cost per layer; the group's growth
     assert "sustained rate in the cost model's FLOPs of gpt-tiny's block and LM head" in p.note
     assert p.device.memory_gb > 0
     if kind == "cpu":
@@ -349,9 +353,9 @@ def test_model_ends_is_none_for_a_model_model_zoo_does_not_build(tmp_path):
                                   "intermediate_size": 96, "max_position_embeddings": 64}))
     shape = model_shape(str(config))
     assert model_ends(str(config), shape, torch.device("cpu")) is None
-    tflops, peak, how = device_rates(str(config), shape, 2, 16, ("fp32",), torch.device("cpu"))
+    tflops, peak, how, overhead = device_rates(str(config), shape, 2, 16, ("fp32",), torch.device("cpu"))
     assert tflops == peak and peak["fp32"] > 0  # the matrix products' rate, said so
-    assert "the block's matrix products only (model_zoo does not build" in how
+    assert "the block's matrix products only (model_zoo does not build" in how and overhead == 0.0
 
 
 def test_synced_layer_seconds_times_every_layer_and_leaves_no_gradients():
@@ -368,9 +372,47 @@ def test_synced_layer_seconds_times_every_layer_and_leaves_no_gradients():
 
 def test_sustained_rates_of_a_zoo_model_and_the_sequence_its_positions_allow():
     shape = model_shape("bert-tiny")  # 64 positions: a longer sequence is timed at 64
-    tflops, peak, how = device_rates("bert-tiny", shape, 2, 128, ("fp32",), torch.device("cpu"))
+    tflops, peak, how, overhead = device_rates("bert-tiny", shape, 2, 128, ("fp32",), torch.device("cpu"))
     assert tflops.keys() == peak.keys() == {"fp32"} and tflops["fp32"] > 0 and peak["fp32"] > 0
     assert "for 2 x 64 tokens" in how and "peak_tflops: the block's four matrix products" in how
+    assert math.isfinite(overhead) and overhead > 0 and "layer_overhead_us: a block's forward + backward" in how
     gpt = model_shape("gpt-tiny")
     rate = sustained_tflops(model_ends("gpt-tiny", gpt, torch.device("cpu")), gpt, 1, 16, "bf16", torch.device("cpu"))
     assert math.isfinite(rate) and rate > 0
+
+
+def test_a_layer_overhead_is_read_written_and_planned(tmp_path):
+    """The profile's fixed cost per layer: optional (0), non-negative, round-tripped, and added to every
+    layer of a FLOP-timed plan, a third to its forward and two thirds to its backward."""
+    doc = gpu_doc()
+    assert profile_from_dict(doc).device.layer_overhead_us == 0.0
+    doc["device"]["layer_overhead_us"] = -1
+    with pytest.raises(ClusterError, match="layer_overhead_us is -1"):
+        profile_from_dict(doc)
+    doc["device"]["layer_overhead_us"] = 300.0
+    p = profile_from_dict(doc)
+    assert profile_from_dict(profile_to_dict(p)) == p
+    req = PlanRequest(model="gpt-tiny", pp=1, micro_batch=2, microbatches=4, seq_len=16, method="flops", load=False,
+                      cluster=p)
+    with_cost = make_plan(req)
+    free = make_plan(replace(req, cluster=profile_from_dict({**doc, "device": {**doc["device"],
+                                                                              "layer_overhead_us": 0}})))
+    layers = len(with_cost.layers)
+    # one stage, 4 micro-batches one after another: each runs every layer's fixed cost once
+    assert with_cost.step_time_ms - free.step_time_ms == pytest.approx(4 * layers * 0.3, rel=1e-9)
+
+
+def test_a_communicating_rank_holds_the_profiles_comm_bytes():
+    """comm_gb: on every stage of a plan whose world is over one rank (through the CUDA allocator's factor,
+    as the other bytes a rank holds: the planner counts it in the stage's fixed part), none at one rank."""
+    doc = gpu_doc()
+    plain = profile_from_dict(doc)
+    doc["device"]["comm_gb"] = 0.25
+    comm = profile_from_dict(doc)
+    assert profile_from_dict(profile_to_dict(comm)) == comm
+    grown = 0.25e9 * (1 + CUDA_ALLOCATOR_OVERHEAD)
+    for pp, dp, extra in ((1, 1, 0), (2, 1, grown), (1, 2, grown)):
+        req = PlanRequest(model="gpt-tiny", pp=pp, dp=dp, micro_batch=2, microbatches=4, seq_len=16, method="flops",
+                          load=False, cluster=plain)
+        base, more = make_plan(req), make_plan(replace(req, cluster=comm))
+        assert [m - b for m, b in zip(more.rank_bytes, base.rank_bytes)] == [pytest.approx(extra)] * pp

@@ -92,6 +92,14 @@ class DeviceSpec:
     """``cpu``: the cores of a node, which its ranks share; 0 on other kinds."""
     peak_tflops: tuple[tuple[str, float], ...] = ()
     """The datasheet's peak per precision, the denominator of MFU; empty: ``tflops``."""
+    layer_overhead_us: float = 0.0
+    """The fixed time of one layer's forward + backward beside its FLOPs (microseconds): per-operation
+    dispatch, autograd and hook costs on a CPU, kernel launches on a GPU. ``--profile-here`` times a
+    block at a handful of tokens, where FLOPs are negligible; 0: not described."""
+    comm_gb: float = 0.0
+    """What a rank that communicates (pp, tp or dp > 1) holds beyond its tensors and runtime: the process
+    group's buffers and threads (gloo's; NCCL's on a GPU). ``--profile-here`` reads how a link rank's
+    resident memory grew over its round of messages; 0: not described."""
 
     def rate(self, precision: str) -> float:
         return dict(self.tflops)[precision]
@@ -259,7 +267,10 @@ def profile_from_dict(doc, source: str = "profile") -> ClusterProfile:
                           tflops=tflops, mem_gbps=_positive(f"{source}: device.mem_gbps", dev["mem_gbps"]),
                           runtime_gb=_positive(f"{source}: device.runtime_gb", dev.get("runtime_gb", 0.0),
                                                zero_ok=True),
-                          cores=cores, peak_tflops=_rates(dev, "peak_tflops", source, required=False)),
+                          cores=cores, peak_tflops=_rates(dev, "peak_tflops", source, required=False),
+                          layer_overhead_us=_positive(f"{source}: device.layer_overhead_us",
+                                                      dev.get("layer_overhead_us", 0.0), zero_ok=True),
+                          comm_gb=_positive(f"{source}: device.comm_gb", dev.get("comm_gb", 0.0), zero_ok=True)),
         intra_node=_link(doc, "intra_node", source), inter_node=_link(doc, "inter_node", source),
         note=str(doc.get("note") or ""))
 
@@ -273,6 +284,10 @@ def profile_to_dict(p: ClusterProfile) -> dict:
         device["cores"] = d.cores
     if d.peak_tflops:
         device["peak_tflops"] = dict(d.peak_tflops)
+    if d.layer_overhead_us:
+        device["layer_overhead_us"] = d.layer_overhead_us
+    if d.comm_gb:
+        device["comm_gb"] = d.comm_gb
     link = lambda k: {f.name: getattr(k, f.name) for f in fields(Link)}
     return {"name": p.name, "source": p.source, **({"note": p.note} if p.note else {}), "nodes": p.nodes,
             "devices_per_node": p.devices_per_node, "device": device, "intra_node": link(p.intra_node),

@@ -26,7 +26,8 @@ from .cost import ModelShape, layer_costs
 from .measure import measure_layers
 from .memstats import DeviceMemory
 
-__all__ = ["ModelEnds", "block_products", "device_rates", "matmul_tflops", "model_ends", "sustained_tflops",
+__all__ = ["ModelEnds", "block_products", "device_rates", "layer_overhead_us", "matmul_tflops", "model_ends",
+           "sustained_tflops",
            "synced_layer_seconds", "synced_seconds", "timed_tokens"]
 
 RATE_BUDGET_S = 1.2
@@ -199,13 +200,11 @@ def timed_tokens(shape: ModelShape, micro_batch: int, seq_len: int, precision: s
     return b, s
 
 
-def sustained_tflops(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_len: int, precision: str,
-                     device: torch.device) -> float:
-    """The cost model's FLOPs of ``shape.num_layers`` blocks and the head over the time of as many
-    forward + backward of one block and one of the head with its loss (the layers in between, a
-    final norm, timed but not counted: the cost model gives them no FLOPs); ``ends`` from
-    `model_ends`. One torch thread on a CPU, inside `measure_layers`' rounds, as ``--method time``
-    times layers; on a GPU `synced_layer_seconds`."""
+def _ends_seconds(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_len: int, precision: str,
+                  device: torch.device) -> list[float]:
+    """Forward + backward seconds of the first block, the layers after the last block and the head with
+    its loss, for ``micro_batch`` x ``seq_len`` tokens: one torch thread on a CPU, inside
+    `measure_layers`' rounds, as ``--method time`` times layers; on a GPU `synced_layer_seconds`."""
     layers, n, dtype = ends.layers, shape.num_layers, PRECISIONS[precision]
     timed = LayerList([(name, layers[name]) for name in layers.names[1:2] + layers.names[1 + n:]]).to(dtype)
     embedding = layers.layers[0].to(dtype)
@@ -215,24 +214,46 @@ def sustained_tflops(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_l
     with _one_core(device):
         if device.type == "cpu":
             warmup, repeats, rounds = SUSTAINED_ROUNDS
-            times = [t.forward_s + t.backward_s for t in measure_layers(
+            return [t.forward_s + t.backward_s for t in measure_layers(
                 timed, x, ends.loss, labels, warmup=warmup, repeats=repeats, microbatches=rounds)]
-        else:
-            times = synced_layer_seconds(timed, x, ends.loss, labels, device)
+        return synced_layer_seconds(timed, x, ends.loss, labels, device)
+
+
+def sustained_tflops(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_len: int, precision: str,
+                     device: torch.device) -> float:
+    """The cost model's FLOPs of ``shape.num_layers`` blocks and the head over the time of as many
+    forward + backward of one block and one of the head with its loss (the layers in between, a
+    final norm, timed but not counted: the cost model gives them no FLOPs); ``ends`` from `model_ends`."""
+    times = _ends_seconds(ends, shape, micro_batch, seq_len, precision, device)
     block, head = _ends_flops(shape, micro_batch, seq_len, precision)
+    n = shape.num_layers
     return (n * block + head) / (n * times[0] + times[-1]) / 1e12
 
 
+OVERHEAD_TOKENS = (1, 8)
+"""The micro-batch a block is timed at for its fixed cost: FLOPs negligible beside it."""
+
+
+def layer_overhead_us(ends: ModelEnds, shape: ModelShape, tflops: float, device: torch.device) -> float:
+    """A block's forward + backward time at `OVERHEAD_TOKENS` in fp32 less its FLOPs at ``tflops``: the
+    fixed cost of a layer call (microseconds, at least 0)."""
+    b, s = OVERHEAD_TOKENS
+    seconds = _ends_seconds(ends, shape, b, s, "fp32", device)[0]
+    block, _ = _ends_flops(shape, b, s, "fp32")
+    return max(0.0, (seconds - block / (tflops * 1e12)) * 1e6)
+
+
 def device_rates(model: str, shape: ModelShape, micro_batch: int, seq_len: int, precisions: tuple[str, ...],
-                 device: torch.device) -> tuple[dict[str, float], dict[str, float], str]:
-    """(sustained TFLOP/s, peak TFLOP/s, how they were taken: for the profile's note) per precision
+                 device: torch.device) -> tuple[dict[str, float], dict[str, float], str, float]:
+    """(sustained TFLOP/s, peak TFLOP/s per precision, how they were taken: for the profile's note, a
+    layer's fixed cost in microseconds: `layer_overhead_us`, 0 where the layers are not built)
     (`profile_here`'s docstring says what each is)."""
     seq_len = min(seq_len, shape.positions or seq_len)  # a model takes no longer sequence
     peak = _peak_rates(shape, micro_batch * seq_len, precisions, device)
     ends = model_ends(model, shape, device)
     if ends is None:
         return dict(peak), peak, (f"tflops: the block's matrix products only (model_zoo does not build "
-                                  f"{model}), for {micro_batch} x {seq_len} tokens")
+                                  f"{model}), for {micro_batch} x {seq_len} tokens"), 0.0
     DeviceMemory.of(device).keep_freed()  # the heap as `mpt train` runs it
     rates, fewer = {}, []
     weights = {p: 2 if p == "fp32" else 1 for p in precisions}
@@ -242,7 +263,9 @@ def device_rates(model: str, shape: ModelShape, micro_batch: int, seq_len: int, 
         rates[p] = sustained_tflops(ends, shape, b, s, p, device)
         if (b, s) != (micro_batch, seq_len):
             fewer.append(f"{p} at {b} x {s}, within its time budget")
+    overhead = layer_overhead_us(ends, shape, rates["fp32"], device) if "fp32" in rates else 0.0
     how = (f"tflops: sustained rate in the cost model's FLOPs of {model}'s block and LM head, forward + backward, "
            f"for {micro_batch} x {seq_len} tokens" + (f" ({'; '.join(fewer)})" if fewer else "")
-           + "; peak_tflops: the block's four matrix products")
-    return rates, peak, how
+           + "; peak_tflops: the block's four matrix products; layer_overhead_us: a block's forward + backward "
+           f"at {OVERHEAD_TOKENS[0]} x {OVERHEAD_TOKENS[1]} tokens less its FLOPs")
+    return rates, peak, how, overhead

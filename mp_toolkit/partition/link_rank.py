@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.partition.memstats import rss_bytes
+from mp_toolkit.partition.memstats import release_free_memory, rss_bytes
 
 WARMUP, SMALL_REPEATS, LARGE_REPEATS = 3, 30, 8
 """Discarded first calls (gloo's and NCCL's connection set-up), then the timed ones per size."""
@@ -103,6 +103,8 @@ def main(argv: list[str]) -> None:
             free, total = torch.cuda.mem_get_info(0)
             out["cuda_used_bytes"] = total - free
         out.update(measure(rank, device, large_bytes))
+        release_free_memory()  # what the round's tensors left in the heap is not the group's
+        out["rss_after_bytes"] = rss_bytes()  # the group's buffers and threads after a round of messages
     finally:
         dist.destroy_process_group()
     print(json.dumps(out), flush=True)

@@ -150,8 +150,9 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rat
         source = ("measured on this machine (per micro-batch inside rounds of accumulating micro-batches, "
                   f"median of 3 rounds after 1 warm-up; {how})")
     else:
-        tflops = rates.tflops
-        times = [(c.flops_fwd / (tflops * 1e12), c.flops_bwd / (tflops * 1e12)) for c in costs]
+        tflops, fixed = rates.tflops, rates.layer_overhead_s  # a layer's fixed cost: a third forward, as B = 2F
+        times = [(c.flops_fwd / (tflops * 1e12) + fixed / 3, c.flops_bwd / (tflops * 1e12) + 2 * fixed / 3)
+                 for c in costs]
         bpp_touched = bytes_per_param(req.precision, req.optimizer, momentum=req.momentum) + 8  # read + write
         opt_s = [c.params * bpp_touched / (rates.mem_gbps * GB) for c in costs]
         step_bpp = step_bytes_per_param(req.precision, req.optimizer, req.weight_decay)
@@ -159,6 +160,7 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rat
         residue = 0
         source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None and
                                                      req.cluster is None else "")
+        source += f" + {fixed * 1e6:.0f} us per layer" if fixed else ""
     if req.tp > 1:  # two all-reduces of the block's activations forward, two backward (Megatron)
         msg = req.micro_batch * req.seq_len * shape.hidden * ACT_BYTES[req.precision]
         ar = 2 * rates.tp.allreduce_s(msg, req.tp)
@@ -257,7 +259,7 @@ def make_plan(req: PlanRequest) -> Plan:
     accumulated = [c.accumulated_bytes for c in costs] if req.microbatches > 1 else []
     memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], accumulated=accumulated,
-                         fixed=2 * msg_in + residue, step_transient=step_bytes, recorded=lt.recorded,
+                         fixed=2 * msg_in + residue + rates.comm_bytes, step_transient=step_bytes, recorded=lt.recorded,
                          held=held, rank_held=rank_held)
     # with a profile the cap is the rank's device (or --memory-gb) less the runtime, through its allocator
     cut_req = req if req.cluster is None or rates.capacity is None else replace(

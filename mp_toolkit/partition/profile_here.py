@@ -40,6 +40,15 @@ writes it where ``--cluster`` reads it back. What each figure is, and how it is 
   head would take over its share of ``SUSTAINED_BUDGET_S``, fewer tokens
   (`compute_rates.timed_tokens`; the note says which): a slow kernel's rate does not depend on
   the tokens.
+* **layer_overhead_us**: a layer call's fixed cost beside its FLOPs: the model's block timed the same
+  way at `compute_rates.OVERHEAD_TOKENS` (1 x 8 tokens, fp32), less that size's FLOPs at the fp32
+  rate (`compute_rates.layer_overhead_us`). Per-operation dispatch, autograd and hooks on a CPU,
+  kernel launches on a GPU: what makes a small model's step many times its FLOPs (the first
+  certification run, BENCHMARKS.md). The planner adds a third of it to every layer's forward and two
+  thirds to its backward. A block's figure stands for every layer, norms and embeddings included.
+* **comm_gb**: how much a link rank's resident memory grew over its round of messages (after the
+  group exists; freed heap returned first): gloo's buffers and threads, NCCL's on a GPU. The planner
+  adds it to each rank of a world over one rank.
 * **mem_gbps**: a copy of a `COPY_BYTES` fp32 tensor (larger than a processor's last-level cache),
   bytes read plus bytes written over the median time; one thread on a CPU, as the optimizer step
   of one rank streams its states. Not the machine's total bandwidth over all cores.
@@ -172,14 +181,16 @@ def _run_ranks(ranks: int, backend: str, kind: str, timeout_s: float) -> list[di
 
 
 def measure_links(ranks: int, backend: str = "gloo", kind: str = "cpu",
-                  timeout_s: float = LINK_TIMEOUT_S) -> tuple[Link, float]:
-    """(the link between ``ranks`` processes of this host, the largest runtime bytes a rank held)."""
+                  timeout_s: float = LINK_TIMEOUT_S) -> tuple[Link, float, float]:
+    """(the link between ``ranks`` processes of this host, the largest runtime bytes a rank held, the most
+    a rank's resident memory grew over its round of messages: the process group's buffers and threads)."""
     rows = _run_ranks(ranks, backend, kind, timeout_s)
     first = rows[0]
     link = fit_link(tuple(t / 2 for t in first["p2p_round_trip_s"]), tuple(first["allreduce_s"]),
                     (first["small_bytes"], first["large_bytes"]), ranks)
     held = first["cuda_used_bytes"] if kind == "cuda" else max(r["rss_bytes"] for r in rows)
-    return link, float(held)
+    grew = max(max(0, r.get("rss_after_bytes", r["rss_bytes"]) - r["rss_bytes"]) for r in rows)
+    return link, float(held), float(grew)
 
 
 def cpu_facts() -> tuple[str, float, int]:
@@ -223,7 +234,7 @@ def measure_profile(model: str = "gpt-small-cpu", ranks: int = 2, precisions=Non
     host = socket.gethostname()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
-    tflops, peak, how = device_rates(model, shape, micro_batch, seq_len, chosen, device)
+    tflops, peak, how, overhead = device_rates(model, shape, micro_batch, seq_len, chosen, device)
     mem = copy_gbps(device, COPY_BYTES * (4 if gpus else 1))  # HBM copies 256 MiB in a tenth of a millisecond
     how = f"measured on {host}; {how}"
     if gpus:
@@ -232,20 +243,21 @@ def measure_profile(model: str = "gpt-small-cpu", ranks: int = 2, precisions=Non
         backend, world = ("nccl", min(ranks, gpus)) if gpus >= 2 else ("gloo", ranks)
         torch.cuda.empty_cache()  # what this process holds on the device now is the baseline
         free, total = torch.cuda.mem_get_info(0)
-        link, held = measure_links(world, backend, "cuda")
+        link, held, comm = measure_links(world, backend, "cuda")
         runtime = max(0.0, held - (total - free))
         links = (f"links over NCCL between {world} GPUs" if backend == "nccl" else
                  f"links over gloo between {world} processes through host memory (one GPU: no NCCL peer)")
     else:
         dev_name, memory_gb, cores = cpu_facts()
-        link, runtime = measure_links(ranks, "gloo", "cpu")
+        link, runtime, comm = measure_links(ranks, "gloo", "cpu")
         links = f"links over gloo on 127.0.0.1 between {ranks} processes of one thread each"
         how += "; both of one core (one torch thread), mem_gbps of one thread"
     kind = device.type
     note = (f"{how}; {links}; one node: inter_node repeats intra_node (no second node measured), "
             "give a cluster's own figures in a --cluster file")
     spec = DeviceSpec(kind=kind, name=dev_name, memory_gb=_sig(memory_gb), tflops=_sigs(tflops), mem_gbps=_sig(mem),
-                      runtime_gb=_sig(runtime / 1e9), cores=cores, peak_tflops=_sigs(peak))
+                      runtime_gb=_sig(runtime / 1e9), cores=cores, peak_tflops=_sigs(peak),
+                      layer_overhead_us=_sig(overhead) if overhead else 0.0, comm_gb=_sig(comm / 1e9) if comm else 0.0)
     link = Link(*(_sig(getattr(link, f.name)) for f in fields(Link)))
     return ClusterProfile(name=name or f"{host}-{kind}", source="measured", nodes=1,
                           devices_per_node=gpus or ranks, device=spec, intra_node=link, inter_node=link, note=note)

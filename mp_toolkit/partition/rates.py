@@ -72,6 +72,10 @@ class Rates:
     allocator: str
     profile: str
     """The line saying which profile the plan used."""
+    layer_overhead_s: float = 0.0
+    """A layer's fixed forward + backward time beside its FLOPs (the profile's ``layer_overhead_us``)."""
+    comm_bytes: int = 0
+    """What a communicating rank holds beyond its tensors (the profile's ``comm_gb``; 0 at one rank)."""
 
     def hop(self, stage: int) -> Link:
         """The link a message between stage ``stage`` and ``stage + 1`` crosses."""
@@ -119,4 +123,5 @@ def rates_of(req: PlanRequest, timed: bool) -> Rates:
     tie = c.inter_node if span >= c.devices_per_node else c.intra_node
     return Rates(tflops, peak, d.mem_gbps, place.tp_link, place.dp_link, tie, place,
                  cap if cap is not None else c.rank_memory_bytes(per_node), int(d.runtime_gb * 1e9), d.kind,
-                 c.describe())
+                 c.describe(), layer_overhead_s=d.layer_overhead_us * 1e-6,
+                 comm_bytes=int(d.comm_gb * 1e9) if req.pp * req.tp * req.dp > 1 else 0)
