@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from mp_toolkit.partition.cluster import read_profile, shipped_profile
+from mp_toolkit.partition.cluster import profile_from_dict, read_profile, shipped_profile
 from tools.certify_plan import MODELS, PIPELINE_SCHEDULES, Checker, Layout, select, space
-from tools.certify_stats import DIMENSIONS, kendall_tau_b, mape, pair_counts, regret
+from tools.certify_rescore import rescored
+from tools.certify_stats import DIMENSIONS, kendall_tau_b, mape, pair_counts, regret, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,11 +91,18 @@ def test_a_four_layout_run_reports_every_figure(tmp_path):
         assert r["pred_device_bytes"] == r["pred_peak_bytes"] + 250_000_000  # tensor bytes + the runtime
         assert r["train_planned_bytes"] == r["pred_rank_bytes"]  # the run planned what is compared
     finite = ("step_mape", "step_bias", "mem_mape", "mem_mape_ranks", "mem_bias", "tau_pooled", "tau_groups",
-              "regret_max", "regret_median", "noise_steps", "baseline_bound_bytes")
+              "regret_max", "regret_median", "baseline_bound_bytes")
     for key in finite:
         assert isinstance(s[key], (int, float)) and math.isfinite(s[key]), key
-    assert s["noise_rounds"] is None  # one round: nothing to compare across rounds
+    # one round: nothing to compare across rounds; one timed step (--steps 3, two warm-up steps): no spread
+    assert s["noise_rounds"] is None and s["noise_steps"] is None
     assert -1 <= s["tau_groups"] <= 1 and -1 <= s["tau_pooled"] <= 1 and s["regret_max"] >= 0
     assert s["groups_ranked"] == 2 and sum(g["n"] for g in s["groups"]) == 4
     assert 0 <= s["false_fits"] <= s["predicted_fits"] <= 4 and s["cap_bytes"] > 0
     assert set(s["by"]) == set(DIMENSIONS) and s["by"]["schedule"]["1f1b"]["n"] == 2
+    # re-scored under the run's own profile (tools.certify_rescore): the same predictions, the same figures
+    same = summarize(rescored(line, read_profile(tmp_path / "again.json")), 250_000_000, s["cap_bytes"])
+    assert {k: same[k] for k in finite} == {k: s[k] for k in finite}
+    faster = dict(profile, device={**profile["device"], "tflops": {"fp32": 0.5}})
+    again = rescored(line, profile_from_dict(faster))
+    assert all(a["pred_step_ms"] < r["pred_step_ms"] for a, r in zip(again, rows))  # a faster device: less time
