@@ -303,6 +303,9 @@ def test_measure_profile_gives_a_readable_profile_of_this_machine(tmp_path):
     assert all(t > 0 for _, t in p.device.tflops + p.device.peak_tflops)
     assert p.device.mem_gbps > 0 and p.device.runtime_gb > 0
     assert p.device.layer_overhead_us > 0 and p.device.comm_gb >= 0  # a fixed cost per layer; the group's growth
+    assert p.device.step_overhead_us == 0  # fitted to runs only when calibrated (tests/test_calibrate.py)
+    if kind == "cpu" and p.device.cores > 1:
+        assert p.device.thread_speedup == 0 or 1 <= p.device.thread_speedup <= p.device.cores
     assert "sustained rate in the cost model's FLOPs of gpt-tiny's block and LM head" in p.note
     assert p.device.memory_gb > 0
     if kind == "cpu":
@@ -353,9 +356,9 @@ def test_model_ends_is_none_for_a_model_model_zoo_does_not_build(tmp_path):
                                   "intermediate_size": 96, "max_position_embeddings": 64}))
     shape = model_shape(str(config))
     assert model_ends(str(config), shape, torch.device("cpu")) is None
-    tflops, peak, how, overhead = device_rates(str(config), shape, 2, 16, ("fp32",), torch.device("cpu"))
+    tflops, peak, how, overhead, speedup = device_rates(str(config), shape, 2, 16, ("fp32",), torch.device("cpu"), 2)
     assert tflops == peak and peak["fp32"] > 0  # the matrix products' rate, said so
-    assert "the block's matrix products only (model_zoo does not build" in how and overhead == 0.0
+    assert "the block's matrix products only (model_zoo does not build" in how and overhead == 0.0 and speedup == 1
 
 
 def test_synced_layer_seconds_times_every_layer_and_leaves_no_gradients():
@@ -372,10 +375,11 @@ def test_synced_layer_seconds_times_every_layer_and_leaves_no_gradients():
 
 def test_sustained_rates_of_a_zoo_model_and_the_sequence_its_positions_allow():
     shape = model_shape("bert-tiny")  # 64 positions: a longer sequence is timed at 64
-    tflops, peak, how, overhead = device_rates("bert-tiny", shape, 2, 128, ("fp32",), torch.device("cpu"))
+    tflops, peak, how, overhead, speedup = device_rates("bert-tiny", shape, 2, 128, ("fp32",), torch.device("cpu"), 2)
     assert tflops.keys() == peak.keys() == {"fp32"} and tflops["fp32"] > 0 and peak["fp32"] > 0
     assert "for 2 x 64 tokens" in how and "peak_tflops: the block's four matrix products" in how
-    assert math.isfinite(overhead) and overhead > 0 and "layer_overhead_us: a block's forward + backward" in how
+    assert math.isfinite(overhead) and overhead > 0 and "layer_overhead_us: the intercept of a block's" in how
+    assert 1 <= speedup <= 2 and ("thread_speedup" in how) == (speedup != 1)
     gpt = model_shape("gpt-tiny")
     rate = sustained_tflops(model_ends("gpt-tiny", gpt, torch.device("cpu")), gpt, 1, 16, "bf16", torch.device("cpu"))
     assert math.isfinite(rate) and rate > 0
@@ -416,3 +420,59 @@ def test_a_communicating_rank_holds_the_profiles_comm_bytes():
                           load=False, cluster=plain)
         base, more = make_plan(req), make_plan(replace(req, cluster=comm))
         assert [m - b for m, b in zip(more.rank_bytes, base.rank_bytes)] == [pytest.approx(extra)] * pp
+
+
+def test_a_thread_speedup_sets_what_more_threads_give_a_cpu_rank():
+    doc = cpu_doc()  # 2 cores at 0.08 TFLOP/s each
+    doc["device"]["thread_speedup"] = 1.5
+    p = profile_from_dict(doc)
+    assert profile_from_dict(profile_to_dict(p)) == p
+    assert p.rank_tflops("fp32", 1) == pytest.approx(0.12)  # one rank, two threads: 1.5 cores' worth
+    assert p.rank_tflops("fp32", 2) == pytest.approx(0.08)
+    assert p.rank_tflops("fp32", 1, threads=1) == pytest.approx(0.08)
+    for bad in (0.5, 2.5):
+        doc["device"]["thread_speedup"] = bad
+        refused(doc, f"thread_speedup is {bad:g}: it is between 1 and device.cores")
+
+
+def test_a_step_overhead_is_added_to_every_step_of_several_ranks():
+    doc = gpu_doc()
+    plain = profile_from_dict(doc)
+    doc["device"]["step_overhead_us"] = 5000.0
+    more = profile_from_dict(doc)
+    assert profile_from_dict(profile_to_dict(more)) == more
+    for pp, dp, extra in ((1, 1, 0.0), (2, 1, 5.0), (1, 2, 5.0)):
+        req = PlanRequest(model="gpt-tiny", pp=pp, dp=dp, micro_batch=2, microbatches=4, seq_len=16, method="flops",
+                          load=False, cluster=plain)
+        assert make_plan(replace(req, cluster=more)).step_time_ms - make_plan(req).step_time_ms == pytest.approx(extra)
+
+
+def test_tensor_parallel_all_reduces_of_the_blocks_and_the_ends_are_planned():
+    """tp 2, one stage, 2 micro-batches of gpt-tiny (4 blocks): per micro-batch 4 x 4 block all-reduces, the
+    vocab-parallel embedding's 1, the cross-entropy's 2 and the LM head's input gradient's 1; a ring
+    all-reduce over 2 ranks has 2 latency steps: 2 x 20 x 2 latencies in the step."""
+    doc = gpu_doc()
+    req = PlanRequest(model="gpt-tiny", pp=1, tp=2, micro_batch=2, microbatches=2, seq_len=16, method="flops",
+                      load=False, cluster=profile_from_dict(doc))
+    base = make_plan(req)
+    doc["intra_node"]["collective_latency_us"] += 1000
+    slower = make_plan(replace(req, cluster=profile_from_dict(doc)))
+    assert slower.step_time_ms - base.step_time_ms == pytest.approx(2 * 20 * 2 * 1.0)
+
+
+def test_ranks_beyond_the_cores_stretch_their_compute_by_the_cores_demand():
+    """4 ranks on 2 cores: each computes at a whole core and the plan stretches compute by the mean demand
+    (the ranks over the cores times the share of the step they compute), between none and the full 2x."""
+    def plan(cores: int):
+        doc = cpu_doc()
+        doc["device"]["cores"] = cores
+        return make_plan(PlanRequest(model="gpt-tiny", pp=4, micro_batch=2, microbatches=4, seq_len=16,
+                                     method="flops", load=False, cluster=profile_from_dict(doc)))
+    alone, shared = plan(4), plan(2)
+    assert shared.rates.contention == 2 and alone.rates.contention == 1
+    assert alone.step_time_ms < shared.step_time_ms < 2 * alone.step_time_ms
+    # the fixed point: the stretch is the demand of the stretched timeline
+    tl = shared.timeline
+    demand = 2 * sum(tl.busy) / (tl.num_ranks * tl.step_time)
+    stretch = sum(tl.busy) / sum(alone.timeline.busy)
+    assert stretch == pytest.approx(max(1.0, demand), rel=2e-3)

@@ -4,12 +4,18 @@ gpt-tiny, gpt-small-cpu and bert-tiny with this machine's measured profile, trai
 
     python -m tools.certify_plan                        # ~100 layouts x 2 rounds: about an hour on 2 cores
     python -m tools.certify_plan --quick                # 4 layouts of the tiny models at 1-2 ranks, 1 round
-                                                        # of 3 steps (one timed step: no within-run spread)
+                                                        # of 3 steps (one timed step: no within-run spread),
+                                                        # timed in the memory run (--one-run): a smoke
     python -m tools.certify_plan --layouts 12 --rounds 2 --profile here.json --json cert.json
 
-1. **Profile**: `profile_here.measure_profile` at gpt-small-cpu's block shapes over ``--max-world``
-   gloo ranks (``devices_per_node`` = that count, so every world of the run sits in one node), or
-   ``--profile FILE`` (``--save-profile FILE`` keeps the measured one). It is printed first.
+1. **Profiles**: for each model its own, measured by `profile_here.measure_profile` at the model's
+   shapes (a small model's products and layer calls run at other rates than a larger one's) over
+   ``--max-world`` gloo ranks (``devices_per_node`` = that count, so every world of the run sits in
+   one node) and calibrated in its runs' pattern (`mp_toolkit.partition.calibrate`: four short runs,
+   pp 2 at 2, 4 and 6 micro-batches and tp 2 at 2, all 1F1B without recomputation: layouts of the space
+   certified here, about ten seconds each); or ``--profile FILE`` for every model, ``--profile
+   MODEL=FILE`` for each (``--save-profile FILE`` keeps the measured ones, FILE's stem-MODEL.suffix
+   each). They are printed first.
 2. **Layouts**: every (pp in 1,2,4) x (tp in 1,2) x (dp in 1,2) with pp x tp x dp <= ``--max-world``,
    micro-batch counts 2,4,8, every schedule (interleaved with 2 chunks; pp 1: one), recomputation
    none / selective / full, ZeRO 0 / 1 (1 with dp 2), of each model at its fixed micro-batch and
@@ -44,11 +50,14 @@ mean of the smallest and largest measured device peaks, ``--cap-gb`` sets it. Th
 carries ``baseline_bound_bytes``: per rank, peak RSS since the process started less the steps'
 peak above the baseline, an upper bound of the run's real baseline, to set beside ``runtime_gb``.
 
-**Oversubscribed worlds.** A ``cpu`` profile gives the rate of one core and the node's core count;
-its ranks share the cores (`ClusterProfile.rank_tflops`): 4 ranks on 2 cores run at half a core's
-rate each, 1 rank at floor(2) = 2 cores' rate. Nothing else describes the contention: the links
-were measured between idle ranks, and `partition/contention.py` (helpers beside layers being
-timed) applies to measured layer times only, not to the FLOP times of a profile.
+**Oversubscribed worlds.** A ``cpu`` profile gives the rate of one core, the node's core count and
+how much a rank gains from more threads (``thread_speedup``): 1 rank on 2 cores runs with 2 threads
+at that speed-up. Where ranks outnumber cores (4 ranks on 2), each is planned at a whole core while
+it computes and the plan stretches every compute action by the cores' mean demand (the ranks over
+the cores times the share of the step they compute: `planner.contended`), since a rank waiting in a
+receive or the bubble leaves its core to the others; the step's closing collectives stretch by the
+ranks over the cores. (`partition/contention.py`, helpers beside layers being timed, applies to
+measured layer times only.)
 
 The figures (`tools.certify_stats`): step-time and peak-memory MAPE, Kendall's tau-b within
 groups and pooled, top-1 regret per group, false "fits" under the cap, run-to-run noise, and the
@@ -80,9 +89,6 @@ from tools.report import header, json_line
 
 MODELS = {"gpt-tiny": (8, 64), "gpt-small-cpu": (4, 64), "bert-tiny": (8, 64)}
 """Each model's (micro-batch, sequence length): a step of 0.1-0.5 s on 2 cores."""
-PROFILE_MODEL = "gpt-small-cpu"
-"""Whose block shapes the profile's matrix-product rate is measured at (the tiny models' smaller
-products run slower per FLOP than this rate says)."""
 PIPELINE_SCHEDULES = (("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("gpipe", 1), ("zbdrain", 1))
 """At pp > 1, with their chunks; the order of the schedule sweep (`select`)."""
 MICROBATCHES = (2, 4, 8)
@@ -90,8 +96,8 @@ RECOMPUTE = ("none", "selective", "full")
 MEMORY_STEPS = 3
 """Steps of the memory run; its peak is over the steps after the first."""
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-QUICK = {"layouts": 4, "rounds": 1, "steps": 3, "models": "gpt-tiny,bert-tiny", "max_world": 2}
-DEFAULTS = {"layouts": 100, "rounds": 2, "steps": 8, "models": ",".join(MODELS), "max_world": 4}
+QUICK = {"layouts": 4, "rounds": 1, "steps": 3, "models": "gpt-tiny,bert-tiny", "max_world": 2, "one_run": True}
+DEFAULTS = {"layouts": 100, "rounds": 2, "steps": 8, "models": ",".join(MODELS), "max_world": 4, "one_run": False}
 
 
 @dataclass(frozen=True)
@@ -162,8 +168,8 @@ def space(models: list[str], max_world: int) -> list[Layout]:
 class Checker:
     """Plans a layout once, and keeps what refused it: the planner or ``mpt train``'s checks."""
 
-    def __init__(self, profile: ClusterProfile):
-        self.profile = profile
+    def __init__(self, profiles: dict[str, ClusterProfile]):
+        self.profiles = profiles
         self.plans: dict[Layout, Plan | None] = {}
         self.refused: Counter[str] = Counter()
 
@@ -174,7 +180,7 @@ class Checker:
 
     def _plan(self, layout: Layout) -> Plan | None:
         try:
-            plan = make_plan(layout.request(self.profile))
+            plan = make_plan(layout.request(self.profiles[layout.model]))
         except ValueError as e:  # PartitionError, CostModelError: the planner's one-line refusals
             self.refused[f"planner: {e}"] += 1
             return None
@@ -255,22 +261,26 @@ def record(layout: Layout, plan: Plan) -> dict:
             "pred_device_bytes": max(plan.rank_bytes)}
 
 
-def measure(row: dict, layout: Layout, plan: Plan, steps: int, folder: Path, timeout_s: float, first: bool) -> None:
-    """One round of ``layout``: its step time into ``row``; in the first round its memory run too."""
-    times = [r["step_time_s"] * 1e3 for r in train(layout, plan, steps, folder, timeout_s, memory=False)[2:]]
+def measure(row: dict, layout: Layout, plan: Plan, steps: int, folder: Path, timeout_s: float, first: bool,
+            one_run: bool = False) -> None:
+    """One round of ``layout``: its step time into ``row``; in the first round its memory run too
+    (``one_run``: both from the memory run, `QUICK`'s smoke)."""
+    metrics = train(layout, plan, steps, folder, timeout_s, memory=one_run)
+    times = [r["step_time_s"] * 1e3 for r in metrics[2:]]
     med = statistics.median(times)
     row["round_step_ms"].append(med)
     # one timed step (--steps 3) has no spread
     row["step_spreads"].append(statistics.median(abs(t - med) for t in times) / med if len(times) > 1 else None)
     if first:
-        last = train(layout, plan, MEMORY_STEPS, folder, timeout_s, memory=True)[-1]
+        last = metrics[-1] if one_run else train(layout, plan, MEMORY_STEPS, folder, timeout_s, memory=True)[-1]
         row["meas_rank_bytes"] = last["peak_memory_bytes"]
         row["meas_peak_bytes"] = max(last["peak_memory_bytes"])
         row["train_planned_bytes"] = last["planned_memory_bytes"]
         row["baseline_bound_bytes"] = [a - b for a, b in zip(last["peak_rss_bytes"], last["peak_memory_bytes"])]
 
 
-def certify(layouts: list[Layout], checker: Checker, rounds: int, steps: int, timeout_s: float):
+def certify(layouts: list[Layout], checker: Checker, rounds: int, steps: int, timeout_s: float,
+            one_run: bool = False):
     """(the measured rows, {label: why it failed}) over ``rounds`` alternating rounds."""
     rows = {lay: record(lay, checker.plan(lay)) for lay in layouts}
     failed: dict[str, str] = {}
@@ -282,7 +292,7 @@ def certify(layouts: list[Layout], checker: Checker, rounds: int, steps: int, ti
                     continue
                 row = rows[lay]
                 try:
-                    measure(row, lay, checker.plan(lay), steps, Path(d), timeout_s, first=rnd == 0)
+                    measure(row, lay, checker.plan(lay), steps, Path(d), timeout_s, first=rnd == 0, one_run=one_run)
                 except (RunError, KeyError, ValueError) as e:
                     failed[lay.label] = (str(e).strip().splitlines() or [type(e).__name__])[-1]
                     print(f"[{rnd + 1}.{i}/{len(order)}] {lay.label}: FAILED {failed[lay.label]}", flush=True)
@@ -298,19 +308,46 @@ def certify(layouts: list[Layout], checker: Checker, rounds: int, steps: int, ti
     return done, failed
 
 
-def get_profile(args, max_world: int) -> ClusterProfile:
+def profile_files(given: list[str], models: list[str]) -> dict[str, str]:
+    """``--profile`` values: one ``FILE`` for every model, or ``MODEL=FILE`` for each."""
+    if len(given) == 1 and "=" not in given[0]:
+        return {m: given[0] for m in models}
+    files = dict(g.split("=", 1) for g in given if "=" in g)
+    missing = [m for m in models if m not in files]
+    if len(files) != len(given) or missing:
+        raise ClusterError(f"--profile: give one FILE, or MODEL=FILE for each of {', '.join(models)}"
+                           + (f" ({missing[0]} has none)" if missing else ""))
+    return files
+
+
+def saved_path(path: str, model: str, per_model: bool) -> Path:
+    """Where ``--save-profile PATH`` writes ``model``'s profile: PATH, or with the model's name before
+    its suffix when each model has its own."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}-{model}{p.suffix}") if per_model else p
+
+
+def get_profiles(args, max_world: int) -> dict[str, ClusterProfile]:
+    """Per model, the profile it is planned with: ``--profile``'s, or each model's own measured here
+    at its shapes and calibrated in its runs' pattern (`mp_toolkit.partition.calibrate`)."""
     if args.profile:
-        profile = read_profile(args.profile)
+        files = profile_files(args.profile, args.models)
+        profiles = {m: read_profile(f) for m, f in files.items()}
     else:
-        mb, seq = MODELS[PROFILE_MODEL]
-        profile = measure_profile(PROFILE_MODEL, ranks=max(2, max_world), precisions=("fp32",), micro_batch=mb,
-                                  seq_len=seq)
-    if profile.devices_per_node < max_world:
-        raise ClusterError(f"--profile {args.profile}: {profile.devices_per_node} devices per node, fewer than the "
-                           f"{max_world} ranks of the largest world: measure one here (leave out --profile)")
+        profiles = {}
+        for m in args.models:
+            mb, seq = MODELS[m]
+            profiles[m] = measure_profile(m, ranks=max(2, max_world), precisions=("fp32",), micro_batch=mb,
+                                          seq_len=seq, calibrated=True)
+    for m, profile in profiles.items():
+        if profile.devices_per_node < max_world:
+            raise ClusterError(f"--profile for {m}: {profile.devices_per_node} devices per node, fewer than the "
+                               f"{max_world} ranks of the largest world: measure one here (leave out --profile)")
     if args.save_profile:
-        write_profile(profile, args.save_profile)
-    return profile
+        per_model = len({repr(profile_to_dict(p)) for p in profiles.values()}) > 1
+        for m, profile in profiles.items():
+            write_profile(profile, saved_path(args.save_profile, m, per_model))
+    return profiles
 
 
 def parse() -> argparse.Namespace:
@@ -321,11 +358,16 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, help=f"steps per timing run, at least 3 (default {DEFAULTS['steps']})")
     ap.add_argument("--models", help=f"comma-separated, among {', '.join(MODELS)} (default all)")
     ap.add_argument("--max-world", type=int, choices=(1, 2, 4), help="largest pp x tp x dp (default 4)")
-    ap.add_argument("--quick", action="store_true", help="defaults " + " ".join(f"--{k.replace('_', '-')} {v}"
-                                                                                for k, v in QUICK.items()))
+    ap.add_argument("--quick", action="store_true", help="defaults " + " ".join(
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in QUICK.items()))
     ap.add_argument("--seed", type=int, default=0, help="the layout sample's seed")
-    ap.add_argument("--profile", help="a profile file to use instead of measuring one")
-    ap.add_argument("--save-profile", help="write the profile used here")
+    ap.add_argument("--one-run", action="store_const", const=True, default=None,
+                    help="time each layout in its memory run (one run per layout and round: a smoke; glibc's "
+                         "memory setting slows the kernels)")
+    ap.add_argument("--profile", action="append", default=[], metavar="FILE|MODEL=FILE",
+                    help="a profile file for every model, or MODEL=FILE for each (repeat): instead of measuring")
+    ap.add_argument("--save-profile", metavar="FILE",
+                    help="write the profiles used here (FILE; FILE's stem-MODEL.suffix when each model has its own)")
     ap.add_argument("--cap-gb", type=float, help="the memory cap per rank (default: between the measured peaks)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mpt train run")
     ap.add_argument("--json", type=Path, help="also write the JSON line here")
@@ -348,25 +390,28 @@ def main() -> None:
     args = parse()
     head = header("certify_plan")
     try:
-        profile = get_profile(args, args.max_world)
+        profiles = get_profiles(args, args.max_world)
     except ClusterError as e:  # a profile that cannot be read, measured, used or written: one line
         print(f"certify_plan: {e}", file=sys.stderr)
         sys.exit(2)
-    print(profile.describe(), flush=True)
-    checker = Checker(profile)
+    for m, profile in profiles.items():
+        print(f"{m}: {profile.describe()}", flush=True)
+    checker = Checker(profiles)
     candidates = space(args.models, args.max_world)
     layouts = select(candidates, args.layouts, args.seed, lambda lay: checker.plan(lay) is not None)
     print(f"{len(layouts)} of {len(candidates)} layouts ({sum(checker.refused.values())} refused of "
-          f"{len(checker.plans)} checked); {args.rounds} round(s) of {args.steps} steps, a memory run of "
-          f"{MEMORY_STEPS} in the first", flush=True)
-    rows, failed = certify(layouts, checker, args.rounds, args.steps, args.timeout)
+          f"{len(checker.plans)} checked); {args.rounds} round(s) of {args.steps} steps, "
+          + ("timed in the memory run" if args.one_run else f"a memory run of {MEMORY_STEPS} in the first"), flush=True)
+    rows, failed = certify(layouts, checker, args.rounds, args.steps, args.timeout, args.one_run)
     if not rows:
         raise SystemExit("no layout was measured: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
-    runtime = int(profile.device.runtime_gb * 1e9)
+    runtime = max(int(p.device.runtime_gb * 1e9) for p in profiles.values())
     summary = summarize(rows, runtime, None if args.cap_gb is None else int(args.cap_gb * 1e9))
     print_tables(rows, summary, checker.refused, failed, runtime)
-    settings = {k: getattr(args, k) for k in ("layouts", "rounds", "steps", "models", "max_world", "seed", "cap_gb")}
-    json_line("certify_plan", head, args.json, profile=profile_to_dict(profile), settings=settings,
+    settings = {k: getattr(args, k) for k in ("layouts", "rounds", "steps", "models", "max_world", "seed", "cap_gb",
+                                              "one_run")}
+    json_line("certify_plan", head, args.json, profile=profile_to_dict(profiles[args.models[0]]),
+              profiles={m: profile_to_dict(p) for m, p in profiles.items()}, settings=settings,
               models={m: {"micro_batch": mb, "seq_len": seq} for m, (mb, seq) in MODELS.items()},
               space=len(candidates), refused=dict(checker.refused), failed=failed, summary=summary, rows=rows)
 

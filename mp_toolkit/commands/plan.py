@@ -29,7 +29,8 @@ def _make_plan(req: PlanRequest):
 
 
 def _profile_here(args: argparse.Namespace) -> int:
-    profile = measure_profile(args.model, ranks=2, precisions=None, hf=args.hf)
+    profile = measure_profile(args.model, ranks=2, precisions=None, micro_batch=args.micro_batch,
+                              seq_len=args.seq_len, hf=args.hf, calibrated=args.calibrate)
     path = write_profile(profile, args.profile_here)
     print(profile.describe())
     print(f"wrote {path}: pass it to mpt plan --cluster and mpt train --cluster")
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace, argv: list[str], main=None) -> int:
     """``mpt plan``; the exit code."""
     if args.profile_here is not None:
         return _profile_here(args)
+    if args.calibrate:
+        raise PartitionError("--calibrate fits a measured profile: give it with --profile-here OUT")
     if args.search:
         return _search(args)
     req = PlanRequest(

@@ -100,6 +100,15 @@ class DeviceSpec:
     """What a rank that communicates (pp, tp or dp > 1) holds beyond its tensors and runtime: the process
     group's buffers and threads (gloo's; NCCL's on a GPU). ``--profile-here`` reads how a link rank's
     resident memory grew over its round of messages; 0: not described."""
+    step_overhead_us: float = 0.0
+    """The fixed time a step adds on a world of more than one rank (microseconds): its closing
+    collectives over every rank (the loss, the non-finite check, the gradient norm) as a run meets
+    them, each rank arriving when its schedule ends. ``--profile-here`` fits it to two short runs of
+    the model at pp 2; 0: not described."""
+    thread_speedup: float = 0.0
+    """``cpu``: how much faster one rank runs a model's layers with all ``cores`` threads than with one
+    (1 to ``cores``; small matrices gain little from more threads); 0: not described, taken as ``cores``
+    (linear). A rank with c threads gets 1 + (c - 1) / (cores - 1) of the gain beyond one thread."""
 
     def rate(self, precision: str) -> float:
         return dict(self.tflops)[precision]
@@ -142,7 +151,15 @@ class ClusterProfile:
             return d.rate(precision)
         share = d.cores / max(1, ranks_per_node)  # cores per rank; under 1 when oversubscribed
         cores = min(threads, share) if threads else (math.floor(share) if share >= 1 else share)
-        return d.rate(precision) * cores
+        return d.rate(precision) * self.speedup(cores)
+
+    def speedup(self, cores: float) -> float:
+        """A ``cpu`` rank's speed with ``cores`` cores over one core's (`DeviceSpec.thread_speedup`);
+        under one core, that share of it."""
+        d = self.device
+        if cores <= 1 or d.cores <= 1 or not d.thread_speedup:
+            return cores
+        return 1 + (min(cores, d.cores) - 1) * (d.thread_speedup - 1) / (d.cores - 1)
 
     def rank_memory_bytes(self, ranks_per_node: int) -> int:
         """What one rank may hold: the device's memory, or on a ``cpu`` device the node's share."""
@@ -230,6 +247,15 @@ def _rates(sec: dict, key: str, source: str, required: bool) -> tuple[tuple[str,
     return tuple(out)
 
 
+def _speedup(dev: dict, cores: int, source: str) -> float:
+    """``device.thread_speedup``: 0 (not described) or between 1 and the cores."""
+    v = _positive(f"{source}: device.thread_speedup", dev.get("thread_speedup", 0.0), zero_ok=True)
+    if v and not 1 <= v <= max(1, cores):
+        raise ClusterError(f"{source}: device.thread_speedup is {v:g}: it is between 1 and device.cores "
+                           f"({cores}), or 0 for linear")
+    return v
+
+
 def profile_from_dict(doc, source: str = "profile") -> ClusterProfile:
     """A `ClusterProfile` from a parsed file; every missing or non-positive field is one `ClusterError`."""
     if not isinstance(doc, dict):
@@ -270,7 +296,10 @@ def profile_from_dict(doc, source: str = "profile") -> ClusterProfile:
                           cores=cores, peak_tflops=_rates(dev, "peak_tflops", source, required=False),
                           layer_overhead_us=_positive(f"{source}: device.layer_overhead_us",
                                                       dev.get("layer_overhead_us", 0.0), zero_ok=True),
-                          comm_gb=_positive(f"{source}: device.comm_gb", dev.get("comm_gb", 0.0), zero_ok=True)),
+                          comm_gb=_positive(f"{source}: device.comm_gb", dev.get("comm_gb", 0.0), zero_ok=True),
+                          step_overhead_us=_positive(f"{source}: device.step_overhead_us",
+                                                     dev.get("step_overhead_us", 0.0), zero_ok=True),
+                          thread_speedup=_speedup(dev, cores, source)),
         intra_node=_link(doc, "intra_node", source), inter_node=_link(doc, "inter_node", source),
         note=str(doc.get("note") or ""))
 
@@ -288,6 +317,10 @@ def profile_to_dict(p: ClusterProfile) -> dict:
         device["layer_overhead_us"] = d.layer_overhead_us
     if d.comm_gb:
         device["comm_gb"] = d.comm_gb
+    if d.step_overhead_us:
+        device["step_overhead_us"] = d.step_overhead_us
+    if d.thread_speedup:
+        device["thread_speedup"] = d.thread_speedup
     link = lambda k: {f.name: getattr(k, f.name) for f in fields(Link)}
     return {"name": p.name, "source": p.source, **({"note": p.note} if p.note else {}), "nodes": p.nodes,
             "devices_per_node": p.devices_per_node, "device": device, "intra_node": link(p.intra_node),

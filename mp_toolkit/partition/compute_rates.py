@@ -27,7 +27,7 @@ from .measure import measure_layers
 from .memstats import DeviceMemory
 
 __all__ = ["ModelEnds", "block_products", "device_rates", "layer_overhead_us", "matmul_tflops", "model_ends",
-           "sustained_tflops",
+           "sustained_tflops", "thread_speedup",
            "synced_layer_seconds", "synced_seconds", "timed_tokens"]
 
 RATE_BUDGET_S = 1.2
@@ -220,52 +220,101 @@ def _ends_seconds(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_len:
 
 
 def sustained_tflops(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_len: int, precision: str,
-                     device: torch.device) -> float:
+                     device: torch.device, overhead_s: float = 0.0) -> float:
     """The cost model's FLOPs of ``shape.num_layers`` blocks and the head over the time of as many
     forward + backward of one block and one of the head with its loss (the layers in between, a
-    final norm, timed but not counted: the cost model gives them no FLOPs); ``ends`` from `model_ends`."""
+    final norm, timed but not counted: the cost model gives them no FLOPs), less ``overhead_s`` per
+    layer timed: the rate that, with that fixed cost per layer, gives back the time measured at the
+    model's shapes (`layer_overhead_us`); ``ends`` from `model_ends`."""
     times = _ends_seconds(ends, shape, micro_batch, seq_len, precision, device)
     block, head = _ends_flops(shape, micro_batch, seq_len, precision)
     n = shape.num_layers
-    return (n * block + head) / (n * times[0] + times[-1]) / 1e12
+    layers = n + len(times) - 1  # the blocks and the layers after the last one
+    busy = max(n * times[0] + sum(times[1:]) - layers * overhead_s, 0.05 * (n * times[0] + sum(times[1:])))
+    return (n * block + head) / busy / 1e12
+
+
+def thread_speedup(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_len: int, cores: int,
+                   device: torch.device) -> float:
+    """How much faster a rank with all ``cores`` threads runs the model's block and head (forward +
+    backward, fp32, at its shapes) than a rank with one: 1 to ``cores`` (1 on a GPU, or one core).
+    Small matrices gain little from a second thread, large ones nearly double."""
+    if device.type != "cpu" or cores <= 1:
+        return 1.0
+    layers, n = ends.layers, shape.num_layers
+    timed = LayerList([(name, layers[name]) for name in layers.names[1:2] + layers.names[1 + n:]])
+    inputs, labels = (_on(v, device) for v in ends.make_batch(micro_batch, seq_len))
+    with torch.no_grad():
+        x = run_layers([layers.layers[0]], *_on(inputs, device, as_tuple=True))
+    warmup, repeats, rounds = SUSTAINED_ROUNDS
+
+    def seconds(threads: int) -> float:
+        torch.set_num_threads(threads)
+        return sum(t.forward_s + t.backward_s for t in measure_layers(
+            timed, x, ends.loss, labels, warmup=warmup, repeats=repeats, microbatches=rounds))
+    before = torch.get_num_threads()
+    try:  # alternating pairs, the median ratio: one pair varies with what else the machine does
+        ratios = [seconds(1) / seconds(cores) for _ in range(OVERHEAD_REPEATS)]
+    finally:
+        torch.set_num_threads(before)
+    return min(float(cores), max(1.0, statistics.median(ratios)))
 
 
 OVERHEAD_TOKENS = (1, 8)
 """The micro-batch a block is timed at for its fixed cost: FLOPs negligible beside it."""
+OVERHEAD_REPEATS = 5
+"""Pairs of timings `layer_overhead_us` takes the median intercept of (one pair varied by a third
+between runs on a 2-core VM)."""
 
 
-def layer_overhead_us(ends: ModelEnds, shape: ModelShape, tflops: float, device: torch.device) -> float:
-    """A block's forward + backward time at `OVERHEAD_TOKENS` in fp32 less its FLOPs at ``tflops``: the
-    fixed cost of a layer call (microseconds, at least 0)."""
+def layer_overhead_us(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_len: int,
+                      device: torch.device) -> float:
+    """A layer call's fixed cost (microseconds, at least 0): the intercept of a block's forward +
+    backward time over its FLOPs, from the block timed at `OVERHEAD_TOKENS` (FLOPs negligible) and at
+    the model's ``micro_batch`` x ``seq_len``, fp32. Per-operation dispatch, autograd and the
+    elementwise work that does not grow with the FLOPs."""
     b, s = OVERHEAD_TOKENS
-    seconds = _ends_seconds(ends, shape, b, s, "fp32", device)[0]
-    block, _ = _ends_flops(shape, b, s, "fp32")
-    return max(0.0, (seconds - block / (tflops * 1e12)) * 1e6)
+    f_small, f_full = (_ends_flops(shape, bb, ss, "fp32")[0] for bb, ss in ((b, s), (micro_batch, seq_len)))
+    fits = []
+    for _ in range(OVERHEAD_REPEATS):  # an intercept from two times: the median of a few
+        small, full = (_ends_seconds(ends, shape, bb, ss, "fp32", device)[0]
+                       for bb, ss in ((b, s), (micro_batch, seq_len)))
+        if full <= small or f_full <= f_small:
+            fits.append(small)
+        else:
+            fits.append(small - f_small * (full - small) / (f_full - f_small))
+    return max(0.0, statistics.median(fits) * 1e6)
 
 
 def device_rates(model: str, shape: ModelShape, micro_batch: int, seq_len: int, precisions: tuple[str, ...],
-                 device: torch.device) -> tuple[dict[str, float], dict[str, float], str, float]:
+                 device: torch.device, cores: int = 1) -> tuple[dict[str, float], dict[str, float], str, float, float]:
     """(sustained TFLOP/s, peak TFLOP/s per precision, how they were taken: for the profile's note, a
-    layer's fixed cost in microseconds: `layer_overhead_us`, 0 where the layers are not built)
-    (`profile_here`'s docstring says what each is)."""
+    layer's fixed cost in microseconds: `layer_overhead_us`, 0 where the layers are not built, a rank's
+    speed-up with ``cores`` threads: `thread_speedup`, 1 where not built) (`profile_here`'s docstring
+    says what each is)."""
     seq_len = min(seq_len, shape.positions or seq_len)  # a model takes no longer sequence
     peak = _peak_rates(shape, micro_batch * seq_len, precisions, device)
     ends = model_ends(model, shape, device)
     if ends is None:
         return dict(peak), peak, (f"tflops: the block's matrix products only (model_zoo does not build "
-                                  f"{model}), for {micro_batch} x {seq_len} tokens"), 0.0
+                                  f"{model}), for {micro_batch} x {seq_len} tokens"), 0.0, 1.0
     DeviceMemory.of(device).keep_freed()  # the heap as `mpt train` runs it
+    overhead = layer_overhead_us(ends, shape, micro_batch, seq_len, device) if "fp32" in precisions else 0.0
     rates, fewer = {}, []
     weights = {p: 2 if p == "fp32" else 1 for p in precisions}
     for p in precisions:
         budget = SUSTAINED_BUDGET_S * weights[p] / sum(weights.values())
         b, s = timed_tokens(shape, micro_batch, seq_len, p, peak[p], budget)
-        rates[p] = sustained_tflops(ends, shape, b, s, p, device)
+        rates[p] = sustained_tflops(ends, shape, b, s, p, device, overhead * 1e-6)
         if (b, s) != (micro_batch, seq_len):
             fewer.append(f"{p} at {b} x {s}, within its time budget")
-    overhead = layer_overhead_us(ends, shape, rates["fp32"], device) if "fp32" in rates else 0.0
     how = (f"tflops: sustained rate in the cost model's FLOPs of {model}'s block and LM head, forward + backward, "
-           f"for {micro_batch} x {seq_len} tokens" + (f" ({'; '.join(fewer)})" if fewer else "")
-           + "; peak_tflops: the block's four matrix products; layer_overhead_us: a block's forward + backward "
-           f"at {OVERHEAD_TOKENS[0]} x {OVERHEAD_TOKENS[1]} tokens less its FLOPs")
-    return rates, peak, how, overhead
+           f"for {micro_batch} x {seq_len} tokens, net of layer_overhead_us per layer"
+           + (f" ({'; '.join(fewer)})" if fewer else "")
+           + "; peak_tflops: the block's four matrix products; layer_overhead_us: the intercept of a block's "
+           f"forward + backward time over its FLOPs, timed at {OVERHEAD_TOKENS[0]} x {OVERHEAD_TOKENS[1]} tokens "
+           f"and at {micro_batch} x {seq_len}")
+    speedup = thread_speedup(ends, shape, micro_batch, seq_len, cores, device)
+    if speedup != 1.0:
+        how += f"; thread_speedup: the block and head at {cores} threads against one"
+    return rates, peak, how, overhead, speedup

@@ -10,7 +10,8 @@ context and communicator exist. Every wait is bounded by TIMEOUT_S (the process 
 
 Rank 0 reports the medians, in seconds, of: a round trip of a 1-element and of a LARGE_BYTES
 message to rank 1 and back (ranks past 1 take no part), and one all-reduce of each size over all
-ranks (after a barrier, so that every rank starts it together). Every rank reports its resident
+ranks, each after a millisecond of compute on every rank (`computing`), as a run's layers reach
+their all-reduces: what a rank waits for includes waking its peers' threads. Every rank reports its resident
 memory right after joining: the interpreter, torch and the process group, no tensor yet.
 """
 from __future__ import annotations
@@ -28,6 +29,8 @@ from mp_toolkit.partition.memstats import release_free_memory, rss_bytes
 
 WARMUP, SMALL_REPEATS, LARGE_REPEATS = 3, 30, 8
 """Discarded first calls (gloo's and NCCL's connection set-up), then the timed ones per size."""
+BUSY_S = 1e-3
+"""Compute before each timed all-reduce (`computing`): about a small model's layer."""
 
 
 def _sync(device: torch.device) -> None:
@@ -35,8 +38,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(step, device: torch.device, repeats: int, before=lambda: None) -> float:
-    """The median time of ``step`` (``before`` it, untimed, each time) after `WARMUP` calls."""
+def _median_s(step, device: torch.device, repeats: int, before=lambda: None, center=statistics.median) -> float:
+    """The median (or ``center``) time of ``step`` (``before`` it, untimed, each time) after `WARMUP` calls."""
     times = []
     for i in range(WARMUP + repeats):
         before()
@@ -46,7 +49,7 @@ def _median_s(step, device: torch.device, repeats: int, before=lambda: None) -> 
         _sync(device)
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return center(times)
 
 
 def round_trip_s(x: torch.Tensor, rank: int, repeats: int) -> float:
@@ -76,13 +79,44 @@ def round_trip_s(x: torch.Tensor, rank: int, repeats: int) -> float:
     return statistics.median(times[WARMUP:]) if times else 0.0
 
 
+def computing(device: torch.device, seconds: float = BUSY_S):
+    """A fixed amount of work, about ``seconds`` of small matrix products here (the device
+    synchronised after): a layer's compute before its all-reduce."""
+    a = torch.ones(64, 64, device=device)
+    t0, count = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds / 4:
+        a @ a
+        count += 1
+    count *= 4
+
+    def work() -> None:
+        for _ in range(count):
+            a @ a
+        _sync(device)
+    return work
+
+
+def after_compute_s(x: torch.Tensor, device: torch.device, repeats: int) -> float:
+    """What an all-reduce of ``x`` adds to a loop of compute + all-reduce over every rank (seconds,
+    mean per call): the loop's time less the same compute's alone. The time includes waiting for
+    the ranks that finish their compute later and waking the threads of those that wait."""
+    work = computing(device)
+    alone = _median_s(work, device, repeats)
+
+    def both() -> None:
+        work()
+        dist.all_reduce(x)
+    return max(0.0, _median_s(both, device, repeats, center=statistics.mean) - alone)
+
+
 def measure(rank: int, device: torch.device, large_bytes: int) -> dict:
     small, large = torch.ones(1, device=device), torch.ones(large_bytes // 4, device=device)
     return {"small_bytes": small.numel() * 4, "large_bytes": large.numel() * 4,
             "p2p_round_trip_s": [round_trip_s(x, rank, n) for x, n in ((small, SMALL_REPEATS), (large, LARGE_REPEATS))],
-            # after a barrier, untimed: every rank enters together, so the time is the collective's
-            "allreduce_s": [_median_s(lambda x=x: dist.all_reduce(x), device, n, before=dist.barrier)
-                            for x, n in ((small, SMALL_REPEATS), (large, LARGE_REPEATS))]}
+            # the mean over calls that follow compute, as a run's layers reach theirs (after an idle
+            # barrier instead: ~0.2 ms here for a small message, against the ~2 ms each of a
+            # tensor-parallel run's all-reduces costs it)
+            "allreduce_s": [after_compute_s(x, device, n) for x, n in ((small, SMALL_REPEATS), (large, LARGE_REPEATS))]}
 
 
 def main(argv: list[str]) -> None:

@@ -161,11 +161,30 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rat
         source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None and
                                                      req.cluster is None else "")
         source += f" + {fixed * 1e6:.0f} us per layer" if fixed else ""
-    if req.tp > 1:  # two all-reduces of the block's activations forward, two backward (Megatron)
-        msg = req.micro_batch * req.seq_len * shape.hidden * ACT_BYTES[req.precision]
-        ar = 2 * rates.tp.allreduce_s(msg, req.tp)
-        times = [(f + ar, b + ar) if c.kind.endswith(("Block", "Layer")) else (f, b) for (f, b), c in zip(times, costs)]
+    if req.tp > 1:
+        times = [(f + tf, b + tb) for (f, b), (tf, tb) in zip(times, tp_seconds(req, shape, costs, rates))]
     return LayerTimes(times, opt_s, step_bytes, residue, costs, source, split, recorded)
+
+
+def tp_seconds(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rates: Rates) -> list[tuple[float, float]]:
+    """Per layer, the (forward, backward) seconds of its tensor-parallel all-reduces: a block's two of
+    its activations forward and two backward (Megatron's); the vocab-parallel embedding's one of its
+    output forward; the LM head's two of a value per token forward (the cross-entropy's max and its
+    sums) and one of its input's gradient backward."""
+    tokens = req.micro_batch * req.seq_len
+    act = rates.tp.allreduce_s(tokens * shape.hidden * ACT_BYTES[req.precision], req.tp)
+    per_token = rates.tp.allreduce_s(tokens * 4, req.tp) + rates.tp.allreduce_s(2 * tokens * 4, req.tp)
+    out = []
+    for c in costs:
+        if c.kind.endswith(("Block", "Layer")):
+            out.append((2 * act, 2 * act))
+        elif c.kind.endswith(("Embedding", "Embeddings")):
+            out.append((act, 0.0))
+        elif c.kind.endswith(("Head", "Heads")):
+            out.append((per_token, act))
+        else:
+            out.append((0.0, 0.0))
+    return out
 
 
 def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float]],
@@ -298,10 +317,26 @@ def make_plan(req: PlanRequest) -> Plan:
         return link.p2p_latency_us * 1e-3, message_bytes(action) / (link.p2p_gbps * GB / 1e3)
 
     prepared = _unit_schedule(req.schedule, req.pp, req.microbatches, req.chunks)[4]
-    timeline = simulate(schedule, stage_costs, transfer=transfer, prepared=prepared)
-    per_rank_opt = step_overhead_ms(req, rates, shape, [(st.params, st.optimizer_ms) for st in stages],
-                                    schedule.stage_to_rank)
-    step_ms = timeline.step_time + max(per_rank_opt)
+
+    # the tensor-parallel all-reduces in each action's time: waits, not compute, when cores are shared
+    tp_ms = [(0.0, 0.0)] * num_stages
+    if req.tp > 1 and rates.contention > 1:
+        per_layer = tp_seconds(req, shape, costs, rates)
+        tp_ms = [(1e3 * sum(f for f, _ in per_layer[a:b]), 1e3 * sum(b_ for _, b_ in per_layer[a:b]))
+                 for a, b in zip(bounds, bounds[1:])]
+
+    def simulate_at(stretch: float):
+        costs_at = {}
+        for s, c in stage_costs.items():
+            wait = {"F": tp_ms[s][0], "B": tp_ms[s][1], "I": tp_ms[s][1] if c.get("I") else 0.0,
+                    "W": 0.0 if c.get("I") else tp_ms[s][1]}
+            costs_at[s] = {k: wait[k] + max(0.0, v - wait[k]) * stretch for k, v in c.items()}
+        return simulate(schedule, costs_at, transfer=transfer, prepared=prepared)
+
+    timeline, stretch = contended(simulate_at, rates.contention)
+    per_rank_opt = step_overhead_ms(req, rates, shape, [(st.params, st.optimizer_ms * rates.contention)
+                                                        for st in stages], schedule.stage_to_rank)
+    step_ms = timeline.step_time + max(per_rank_opt) + 1e3 * rates.step_overhead_s * rates.contention
     tokens = req.microbatches * req.micro_batch * req.seq_len * req.dp
     rank_bytes = [0] * req.pp
     for st in stages:
@@ -314,6 +349,23 @@ def make_plan(req: PlanRequest) -> Plan:
                 rank_bytes=[rates.device_bytes(b) for b in rank_bytes], mfu=mfu)
     plan.warnings.extend(_memory_warnings(plan))
     return plan
+
+
+def contended(simulate_at, contention: float, rounds: int = 4):
+    """(the timeline, its compute stretch) of ranks that share cores (``contention``: ranks over cores,
+    `Rates.contention`): ``simulate_at(stretch)`` simulates with every compute action ``stretch`` times
+    its time at a whole core. A pipeline's ranks wait in its bubble and receives, and a waiting rank
+    leaves its core to the others: the stretch is the cores' mean demand, ``contention`` times the
+    share of the step its ranks compute (at least 1), iterated to its fixed point."""
+    stretch, timeline = 1.0, simulate_at(1.0)
+    for _ in range(rounds):
+        if contention <= 1 or timeline.step_time <= 0:
+            break
+        demand = max(1.0, contention * sum(timeline.busy) / (timeline.num_ranks * timeline.step_time))
+        if abs(demand - stretch) < 1e-3 * stretch:
+            break
+        stretch, timeline = demand, simulate_at(demand)
+    return timeline, stretch
 
 
 def step_overhead_ms(req: PlanRequest, rates: Rates, shape: ModelShape, stages: list[tuple[int, float]],

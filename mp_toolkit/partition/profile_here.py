@@ -40,12 +40,19 @@ writes it where ``--cluster`` reads it back. What each figure is, and how it is 
   head would take over its share of ``SUSTAINED_BUDGET_S``, fewer tokens
   (`compute_rates.timed_tokens`; the note says which): a slow kernel's rate does not depend on
   the tokens.
-* **layer_overhead_us**: a layer call's fixed cost beside its FLOPs: the model's block timed the same
-  way at `compute_rates.OVERHEAD_TOKENS` (1 x 8 tokens, fp32), less that size's FLOPs at the fp32
-  rate (`compute_rates.layer_overhead_us`). Per-operation dispatch, autograd and hooks on a CPU,
-  kernel launches on a GPU: what makes a small model's step many times its FLOPs (the first
-  certification run, BENCHMARKS.md). The planner adds a third of it to every layer's forward and two
-  thirds to its backward. A block's figure stands for every layer, norms and embeddings included.
+* **layer_overhead_us**: a layer call's fixed cost beside its FLOPs: the intercept of a block's
+  forward + backward time over its FLOPs, the block timed at `compute_rates.OVERHEAD_TOKENS` (1 x 8
+  tokens, FLOPs negligible) and at the model's micro-batch, fp32, the median of
+  `compute_rates.OVERHEAD_REPEATS` such pairs (`compute_rates.layer_overhead_us`). ``tflops`` is then
+  the rate net of it: the FLOPs of the blocks and the head over their time less the fixed cost of
+  each layer timed, so that FLOPs / tflops + layers x layer_overhead_us gives back the time measured
+  at the model's shapes. Per-operation dispatch, autograd and elementwise work on a CPU, kernel
+  launches on a GPU: what makes a small model's step many times its FLOPs. The planner adds a third
+  of it to every layer's forward and two thirds to its backward (the embedding and final norm
+  included), scaled as the FLOP time is by a rank's threads.
+* **thread_speedup** (``cpu``, more than one core): the block and the head at all the cores' threads
+  against one thread, at the model's shapes: how much a rank with the whole node gains (1.0-1.2 for
+  gpt-tiny's 32-wide products on a 2-core VM, 1.6-1.9 for gpt-small-cpu's).
 * **comm_gb**: how much a link rank's resident memory grew over its round of messages (after the
   group exists; freed heap returned first): gloo's buffers and threads, NCCL's on a GPU. The planner
   adds it to each rank of a world over one rank.
@@ -65,11 +72,17 @@ writes it where ``--cluster`` reads it back. What each figure is, and how it is 
   are (a blocking receive posted after the message arrived costs gloo a handshake: a ~4 ms round
   trip instead of ~0.3 ms on a 2-core VM); half the median round trips, fitted to `Link.p2p_s`
   (latency + bytes / bandwidth) through both points. All-reduce: both sizes over all ranks, each
-  call after an untimed barrier, fitted to the ring formula of `Link.allreduce_s` through both
-  points. These are idle ranks' messages: a pipeline's compete with its compute for the cores.
+  in a loop with about a millisecond of compute before it on every rank, the loop's mean time less
+  the compute's alone (`link_rank.after_compute_s`: a rank's wait includes its peers' skew and
+  waking their threads), fitted to the ring formula of `Link.allreduce_s` through both points.
   Loopback messages are memory copies between processes, not a network: ``intra_node`` is this
   host's, and ``inter_node`` repeats it, since one host has no other node to measure (the note
   says so); a cluster's inter-node figures come from its own profile file.
+
+**Calibrated** (``calibrated=True``, ``mpt plan --profile-here OUT --calibrate``): two figures
+fitted to four short ``mpt train`` runs of the model (`calibrate`): ``step_overhead_us``, what a
+step of several ranks adds (its closing collectives as the ranks reach them), and the collective
+latency as a tensor-parallel step meets it (~1 ms here, against the loop's ~0.2-0.6 ms).
 
 ``nodes`` is 1; ``devices_per_node`` is `ranks` on a CPU (the ranks this machine runs) or the GPU
 count. The whole measurement takes ~7 s on 2 idle cores for ``gpt-small-cpu`` at 2 ranks with the
@@ -86,7 +99,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -95,6 +108,7 @@ import torch.distributed as dist
 
 from mp_toolkit.optim.master import PRECISIONS
 
+from .calibrate import calibrate
 from .cluster import ClusterError, ClusterProfile, DeviceSpec, Link, profile_to_dict
 from .compute_rates import device_rates, synced_seconds
 from .cost import model_shape
@@ -227,14 +241,17 @@ def _sigs(rates: dict[str, float]) -> tuple[tuple[str, float], ...]:
 
 
 def measure_profile(model: str = "gpt-small-cpu", ranks: int = 2, precisions=None, micro_batch: int = 8,
-                    seq_len: int = 128, name: str | None = None, hf: bool = False) -> ClusterProfile:
-    """This machine's profile (the module docstring says what each figure is and is not)."""
+                    seq_len: int = 128, name: str | None = None, hf: bool = False,
+                    calibrated: bool = False) -> ClusterProfile:
+    """This machine's profile (the module docstring says what each figure is and is not);
+    ``calibrated``: its run-pattern figures fitted to short runs of ``model`` (`calibrate`)."""
     chosen = _checked(ranks, precisions, micro_batch, seq_len)
     shape = model_shape(model, hf_modules=hf)
     host = socket.gethostname()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
-    tflops, peak, how, overhead = device_rates(model, shape, micro_batch, seq_len, chosen, device)
+    tflops, peak, how, overhead, speedup = device_rates(model, shape, micro_batch, seq_len, chosen, device,
+                                                        0 if gpus else cpu_facts()[2])
     mem = copy_gbps(device, COPY_BYTES * (4 if gpus else 1))  # HBM copies 256 MiB in a tenth of a millisecond
     how = f"measured on {host}; {how}"
     if gpus:
@@ -257,10 +274,15 @@ def measure_profile(model: str = "gpt-small-cpu", ranks: int = 2, precisions=Non
             "give a cluster's own figures in a --cluster file")
     spec = DeviceSpec(kind=kind, name=dev_name, memory_gb=_sig(memory_gb), tflops=_sigs(tflops), mem_gbps=_sig(mem),
                       runtime_gb=_sig(runtime / 1e9), cores=cores, peak_tflops=_sigs(peak),
-                      layer_overhead_us=_sig(overhead) if overhead else 0.0, comm_gb=_sig(comm / 1e9) if comm else 0.0)
+                      layer_overhead_us=_sig(overhead) if overhead else 0.0, comm_gb=_sig(comm / 1e9) if comm else 0.0,
+                      thread_speedup=_sig(speedup) if speedup != 1.0 else 0.0)
     link = Link(*(_sig(getattr(link, f.name)) for f in fields(Link)))
-    return ClusterProfile(name=name or f"{host}-{kind}", source="measured", nodes=1,
-                          devices_per_node=gpus or ranks, device=spec, intra_node=link, inter_node=link, note=note)
+    profile = ClusterProfile(name=name or f"{host}-{kind}", source="measured", nodes=1,
+                             devices_per_node=gpus or ranks, device=spec, intra_node=link, inter_node=link, note=note)
+    if not calibrated or hf:
+        return profile
+    profile, said = calibrate(profile, model, micro_batch, min(seq_len, shape.positions or seq_len))
+    return replace(profile, note=f"{profile.note}; {said}")
 
 
 def write_profile(profile: ClusterProfile, path: str | Path) -> Path:

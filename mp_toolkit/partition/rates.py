@@ -76,6 +76,13 @@ class Rates:
     """A layer's fixed forward + backward time beside its FLOPs (the profile's ``layer_overhead_us``)."""
     comm_bytes: int = 0
     """What a communicating rank holds beyond its tensors (the profile's ``comm_gb``; 0 at one rank)."""
+    contention: float = 1.0
+    """A CPU node's ranks over its cores when they outnumber them (else 1): each rank is planned at a
+    whole core while it computes, and the plan stretches its compute by the cores' mean demand
+    (`planner.contended`)."""
+    step_overhead_s: float = 0.0
+    """What a step of several ranks adds beside its schedule and optimizer (the profile's
+    ``step_overhead_us``; 0 at one rank)."""
 
     def hop(self, stage: int) -> Link:
         """The link a message between stage ``stage`` and ``stage + 1`` crosses."""
@@ -119,9 +126,17 @@ def rates_of(req: PlanRequest, timed: bool) -> Rates:
         peak = d.peak(req.precision) * d.cores / max(1, per_node)
     else:
         peak = d.peak(req.precision)
+    # ranks beyond a CPU node's cores: each computes at a whole core, the plan stretches its compute
+    # by how many of them compute at once (`contention`); a rank's speed over one core's (its
+    # threads): a layer's fixed cost shrinks with it as its FLOP time does
+    contention = per_node / d.cores if d.kind == "cpu" and per_node > d.cores else 1.0
+    speed = c.rank_tflops(req.precision, min(per_node, d.cores or per_node), req.threads) / d.rate(req.precision)
+    if tflops is not None:
+        tflops = d.rate(req.precision) * speed
     span = req.tp * req.dp * (req.pp - 1)  # the first stage's rank 0 to the last stage's
     tie = c.inter_node if span >= c.devices_per_node else c.intra_node
     return Rates(tflops, peak, d.mem_gbps, place.tp_link, place.dp_link, tie, place,
                  cap if cap is not None else c.rank_memory_bytes(per_node), int(d.runtime_gb * 1e9), d.kind,
-                 c.describe(), layer_overhead_s=d.layer_overhead_us * 1e-6,
-                 comm_bytes=int(d.comm_gb * 1e9) if req.pp * req.tp * req.dp > 1 else 0)
+                 c.describe(), layer_overhead_s=d.layer_overhead_us * 1e-6 / speed, contention=contention,
+                 comm_bytes=int(d.comm_gb * 1e9) if req.pp * req.tp * req.dp > 1 else 0,
+                 step_overhead_s=d.step_overhead_us * 1e-6 if req.pp * req.tp * req.dp > 1 else 0.0)

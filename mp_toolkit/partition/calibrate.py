@@ -1,0 +1,111 @@
+"""A measured profile's two run-pattern figures, fitted to short training runs of the model
+(``mpt plan --profile-here OUT --calibrate``).
+
+What `profile_here` times in isolation misses what a training step of several ranks pays as it
+goes (the first certification runs, BENCHMARKS.md): the collectives that close every step (the
+loss, the non-finite check, the gradient norm over all ranks), which each rank reaches when its
+schedule ends, and the all-reduces inside tensor-parallel layers, which follow compute on every
+rank and wait for the slowest and for waking the others' threads. Measured in isolation a small
+all-reduce costs ~0.2 ms on a 2-core VM; in a tensor-parallel step ~2 ms. So:
+
+1. ``step_overhead_us``: ``mpt train`` of the model at pp 2 (1F1B) with 2, 4 and 6 micro-batches,
+   each step's median time less the plan's for the same cut (planned without the term): the mean
+   of the three differences, at least 0.
+2. ``collective_latency_us`` (both links: one host): the same at tp 2 with 2 micro-batches where the
+   model's heads and widths divide, the latency that makes the plan equal the run, from the plan's
+   change per microsecond of latency (the plan is linear in it); never below the isolated figure.
+
+Each run trains synthetic data in fp32 with AdamW for `STEPS` steps (the first `WARMUP` not timed),
+on the plan's cut, one thread per rank, its corpus prepared in a temporary folder. The runs are
+four of the layouts a certification measures (`tools/certify_plan.py` says so beside its
+figures). A model or device the runs cannot train on leaves the profile as measured in isolation
+and the note says so.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from .cluster import ClusterProfile
+from .planner import make_plan
+from .request import PlanRequest
+
+__all__ = ["calibrate", "run_step_ms"]
+
+STEPS, WARMUP = 12, 2
+PIPELINE_MICROBATCHES = (2, 4, 6)
+"""The pp 2 runs' micro-batch counts: the mean gap of three (one run's step time varies by ~10-20%
+between processes on a 2-core VM)."""
+RUN_TIMEOUT_S = 300.0
+"""A bound on each calibration run."""
+
+
+def _request(profile: ClusterProfile, model: str, micro_batch: int, seq_len: int, pp: int, tp: int,
+             microbatches: int) -> PlanRequest:
+    return PlanRequest(model, pp=pp, tp=tp, dp=1, micro_batch=micro_batch, microbatches=microbatches,
+                       seq_len=seq_len, method="flops", schedule="1f1b", cluster=profile, precision="fp32",
+                       optimizer="adamw", load=False)
+
+
+def run_step_ms(req: PlanRequest, boundaries: list[int], folder: Path, timeout_s: float = RUN_TIMEOUT_S) -> float:
+    """The median step time (ms) of ``mpt train`` running ``req``'s layout on ``boundaries`` (after
+    `WARMUP` steps); raises RuntimeError with the run's last line when it fails."""
+    metrics = folder / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "mp_toolkit.cli", "train", "--model", req.model, "--pp", str(req.pp),
+           "--tp", str(req.tp), "--micro-batch", str(req.micro_batch), "--microbatches", str(req.microbatches),
+           "--seq-len", str(req.seq_len), "--schedule", "1f1b", "--partition", ",".join(map(str, boundaries)),
+           "--data", "synthetic", "--precision", "fp32", "--optimizer", "adamw", "--threads", "1",
+           "--steps", str(STEPS), "--metrics", str(metrics), "--no-progress", "--cache-dir", str(folder / "cache")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0 or not metrics.exists():
+        last = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}").splitlines()[-1]
+        raise RuntimeError(last)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return 1e3 * statistics.median(r["step_time_s"] for r in rows[WARMUP:])
+
+
+def _with_latency(profile: ClusterProfile, latency_us: float) -> ClusterProfile:
+    links = {k: replace(getattr(profile, k), collective_latency_us=latency_us) for k in ("intra_node", "inter_node")}
+    return replace(profile, **links)
+
+
+def calibrate(profile: ClusterProfile, model: str, micro_batch: int, seq_len: int,
+              runner=run_step_ms) -> tuple[ClusterProfile, str]:
+    """(``profile`` with ``step_overhead_us`` and the collective latency fitted to runs of ``model``,
+    what was fitted in words, for the profile's note). ``runner(request, boundaries, folder)`` trains
+    and returns the median step ms (`run_step_ms`)."""
+    device = replace(profile.device, step_overhead_us=0.0)
+    base = replace(profile, device=device)
+    with tempfile.TemporaryDirectory(prefix="mpt-calibrate-") as tmp:
+        folder = Path(tmp)
+        try:
+            gaps = []
+            for m in PIPELINE_MICROBATCHES:
+                plan = make_plan(_request(base, model, micro_batch, seq_len, 2, 1, m))
+                gaps.append(runner(plan.request, list(plan.boundaries), folder) - plan.step_time_ms)
+            step_us = max(0.0, 1e3 * statistics.mean(gaps))
+        except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+            return profile, f"not calibrated (pp 2 runs of {model}: {e})"
+        fitted = replace(base, device=replace(device, step_overhead_us=float(f"{step_us:.4g}")))
+        said = f"step_overhead_us: pp 2 runs of {model} (1F1B, 2, 4 and 6 micro-batches) less their plans"
+        isolated = profile.intra_node.collective_latency_us
+        try:
+            req = _request(fitted, model, micro_batch, seq_len, 1, 2, 2)
+            plan = make_plan(req)
+            measured = runner(plan.request, list(plan.boundaries), folder)
+        except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+            return fitted, f"{said}; collective latency as isolated (tp 2 run of {model}: {e})"
+        more = make_plan(replace(req, cluster=_with_latency(fitted, isolated + 1000.0))).step_time_ms
+        per_us = (more - plan.step_time_ms) / 1000.0  # the plan's ms per microsecond of latency
+        latency = isolated + (measured - plan.step_time_ms) / per_us if per_us > 0 else isolated
+        latency = max(isolated, latency)
+    out = _with_latency(fitted, float(f"{latency:.4g}"))
+    return out, (f"{said}; collective_latency_us: a tp 2 run of {model} (2 micro-batches) fitted by its plan "
+                 f"(isolated {isolated:.4g})")
+
