@@ -75,11 +75,9 @@ def _with_latency(profile: ClusterProfile, latency_us: float) -> ClusterProfile:
     return replace(profile, **links)
 
 
-def calibrate(profile: ClusterProfile, model: str, micro_batch: int, seq_len: int,
-              runner=run_step_ms) -> tuple[ClusterProfile, str]:
-    """(``profile`` with ``step_overhead_us`` and the collective latency fitted to runs of ``model``,
-    what was fitted in words, for the profile's note). ``runner(request, boundaries, folder)`` trains
-    and returns the median step ms (`run_step_ms`)."""
+def calibrate(profile: ClusterProfile, model: str, micro_batch: int, seq_len: int) -> tuple[ClusterProfile, str]:
+    """(``profile`` with ``step_overhead_us`` and the collective latency fitted to runs of ``model``
+    (`run_step_ms`), what was fitted in words, for the profile's note)."""
     device = replace(profile.device, step_overhead_us=0.0)
     base = replace(profile, device=device)
     with tempfile.TemporaryDirectory(prefix="mpt-calibrate-") as tmp:
@@ -88,7 +86,7 @@ def calibrate(profile: ClusterProfile, model: str, micro_batch: int, seq_len: in
             gaps = []
             for m in PIPELINE_MICROBATCHES:
                 plan = make_plan(_request(base, model, micro_batch, seq_len, 2, 1, m))
-                gaps.append(runner(plan.request, list(plan.boundaries), folder) - plan.step_time_ms)
+                gaps.append(run_step_ms(plan.request, list(plan.boundaries), folder) - plan.step_time_ms)
             step_us = max(0.0, 1e3 * statistics.mean(gaps))
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
             return profile, f"not calibrated (pp 2 runs of {model}: {e})"
@@ -98,7 +96,7 @@ def calibrate(profile: ClusterProfile, model: str, micro_batch: int, seq_len: in
         try:
             req = _request(fitted, model, micro_batch, seq_len, 1, 2, 2)
             plan = make_plan(req)
-            measured = runner(plan.request, list(plan.boundaries), folder)
+            measured = run_step_ms(plan.request, list(plan.boundaries), folder)
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
             return fitted, f"{said}; collective latency as isolated (tp 2 run of {model}: {e})"
         more = make_plan(replace(req, cluster=_with_latency(fitted, isolated + 1000.0))).step_time_ms

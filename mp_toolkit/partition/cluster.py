@@ -103,8 +103,8 @@ class DeviceSpec:
     step_overhead_us: float = 0.0
     """The fixed time a step adds on a world of more than one rank (microseconds): its closing
     collectives over every rank (the loss, the non-finite check, the gradient norm) as a run meets
-    them, each rank arriving when its schedule ends. ``--profile-here`` fits it to two short runs of
-    the model at pp 2; 0: not described."""
+    them, each rank arriving when its schedule ends. ``--profile-here --calibrate`` fits it to short
+    runs of the model at pp 2 (`calibrate`); 0: not described."""
     thread_speedup: float = 0.0
     """``cpu``: how much faster one rank runs a model's layers with all ``cores`` threads than with one
     (1 to ``cores``; small matrices gain little from more threads); 0: not described, taken as ``cores``

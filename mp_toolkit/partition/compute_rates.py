@@ -93,15 +93,15 @@ def matmul_tflops(products: list[tuple[int, int, int]], dtype: torch.dtype, devi
 
 
 @contextmanager
-def _one_core(device: torch.device):
-    """One torch thread on a CPU (a rate of one core), the count restored after."""
-    threads = torch.get_num_threads()
+def _one_core(device: torch.device, threads: int = 1):
+    """``threads`` torch threads on a CPU (one: a rate of one core), the count restored after."""
+    before = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _peak_rates(shape, tokens: int, precisions: tuple[str, ...], device: torch.device) -> dict[str, float]:
@@ -201,17 +201,18 @@ def timed_tokens(shape: ModelShape, micro_batch: int, seq_len: int, precision: s
 
 
 def _ends_seconds(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_len: int, precision: str,
-                  device: torch.device) -> list[float]:
+                  device: torch.device, threads: int = 1) -> list[float]:
     """Forward + backward seconds of the first block, the layers after the last block and the head with
-    its loss, for ``micro_batch`` x ``seq_len`` tokens: one torch thread on a CPU, inside
-    `measure_layers`' rounds, as ``--method time`` times layers; on a GPU `synced_layer_seconds`."""
+    its loss, for ``micro_batch`` x ``seq_len`` tokens: ``threads`` torch threads on a CPU (one: a
+    core's), inside `measure_layers`' rounds, as ``--method time`` times layers; on a GPU
+    `synced_layer_seconds`."""
     layers, n, dtype = ends.layers, shape.num_layers, PRECISIONS[precision]
     timed = LayerList([(name, layers[name]) for name in layers.names[1:2] + layers.names[1 + n:]]).to(dtype)
     embedding = layers.layers[0].to(dtype)
     inputs, labels = (_on(v, device) for v in ends.make_batch(micro_batch, seq_len))
     with torch.no_grad():  # the first block's input
         x = run_layers([embedding], *_on(inputs, device, as_tuple=True))
-    with _one_core(device):
+    with _one_core(device, threads):
         if device.type == "cpu":
             warmup, repeats, rounds = SUSTAINED_ROUNDS
             return [t.forward_s + t.backward_s for t in measure_layers(
@@ -241,22 +242,11 @@ def thread_speedup(ends: ModelEnds, shape: ModelShape, micro_batch: int, seq_len
     Small matrices gain little from a second thread, large ones nearly double."""
     if device.type != "cpu" or cores <= 1:
         return 1.0
-    layers, n = ends.layers, shape.num_layers
-    timed = LayerList([(name, layers[name]) for name in layers.names[1:2] + layers.names[1 + n:]])
-    inputs, labels = (_on(v, device) for v in ends.make_batch(micro_batch, seq_len))
-    with torch.no_grad():
-        x = run_layers([layers.layers[0]], *_on(inputs, device, as_tuple=True))
-    warmup, repeats, rounds = SUSTAINED_ROUNDS
 
     def seconds(threads: int) -> float:
-        torch.set_num_threads(threads)
-        return sum(t.forward_s + t.backward_s for t in measure_layers(
-            timed, x, ends.loss, labels, warmup=warmup, repeats=repeats, microbatches=rounds))
-    before = torch.get_num_threads()
-    try:  # alternating pairs, the median ratio: one pair varies with what else the machine does
-        ratios = [seconds(1) / seconds(cores) for _ in range(OVERHEAD_REPEATS)]
-    finally:
-        torch.set_num_threads(before)
+        return sum(_ends_seconds(ends, shape, micro_batch, seq_len, "fp32", device, threads))
+    # alternating pairs, the median ratio: one pair varies with what else the machine does
+    ratios = [seconds(1) / seconds(cores) for _ in range(OVERHEAD_REPEATS)]
     return min(float(cores), max(1.0, statistics.median(ratios)))
 
 

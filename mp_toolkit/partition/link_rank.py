@@ -8,10 +8,10 @@ BACKEND ``gloo`` (CPU tensors) or ``nccl`` (rank r on ``cuda:r``); DEVICE ``cpu`
 kind the profile describes: on ``cuda`` rank 0 also reports its device's used bytes once its
 context and communicator exist. Every wait is bounded by TIMEOUT_S (the process group's timeout).
 
-Rank 0 reports the medians, in seconds, of: a round trip of a 1-element and of a LARGE_BYTES
-message to rank 1 and back (ranks past 1 take no part), and one all-reduce of each size over all
-ranks, each after a millisecond of compute on every rank (`computing`), as a run's layers reach
-their all-reduces: what a rank waits for includes waking its peers' threads. Every rank reports its resident
+Rank 0 reports, in seconds: the median round trip of a 1-element and of a LARGE_BYTES message to
+rank 1 and back (ranks past 1 take no part), and the mean of one all-reduce of each size over all
+ranks, each after a millisecond of compute on every rank (`after_compute_s`), as a run's layers
+reach their all-reduces: what a rank waits for includes waking its peers' threads. Every rank reports its resident
 memory right after joining: the interpreter, torch and the process group, no tensor yet.
 """
 from __future__ import annotations

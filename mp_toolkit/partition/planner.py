@@ -133,6 +133,9 @@ class LayerTimes:
     """Measured ZB-H1 (I s, W s) that make up each backward; None: not measured."""
     recorded: list[int] = field(default_factory=list)
     """Measured ZB-H1 bytes I records for W per micro-batch (`StageMemory.recorded`); [] when not."""
+    tp: list[tuple[float, float]] = field(default_factory=list)
+    """Per layer, the (forward, backward) seconds of its tensor-parallel all-reduces inside ``times``
+    (`tp_seconds`); [] at tp 1."""
 
 
 def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rates: Rates) -> LayerTimes:
@@ -161,9 +164,10 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rat
         source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None and
                                                      req.cluster is None else "")
         source += f" + {fixed * 1e6:.0f} us per layer" if fixed else ""
-    if req.tp > 1:
-        times = [(f + tf, b + tb) for (f, b), (tf, tb) in zip(times, tp_seconds(req, shape, costs, rates))]
-    return LayerTimes(times, opt_s, step_bytes, residue, costs, source, split, recorded)
+    tp = tp_seconds(req, shape, costs, rates) if req.tp > 1 else []
+    if tp:
+        times = [(f + tf, b + tb) for (f, b), (tf, tb) in zip(times, tp)]
+    return LayerTimes(times, opt_s, step_bytes, residue, costs, source, split, recorded, tp)
 
 
 def tp_seconds(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rates: Rates) -> list[tuple[float, float]]:
@@ -320,9 +324,8 @@ def make_plan(req: PlanRequest) -> Plan:
 
     # the tensor-parallel all-reduces in each action's time: waits, not compute, when cores are shared
     tp_ms = [(0.0, 0.0)] * num_stages
-    if req.tp > 1 and rates.contention > 1:
-        per_layer = tp_seconds(req, shape, costs, rates)
-        tp_ms = [(1e3 * sum(f for f, _ in per_layer[a:b]), 1e3 * sum(b_ for _, b_ in per_layer[a:b]))
+    if lt.tp and rates.contention > 1:
+        tp_ms = [(1e3 * sum(f for f, _ in lt.tp[a:b]), 1e3 * sum(b_ for _, b_ in lt.tp[a:b]))
                  for a, b in zip(bounds, bounds[1:])]
 
     def simulate_at(stretch: float):

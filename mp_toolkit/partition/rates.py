@@ -121,7 +121,6 @@ def rates_of(req: PlanRequest, timed: bool) -> Rates:
         raise PartitionError(f"--precision {req.precision}: the profile {c.name} has no {req.precision} rate "
                              f"(it has {', '.join(p for p, _ in d.tflops)}); add device.tflops.{req.precision}")
     per_node = place.ranks_per_node
-    tflops = None if timed else c.rank_tflops(req.precision, per_node, req.threads)
     if d.kind == "cpu":  # the node's cores share one peak
         peak = d.peak(req.precision) * d.cores / max(1, per_node)
     else:
@@ -131,8 +130,7 @@ def rates_of(req: PlanRequest, timed: bool) -> Rates:
     # threads): a layer's fixed cost shrinks with it as its FLOP time does
     contention = per_node / d.cores if d.kind == "cpu" and per_node > d.cores else 1.0
     speed = c.rank_tflops(req.precision, min(per_node, d.cores or per_node), req.threads) / d.rate(req.precision)
-    if tflops is not None:
-        tflops = d.rate(req.precision) * speed
+    tflops = None if timed else d.rate(req.precision) * speed
     span = req.tp * req.dp * (req.pp - 1)  # the first stage's rank 0 to the last stage's
     tie = c.inter_node if span >= c.devices_per_node else c.intra_node
     return Rates(tflops, peak, d.mem_gbps, place.tp_link, place.dp_link, tie, place,
