@@ -32,7 +32,7 @@ from model_zoo.init import InitRule, draw_seed, initial_value, reset_from_rules,
 from model_zoo.recompute import attention_core
 
 __all__ = [
-    "PRESETS", "TP_PLAN", "BertConfig", "BertForPreTraining", "get_config", "hf_state_dict_map",
+    "PRESETS", "SP_PLAN", "TP_PLAN", "BertConfig", "BertForPreTraining", "get_config", "hf_state_dict_map",
     "load_hf_state_dict", "pretraining_loss", "to_hf_state_dict",
 ]
 
@@ -58,6 +58,20 @@ TP_PLAN: dict[str, str] = {
     "output.dense": "row",
     "intermediate.dense": "column",
     "predictions.decoder": "vocab",
+}
+
+
+# Sequence-parallel plan (model_zoo.gpt.SP_PLAN's format; HF's BERT has the same module names): the
+# embeddings keep their slice of the sequence; self-attention and the feed-forward expansion gather
+# the whole sequence before their column-parallel projections; both post-LN sub-layer outputs
+# (dense -> dropout -> LayerNorm) run on the slices; the heads gather the whole sequence for their
+# replicated transform and pooler ("gather_whole": the MLM decoder keeps its own f).
+SP_PLAN: dict[str, str] = {
+    "embeddings": "scatter",
+    "attention.self": "gather",
+    "intermediate": "gather",
+    "output.dropout": "dropout",
+    "heads": "gather_whole",
 }
 
 

@@ -142,7 +142,13 @@ def get_config(name_or_path: str | Path) -> GPTConfig:
 
 
 class GPTEmbedding(nn.Module):
-    """Token + learned position embedding: (B, T) int64 -> (B, T, C)."""
+    """Token + learned position embedding: (B, T) int64 -> (B, T, C).
+
+    ``tokens`` (data, set by whoever composes the model; None: every token): a function of the
+    sequence length and the device giving the positions of the tokens this layer embeds, e.g. one
+    rank's slice of every sequence under context parallelism; their ids and learned positions are taken."""
+
+    tokens = None
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -155,12 +161,22 @@ class GPTEmbedding(nn.Module):
         T = input_ids.shape[1]
         if T > self.n_positions:
             raise ValueError(f"sequence length {T} exceeds n_positions={self.n_positions}")
-        pos = torch.arange(T, device=input_ids.device)  # (T,)
+        if self.tokens is None:
+            pos = torch.arange(T, device=input_ids.device)  # (T,)
+        else:
+            pos = self.tokens(T, input_ids.device)  # (t,): the positions of the tokens embedded here
+            input_ids = input_ids[:, pos]
         return self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with a fused QKV projection."""
+    """Multi-head causal self-attention with a fused QKV projection.
+
+    ``core`` (data, set by whoever composes the model; None: `attention_core`): the function that
+    attends, called as `attention_core` is, e.g. ring attention over the slices of a sequence
+    that context-parallel ranks hold."""
+
+    core = None
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -179,8 +195,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=2)  # (B, T, 3C') -> 3 x (B, T, C')
         # (B, T, C') -> (B, nh, T, hs); C' = nh * hs is C, or C / tp after a tensor-parallel split
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = attention_core(q, k, v, recompute_core, dropout_p=self.attn_pdrop if self.training else 0.0,
-                           is_causal=True)  # (B, nh, T, hs)
+        y = (self.core or attention_core)(q, k, v, recompute_core,
+                                          dropout_p=self.attn_pdrop if self.training else 0.0,
+                                          is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, nh, T, hs) -> (B, T, C')
         return self.resid_drop(self.proj(y))  # (B, T, C)
 
@@ -331,4 +348,18 @@ TP_PLAN: dict[str, str] = {
     "mlp.fc": "column",
     "mlp.proj": "row",
     "lm_head": "vocab",
+}
+
+
+# Sequence-parallel plan (Korthikanti et al. 2022), as data, applied after TP_PLAN by mp_toolkit's
+# apply_sequence_parallel: the embedding keeps its slice of the sequence ("scatter"); attention, the
+# MLP and the LM head gather the whole sequence before their column-parallel projections ("gather");
+# the residual dropouts run on the slices ("dropout"). LayerNorms and residuals hold T / tp tokens.
+SP_PLAN: dict[str, str] = {
+    "embed": "scatter",
+    "attn": "gather",
+    "mlp": "gather",
+    "attn.resid_drop": "dropout",
+    "mlp.drop": "dropout",
+    "lm_head": "gather",
 }

@@ -144,6 +144,8 @@ def _add_train_parser(sub) -> None:
     field("--pp", type=int, show_default=True)
     field("--tp", type=int)
     field("--dp", type=int, extra="Under a launcher with --config: world size / (pp x tp), as DeepSpeed computes it.")
+    field("--cp", type=int)
+    field("--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
     field("--dp-bucket-mb", type=float)
     field("--zero", type=int)
     field("--schedule", type=str.lower, choices=(*SCHEDULES, "auto"),
@@ -218,6 +220,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--model", required=True, help="preset or HuggingFace config.json (GPT-2, BERT, Llama families)")
     for name in ("pp", "tp", "dp"):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel ranks: each holds seq / cp of every "
+                   "sequence (mpt train --cp; GPT-2-family models)")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per micro-batch")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="micro-batches per step")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -234,6 +238,8 @@ def _add_plan_parser(sub) -> None:
                    f"{d.weight_decay}; SGD's and RMSprop's steps make a temporary only when it is not 0)")
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0 or 1: optimizer state and fp32 masters "
                    "partitioned over the dp replicas (static bytes per parameter)")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (tp > 1): norms, "
+                   "dropout masks and stage messages hold seq / tp of the tokens (mpt train --sequence-parallel)")
     p.add_argument("--schedule", default=d.schedule, type=str.lower, choices=(*SCHEDULES, "auto"),
                    help="auto: the fastest predicted schedule that fits --memory-gb")
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
@@ -271,6 +277,9 @@ def _add_plan_parser(sub) -> None:
     g.add_argument("--devices", type=int, default=None, help="devices to lay the run out on (--search)")
     g.add_argument("--global-batch", type=int, default=None, help="sequences per step over all replicas (--search)")
     g.add_argument("--top", type=int, default=5, help="layouts to print (--search; default 5)")
+    g.add_argument("--no-sequence-parallel", dest="search_sp", action="store_false",
+                   help="lay tp > 1 out without sequence parallelism (--search; default: with it wherever "
+                        "--seq-len splits over tp)")
     g.add_argument("--max-micro-batch", type=int, default=None,
                    help="largest micro-batch size to try (--search; default any divisor of the batch per replica)")
 

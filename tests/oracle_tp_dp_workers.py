@@ -134,7 +134,7 @@ def _log_dp_calls(engine) -> list:
     return calls
 
 
-def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", lengths=None):
+def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", lengths=None, sp=False, zero=0):
     """One case on this rank. Every approximate figure comes back as (err, floor): the parallel
     result's and the fp32 single process's relative error against the float64 reference
     (tests/floor.py); the test bounds one by a multiple of the other. ``recompute``: the run's
@@ -150,7 +150,8 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", le
     train_cfg = TrainConfig.of(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,
                                partition="uniform", optimizer="lamb", lr=LR, weight_decay=WD, clip_grad=CLIP,
                                precision="fp32", dp_bucket_mb=bucket_mb,
-                               chunks=2 if schedule == "interleaved" else 1, recompute=recompute)
+                               chunks=2 if schedule == "interleaved" else 1, recompute=recompute,
+                               sequence_parallel=sp, zero=zero, cp=ctx.cp)
     torch.manual_seed(0)
     with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers and shards
         model = GPT(cfg)
@@ -158,14 +159,14 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", le
     named = engine.named_parameters()
     replicated = [p for _, p in named if not is_tensor_parallel(p)]
     calls = _log_dp_calls(engine)
-    grads = _first_step_grads(engine, ctx)
+    grads = _first_step_grads(engine, ctx) if not zero else {}  # ZeRO-1: each replica holds pieces of the mean
     losses, norms, dp_same, tp_same = [], [], [], []
     t0 = time.perf_counter()
     for step in batches:
         stats = engine.train_batch(iter(step[ctx.dp_rank * m:(ctx.dp_rank + 1) * m]))
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
-        dp_same.append(_bitwise_equal_over(ctx.dp_group, [p for _, p in named]))
+        dp_same.append(_bitwise_equal_over(ctx.grad_group, [p for _, p in named]))  # dp replicas and cp slices
         tp_same.append(_bitwise_equal_over(ctx.tp_group, replicated))
     seconds = time.perf_counter() - t0
     # trust-ratio row of this pipeline rank (min, median, max) vs the references' ratios of its tensors
@@ -197,9 +198,12 @@ def _min_median_max(values) -> list[float]:
     return [t.min().item(), t.median().item(), t.max().item()]
 
 
-def oracle_grid(rank, world, pp, tp, dp, cases):
-    """Run each (schedule, m, tied, bucket_mb) case on the (pp, tp, dp) grid; results per case."""
-    ctx = build_context(pp, tp, dp)
-    out = [run_case(ctx, pp, tp, dp, *case) for case in cases]
+def oracle_grid(rank, world, pp, tp, dp, cases, cp=1):
+    """Run each (schedule, m, tied, bucket_mb[, recompute, lengths]) case, or (schedule, m, tied, bucket_mb,
+    {run_case's keywords}), on the (pp, tp, dp) grid (with ``cp`` > 1: pp x tp x cp x dp); results per case."""
+    ctx = build_context(pp, tp, dp, cp=cp)
+    out = [run_case(ctx, pp, tp, dp, *case[:4], **case[4]) if len(case) == 5 and isinstance(case[4], dict)
+           else run_case(ctx, pp, tp, dp, *case) for case in cases]
     dist.barrier()
-    return {"coords": (ctx.pp_rank, ctx.tp_rank, ctx.dp_rank), "cases": out}
+    coords = (ctx.pp_rank, ctx.tp_rank, ctx.dp_rank) + ((ctx.cp_rank,) if cp > 1 else ())
+    return {"coords": coords, "cases": out}

@@ -250,3 +250,19 @@ def test_bad_hf_directories_are_one_line_exit_2(capsys, tmp_path, corpus):
                            mentions=f"tokenizer.json has 400 tokens but the model's vocab_size is {VOCAB}")
     small = save_model(tmp_path / "small", "llama", vocab_size=128)
     assert_one_line_exit_2(capsys, [*args, "--hf", small], mentions="has no tokenizer.json and its vocab_size 128")
+
+
+def test_llama_sequence_parallel_saves_a_checkpoint_that_resumes_without_it(tmp_path, corpus):
+    """--tp 2 --sequence-parallel on HF Llama (its plan: attention and MLP gather the sequence), saved
+    at step 2 and resumed on pp 2 without tp: the checkpoint holds full tensors whatever the layout,
+    so steps 3-4 match the uninterrupted sequence-parallel run to 1e-5 relative (tp's tolerance)."""
+    d = save_model(tmp_path / "llama", "llama", bpe_tokenizer(corpus))
+    run = ["--hf", d, "--data", corpus, "--steps", "4"]
+    sp = ["--pp", "1", "--tp", "2", "--sequence-parallel"]
+    full, _ = losses_of(tmp_path, "full", *run, *sp)
+    plain, _ = losses_of(tmp_path, "plain", *run, "--pp", "1", "--tp", "2")
+    assert full[0] == plain[0] and full == pytest.approx(plain, rel=1e-5)
+    losses_of(tmp_path, "a", *run, *sp, "--steps", "2", "--save-dir", tmp_path / "ck")
+    resumed, out = losses_of(tmp_path, "b", *run, "--pp", "2", "--save-dir", tmp_path / "ck", "--resume", "latest")
+    assert "resumed from" in out and "sequence_parallel True -> False" not in out  # a layout choice, not a setting
+    assert resumed == pytest.approx(full[2:], rel=1e-5)

@@ -114,8 +114,9 @@ def plan(**kw):
 
 def test_plan_json_has_exactly_the_documented_fields():
     p = plan(method="flops").to_json()
-    assert set(p) == {"pp", "tp", "dp", "schedule", "method", "layers", "stages", "max_stage_time_ms",
-                      "bubble_fraction", "step_time_ms", "tokens_per_s", "rank_memory_bytes", "mfu", "profile"}
+    assert set(p) == {"pp", "tp", "dp", "cp", "sequence_parallel", "schedule", "method", "layers", "stages",
+                      "max_stage_time_ms", "bubble_fraction", "step_time_ms", "tokens_per_s", "rank_memory_bytes",
+                      "mfu", "profile"}
     assert set(p["layers"][0]) == {"name", "params", "flops_fwd", "activation_bytes"}
     assert set(p["stages"][0]) == {"index", "first_layer", "last_layer", "params", "time_ms", "memory_bytes"}
     names = [layer["name"] for layer in p["layers"]]

@@ -54,6 +54,9 @@ class Architecture:
     hf_tp_plan: Mapping[str, str]
     """The tensor-parallel plan of a `from_hf` layer list (`mp_toolkit.hf.tp_plans`), as data in the
     format of `model_zoo.gpt.TP_PLAN`."""
+    hf_sp_plan: Mapping[str, str]
+    """The sequence-parallel plan of a `from_hf` layer list, applied after its TP plan
+    (`mp_toolkit.parallel.sequence_parallel`; the format of `model_zoo.gpt.SP_PLAN`)."""
     tp_sizes: Callable[[ModelShape], dict[str, int]]
     """The sizes a tensor-parallel degree must divide (`check_tensor_parallel`'s keywords); grouped
     key/value heads are checked on their own."""
@@ -109,6 +112,14 @@ GPT2 = Architecture(
         "mlp.c_proj": "row",
         "lm_head": "vocab",    # tied to wte by default: the same vocab shard
     }),
+    hf_sp_plan=MappingProxyType({
+        "embed": "scatter",
+        "attn": "gather",
+        "mlp": "gather",
+        "attn.resid_dropout": "dropout",
+        "mlp.dropout": "dropout",
+        "lm_head": "gather",
+    }),
     tp_sizes=_heads_hidden_inner,
 )
 BERT = Architecture(
@@ -117,6 +128,7 @@ BERT = Architecture(
                       ("heads", "BertPreTrainingHeads")),
     read=_read_bert, costs=BERT_LAYERS, causal=False, selective=True,
     hf_tp_plan=MappingProxyType(bert.TP_PLAN),  # our BERT is HF's module for module: one plan for both
+    hf_sp_plan=MappingProxyType(bert.SP_PLAN),
     tp_sizes=_heads_hidden_inner,
 )
 LLAMA = Architecture(
@@ -134,6 +146,12 @@ LLAMA = Architecture(
         "mlp.up_proj": "column",
         "mlp.down_proj": "row",
         "lm_head": "vocab",
+    }),
+    hf_sp_plan=MappingProxyType({
+        "embed_tokens": "scatter",
+        "self_attn": "gather",
+        "mlp": "gather",
+        "lm_head": "gather",
     }),
     tp_sizes=lambda shape: dict(n_head=shape.heads, inner=shape.ffn),  # hidden: whole heads of head_dim
 )

@@ -44,6 +44,10 @@ class LayerArithmetic:
     """(shape, b, s, d, tp) -> (parameters, forward FLOPs, kept bytes) of the head with its loss."""
     largest: Callable[[ModelShape, int], LargestParameters]
     """(shape, tp) -> each kind of layer's largest parameter."""
+    block_split: Callable[[ModelShape, int, int], int] | None = None
+    """(shape, n, d) -> the bytes of a block's kept ones (at tp 1) that sequence parallelism splits
+    over the tp ranks: its norms' saved tensors and its hidden dropout masks, which run on seq / tp of
+    the tokens; the projections keep the gathered, whole input (`mp_toolkit.parallel.sequence_parallel`)."""
     mask_bytes: int = 0
     """Bytes per token every message carries beside the hidden state (BERT: its int64 padding mask)."""
 
@@ -54,13 +58,19 @@ def dropout_mask_bytes(p: float, d: int) -> int:
     return d if p > 0 else 0
 
 
-# Embeddings: the int64 ids are saved; the vocabulary table shards over tp.
+# Embeddings: the int64 ids are saved; the vocabulary table shards over tp, and its shard keeps the
+# (B, T) bool mask of the ids other ranks hold (`VocabParallelEmbedding`).
+
+def foreign_mask_bytes(n: int, tp: int) -> int:
+    """A vocabulary-parallel table's mask of the ids outside its shard: one byte per token at tp > 1."""
+    return n if tp > 1 else 0
+
 
 def learned_embedding(shape: ModelShape, b: int, s: int, d: int, tp: int) -> tuple[int, int]:
     """GPT-2: token + learned position table; keeps the ids, the positions and the dropout mask."""
     n, h = b * s, shape.hidden
     params = shape.vocab_size * h // tp + shape.positions * h + shape.type_vocab * h
-    return params, n * 8 + s * 8 + n * h * dropout_mask_bytes(shape.embd_dropout, d)
+    return params, n * 8 + s * 8 + n * h * dropout_mask_bytes(shape.embd_dropout, d) + foreign_mask_bytes(n, tp)
 
 
 def bert_embedding(shape: ModelShape, b: int, s: int, d: int, tp: int) -> tuple[int, int]:
@@ -76,7 +86,7 @@ def rotary_embedding(shape: ModelShape, b: int, s: int, d: int, tp: int) -> tupl
     """Llama family: the token table only (positions are rotary, applied in the blocks)."""
     n, h = b * s, shape.hidden
     params = shape.vocab_size * h // tp + shape.type_vocab * h
-    return params, n * 8 + n * h * dropout_mask_bytes(shape.embd_dropout, d)
+    return params, n * 8 + n * h * dropout_mask_bytes(shape.embd_dropout, d) + foreign_mask_bytes(n, tp)
 
 
 # Blocks.
@@ -101,14 +111,16 @@ def _layernorm_block(shape: ModelShape, b: int, s: int, d: int, tp: int, causal:
 
     Weights and column-parallel biases (qkv, fc) shard; row-parallel biases and norms replicate.
     Causal attention counts the lower triangle of Q K^T and P V only. Kept: two LayerNorm inputs and
-    their mean / rstd (replicated over tp), the qkv input, the attention (`attention_kept`), the MLP
-    input, the activation's input and the second projection's input, each sub-layer's dropout mask."""
+    their mean / rstd, the qkv input and the MLP input (all four whole on every tp rank: a column
+    projection reads the replicated input), the attention (`attention_kept`), the activation's input
+    and the second projection's input, each sub-layer's dropout mask (measured at tp 2 with
+    saved-tensor hooks, sequence parallel or not: `tests/test_sequence_parallel.py`)."""
     n, h, f = b * s, shape.hidden, shape.ffn
     params = (4 * h * h + 2 * h * f) // tp + (3 * h + f) // tp + 2 * h + 4 * h
     attn = (2.0 if causal else 4.0) * b * s * s * h / tp
     flops = 2.0 * n * (4 * h * h + 2 * h * f) / tp + attn
     fl = f // tp
-    kept = n * d * (2 * h + 2 * h // tp + 2 * fl) + 4 * n * d + attention_kept(shape, b, s, d, tp)
+    kept = n * d * (4 * h + 2 * fl) + 4 * n * d + attention_kept(shape, b, s, d, tp)
     kept += 2 * n * h * dropout_mask_bytes(shape.hidden_dropout, d)
     return params, flops, kept
 
@@ -149,6 +161,19 @@ def llama_block(shape: ModelShape, b: int, s: int, d: int, tp: int) -> tuple[int
     norms = 2 * n * (4 * h + 4 + 2 * h * d)
     attention = n * d * (2 * qdl + 2 * kvdl) + n * (shape.heads // tp) * 4 + 2 * s * shape.hd * d
     return params, flops, norms + attention + 4 * n * fl * d
+
+
+def layernorm_block_split(shape: ModelShape, n: int, d: int) -> int:
+    """GPT-2 and BERT blocks under sequence parallelism: the two LayerNorms' inputs, means and
+    rstds, and the two sub-layer output dropout masks (measured with saved-tensor hooks at tp 2:
+    `tests/test_sequence_parallel.py`)."""
+    return n * (2 * shape.hidden * d + 4 * d + 2 * shape.hidden * dropout_mask_bytes(shape.hidden_dropout, d))
+
+
+def rms_block_split(shape: ModelShape, n: int, d: int) -> int:
+    """Llama-family blocks under sequence parallelism: each RMSNorm's fp32 input copy, rstd and
+    normalised value (its output, which the projections read, is the gathered whole)."""
+    return 2 * n * (4 * shape.hidden + 4 + shape.hidden * d)
 
 
 # Final norms.
@@ -206,6 +231,9 @@ def llama_largest(shape: ModelShape, tp: int) -> LargestParameters:
     return _largest(shape, tp, max(shape.heads * shape.hd, shape.ffn) * shape.hidden)
 
 
-GPT2_LAYERS = LayerArithmetic(learned_embedding, gpt2_block, layer_norm, lm_head, gpt2_largest)
-BERT_LAYERS = LayerArithmetic(bert_embedding, bert_block, None, bert_heads, bert_largest, mask_bytes=8)
-LLAMA_LAYERS = LayerArithmetic(rotary_embedding, llama_block, rms_norm, lm_head, llama_largest)
+GPT2_LAYERS = LayerArithmetic(learned_embedding, gpt2_block, layer_norm, lm_head, gpt2_largest,
+                              block_split=layernorm_block_split)
+BERT_LAYERS = LayerArithmetic(bert_embedding, bert_block, None, bert_heads, bert_largest,
+                              block_split=layernorm_block_split, mask_bytes=8)
+LLAMA_LAYERS = LayerArithmetic(rotary_embedding, llama_block, rms_norm, lm_head, llama_largest,
+                               block_split=rms_block_split)

@@ -60,6 +60,8 @@ class ZooFamily:
     """The config -> the longest sequence the model takes."""
     tp_plan: Mapping[str, str]
     """Its tensor-parallel plan, data next to the model (`apply_tensor_parallel`)."""
+    sp_plan: Mapping[str, str]
+    """Its sequence-parallel plan, applied after the TP plan (`apply_sequence_parallel`)."""
     loss: Callable
     """The last stage's loss on full logits (outputs, labels) -> scalar."""
     measure_batch: Callable[[object], tuple[Callable, Callable]]
@@ -124,14 +126,16 @@ def bert_hf_config(config: bert.BertConfig) -> dict:
 GPT = ZooFamily(
     name="gpt", arch=GPT2, model_class=gpt.GPT, config_class=gpt.GPTConfig, presets=gpt.PRESETS,
     get_config=gpt.get_config, config_from_dict=gpt.GPTConfig.from_dict, shape=_gpt_shape,
-    positions=lambda c: c.n_positions, tp_plan=gpt.TP_PLAN, loss=gpt.lm_loss, measure_batch=_gpt_batch,
+    positions=lambda c: c.n_positions, tp_plan=gpt.TP_PLAN, sp_plan=gpt.SP_PLAN, loss=gpt.lm_loss,
+    measure_batch=_gpt_batch,
     export=ZooExport("GPT2LMHeadModel", _GPT2_FIELDS | {"bias"}, gpt2_config, gpt_hf.hf_name),
 )
 BERT = ZooFamily(
     name="bert", arch=BERT_ARCH, model_class=bert.BertForPreTraining, config_class=bert.BertConfig,
     presets=bert.PRESETS, get_config=bert.get_config, config_from_dict=bert.BertConfig.from_dict,
     shape=lambda c: BERT_ARCH.read(c.to_dict(), "bert", False),  # BertConfig is spelled as HF's
-    positions=lambda c: c.max_position_embeddings, tp_plan=bert.TP_PLAN, loss=bert.pretraining_loss,
+    positions=lambda c: c.max_position_embeddings, tp_plan=bert.TP_PLAN, sp_plan=bert.SP_PLAN,
+    loss=bert.pretraining_loss,
     measure_batch=_bert_batch,
     export=ZooExport("BertForPreTraining", _BERT_FIELDS, bert_hf_config, lambda name: (bert_hf.hf_name(name), False)),
     mlm=True,

@@ -51,7 +51,8 @@ def _search(args: argparse.Namespace) -> int:
     req = SearchRequest(model=args.model, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
                         cluster=with_devices(cluster, args.devices), precision=args.precision,
                         optimizer=args.optimizer, momentum=args.momentum, weight_decay=args.weight_decay, hf=args.hf,
-                        memory_gb=args.memory_gb, top=args.top, max_micro_batch=args.max_micro_batch)
+                        memory_gb=args.memory_gb, top=args.top, max_micro_batch=args.max_micro_batch,
+                        sequence_parallel=args.search_sp)
     result = search(req)
     print(format_search(result))
     if args.json:
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace, argv: list[str], main=None) -> int:
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
         mem_gbps=args.mem_gbps, hf=args.hf, recompute=args.recompute, recompute_layers=args.recompute_layers,
         zero=args.zero, cluster=read_profile(args.cluster) if args.cluster is not None else None,
+        sequence_parallel=args.sequence_parallel, cp=args.cp,
     )
     check_output(args.gantt)
     plan = _make_plan(req)

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, argv: list[str], main: Callable | None = None)
         raise ConfigError(f"--restarts {cfg.faults.restarts} is for mpt train starting the ranks itself; under a "
                           "launcher restart with it (torchrun --max-restarts N) and pass --resume auto")
     try:
-        check_grid(env.world_size, cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp)
+        check_grid(env.world_size, cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.cp)
     except GridError as e:
         raise ConfigError(f"the launcher started {env.world_size} processes: {e}") from None
     if dry_run:

@@ -134,19 +134,21 @@ class PipelineEngine:
         named = self.named_parameters()
         if zero not in (0, 1):
             raise ValueError(f"zero={zero}: ZeRO stage 0 (off) or 1 (optimizer state partitioned) only")
-        self.zero = zero if ctx.dp_group is not None else 0
+        # the gradients of the ranks holding the same parameters -- dp replicas, and context-parallel
+        # slices of the same sequences -- are averaged over grad_group (the dp group without cp)
+        self.zero = zero if ctx.grad_group is not None else 0
         if self.zero:
             tied = [self.ties.members[g] for g in self.ties.groups]  # a bucket each: pieces line up over stages
-            buckets = sharded_buckets(self._dp_param_sets(), ctx.dp, dp_bucket_bytes, alone=tied)
-            self.dp_grads = ShardedGrads(buckets, ctx.dp_group)
-            self.masters = ShardedMasters([p for _, p in named], buckets, self.dp_grads, ctx.dp_group)
+            buckets = sharded_buckets(self._dp_param_sets(), ctx.grad_size, dp_bucket_bytes, alone=tied)
+            self.dp_grads = ShardedGrads(buckets, ctx.grad_group)
+            self.masters = ShardedMasters([p for _, p in named], buckets, self.dp_grads, ctx.grad_group)
             self.optimizer = optimizer(self.masters.named(named))
         else:
             self.masters = MasterWeights([p for _, p in named])
             carry_tp_attributes(self.masters)
             self.optimizer = optimizer([(n, m) for (n, _), m in zip(named, self.masters.master)])
-            self.dp_grads = (DataParallelGrads(self._dp_param_sets(), ctx.dp_group, dp_bucket_bytes)
-                             if ctx.dp_group is not None else None)
+            self.dp_grads = (DataParallelGrads(self._dp_param_sets(), ctx.grad_group, dp_bucket_bytes)
+                             if ctx.grad_group is not None else None)
         self.step = OptimizerStep(ctx, self.masters, self.optimizer, self.ties, clip_grad, loss_scaler,
                                   self.dp_grads)
         self.free_sent_outputs = free_sent_outputs

@@ -38,9 +38,9 @@ def global_mean_loss(losses: Sequence[torch.Tensor], ctx: ParallelContext, last_
         total += loss.detach().float()
     if ctx.pp_group is not None:
         dist.broadcast(total, src=last_stage_rank, group=ctx.pp_group)
-    if ctx.dp_group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.dp_group)
-        total /= ctx.dp
+    if ctx.grad_group is not None:  # dp replicas, and cp slices (each loss scaled to its share: see loss)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.grad_group)
+        total /= ctx.grad_size
     return total.item() if size is None else total.tolist()
 
 
@@ -61,8 +61,8 @@ def trust_ratio_rows(optimizer, ctx: ParallelContext) -> list[dict] | None:
         return None
     ratios = torch.tensor(_adapted_ratios(optimizer), dtype=torch.float32)
     partitioned = any(hasattr(p, "zero_piece") for g in optimizer.param_groups for p in g["params"])
-    if partitioned and ctx.dp_group is not None:
-        ratios = gather_ragged(ratios.to(ctx.device), ctx.dp_group).cpu()
+    if partitioned and ctx.grad_group is not None:
+        ratios = gather_ragged(ratios.to(ctx.device), ctx.grad_group).cpu()
     count = torch.tensor(float(ratios.numel()))
     ratios = ratios if ratios.numel() else torch.tensor([float("nan")])
     mine = torch.stack([ratios.min(), ratios.median(), ratios.max(), count]).float().to(ctx.device)

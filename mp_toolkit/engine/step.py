@@ -3,6 +3,8 @@
     average gradients over data-parallel replicas (buckets posted during the schedule; wait)
       -> unscale (model grads -> fp32 master grads x 1/loss_scale)
       -> sum tied-weight gradients over their stages
+      -> sum the sequence-parallel partial gradients over tp (replicated norms and biases that saw
+         seq / tp of the tokens: `mp_toolkit.parallel.sequence_parallel`), in one all-reduce
       -> per-tensor gradient 2-norms, one pass (read again by the two steps below)
       -> overflow consensus: inf/nan in a gradient or the loss on any rank means every rank skips
          (in every precision: fp16's scaler then lowers the scale; fp32 / bf16 just skip)
@@ -44,6 +46,7 @@ from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.master import MasterWeights
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.data_parallel import DataParallelGrads
+from mp_toolkit.parallel.sequence_parallel import is_sequence_parallel
 from mp_toolkit.parallel.zero import ShardedGrads
 
 
@@ -81,6 +84,21 @@ class OptimizerStep:
         self.ctx, self.masters, self.optimizer, self.ties = ctx, masters, optimizer, ties
         self.clip_grad, self.scaler, self.dp_grads = clip_grad, scaler, dp_grads
         self.counted = [masters.of(p) for p in masters.model if ties.counted_in_norm(p)]
+        self.partial = [p for p in masters.model if is_sequence_parallel(p)]
+
+    def _sum_partial_grads(self) -> None:
+        """The sequence-parallel gradients summed over the tp group, flattened into one all-reduce
+        (every tp rank lists the same parameters, and under ZeRO-1 the same pieces, in the same order)."""
+        if not self.partial or self.ctx.tp_group is None:
+            return
+        masters = [self.masters.of(p) for p in self.partial]
+        for m in masters:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        flat = torch.cat([m.grad.reshape(-1) for m in masters])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.ctx.tp_group)
+        for m, part in zip(masters, flat.split([m.numel() for m in masters])):
+            m.grad.copy_(part.view_as(m.grad))
 
     def _counted_norms(self, with_grad: list[torch.Tensor], norms: torch.Tensor) -> torch.Tensor:
         """The norms of the counted masters that have a gradient, in `global_grad_norm`'s order
@@ -109,6 +127,7 @@ class OptimizerStep:
             self.dp_grads.finish_grad_sync()
         self.masters.grads_to_master(1.0 / scale)
         self.ties.all_reduce(self.masters.of)
+        self._sum_partial_grads()
         # One pass over the gradients: their 2-norms serve the inf/nan test and the global norm.
         with_grad = [m for m in self.masters.master if m.grad is not None and m.grad.numel() > 0]
         norms = tensor_norms([m.grad for m in with_grad])

@@ -52,10 +52,11 @@ class TiedGradients:
             # new_group is collective over the world: every rank creates every replica's group.
             for tp_rank in range(ctx.tp):
                 for dp_rank in range(ctx.dp):
-                    ranks = [grid_rank(r, tp_rank, dp_rank, ctx.tp, ctx.dp) for r in pp_ranks]
-                    pg = dist.new_group(ranks)
-                    if ctx.rank in ranks:
-                        self.groups[g] = pg
+                    for cp_rank in range(ctx.cp):
+                        ranks = [grid_rank(r, tp_rank, dp_rank, ctx.tp, ctx.dp, cp_rank, ctx.cp) for r in pp_ranks]
+                        pg = dist.new_group(ranks)
+                        if ctx.rank in ranks:
+                            self.groups[g] = pg
             if g in self.members and ctx.pp_rank != pp_ranks[0]:
                 self.not_counted.add(id(self.members[g]))
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
-from mp_toolkit.hf.common import padding_mask
+from mp_toolkit.hf.common import padding_mask, whole_sequence
 
 
 class BertEmbed(nn.Module):
@@ -50,10 +50,12 @@ class BertBlockLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor):
         if self.config.is_decoder:
-            mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+            mask = create_causal_mask(config=self.config, inputs_embeds=whole_sequence(hidden, attention_mask),
+                                      attention_mask=attention_mask,
                                       cache=None)
         else:
-            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=whole_sequence(hidden, attention_mask),
+                                             attention_mask=attention_mask)
         return self.block(hidden, mask), attention_mask
 
 

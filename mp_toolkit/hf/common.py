@@ -39,6 +39,16 @@ def padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
     return attention_mask != 0 if attention_mask.is_floating_point() else attention_mask
 
 
+def whole_sequence(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """What HF's mask functions read from ``inputs_embeds`` (batch, length, dtype, device) for the
+    whole sequence: ``hidden`` itself, or under sequence parallelism (``hidden`` holds T / tp of
+    the tokens, the (B, T) ``mask`` all of them) a broadcast view of the whole length, no copy.
+    The attention it is built for sees the whole sequence (`mp_toolkit.parallel.sequence_parallel`)."""
+    if hidden.shape[1] == mask.shape[-1]:
+        return hidden
+    return hidden[:, :1].expand(-1, mask.shape[-1], *hidden.shape[2:])
+
+
 class FinalNorm(nn.Module):
     """The model's last norm (HF's own module): (hidden, *masks) -> norm(hidden) (B, T, C).
 

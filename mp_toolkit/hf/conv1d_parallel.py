@@ -11,7 +11,8 @@ layout-independent checkpoint stores the same (in, out) tensor whatever tp wrote
 
 Same communication regions as `mp_toolkit.parallel.tensor_parallel`'s Linear shards: a column
 shard opens with ``f`` (identity forward, all-reduce of the input gradient backward), a row shard
-closes with ``g`` (all-reduce forward).
+closes with ``g`` (all-reduce forward). Under sequence parallelism (`mp_toolkit.parallel.sequence_parallel`)
+a column shard's input is already whole (no ``f``) and a row shard reduce-scatters along the sequence.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import mark_tensor_parallel, shard_full
-from mp_toolkit.parallel.tp_comms import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from mp_toolkit.parallel.tp_comms import copy_to_tensor_model_parallel_region, row_parallel_sum
 
 
 def _shard(full: torch.Tensor, dim: int, stride: int, ctx: ParallelContext) -> nn.Parameter:
@@ -36,6 +37,9 @@ def _shard(full: torch.Tensor, dim: int, stride: int, ctx: ParallelContext) -> n
 class Conv1DColumnParallel(nn.Module):
     """(.., in) replicated -> (.., out / tp) local; weight (in, out / tp), bias (out / tp,)."""
 
+    tp_region = "open"
+    sequence_parallel = False
+
     def __init__(self, conv: nn.Module, ctx: ParallelContext, stride: int = 1):
         super().__init__()
         self.nx, self.nf, self.stride, self.tp_group = conv.nx, conv.nf, stride, ctx.tp_group
@@ -43,7 +47,8 @@ class Conv1DColumnParallel(nn.Module):
         self.bias = _shard(conv.bias, 0, stride, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f
+        if not self.sequence_parallel:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f
         y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)  # (N, in) @ (in, out / tp)
         return y.view(*x.shape[:-1], -1)
 
@@ -54,6 +59,9 @@ class Conv1DColumnParallel(nn.Module):
 class Conv1DRowParallel(nn.Module):
     """(.., in / tp) local -> (.., out) replicated; weight (in / tp, out), bias (out,) replicated."""
 
+    tp_region = "close"
+    sequence_parallel = False
+
     def __init__(self, conv: nn.Module, ctx: ParallelContext):
         super().__init__()
         self.nx, self.nf, self.tp_group = conv.nx, conv.nf, ctx.tp_group
@@ -62,8 +70,8 @@ class Conv1DRowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = torch.mm(x.reshape(-1, x.shape[-1]), self.weight)  # (N, in / tp) @ (in / tp, out)
-        y = reduce_from_tensor_model_parallel_region(partial, self.tp_group)  # g: sum over ranks
-        return (y + self.bias).view(*x.shape[:-1], -1)
+        partial = partial.view(*x.shape[:-1], -1)
+        return row_parallel_sum(partial, self.tp_group, self.sequence_parallel) + self.bias  # g: sum over ranks
 
     def extra_repr(self) -> str:
         return f"nx={self.nx} (local {self.weight.shape[0]}), nf={self.nf}"

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from mp_toolkit.hf.common import FinalNorm, padding_mask
+from mp_toolkit.hf.common import FinalNorm, padding_mask, whole_sequence
 
 
 class GPT2Embed(nn.Module):
@@ -51,7 +51,8 @@ class GPT2BlockLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor):
         # As GPT2Model.forward: no cache; position ids only matter to HF when no mask is given.
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+        mask = create_causal_mask(config=self.config, inputs_embeds=whole_sequence(hidden, attention_mask),
+                                  attention_mask=attention_mask,
                                   cache=None)
         return self.block(hidden, attention_mask=mask), attention_mask
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from mp_toolkit.hf.common import FinalNorm, padding_mask
+from mp_toolkit.hf.common import FinalNorm, padding_mask, whole_sequence
 
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -59,7 +59,8 @@ class LlamaBlockLayer(nn.Module):
         self.mask_fn = mask_fn
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
-        mask = self.mask_fn(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+        mask = self.mask_fn(config=self.config, inputs_embeds=whole_sequence(hidden, attention_mask),
+                            attention_mask=attention_mask,
                             cache=None, position_ids=position_ids)
         cos_sin = self.rotary_emb(hidden, position_ids=position_ids)  # 2 x (B or 1, T, head_dim)
         hidden = self.block(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)

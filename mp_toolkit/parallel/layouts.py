@@ -19,8 +19,10 @@ from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tp_comms import all_gather, group_size
 
-TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "unpadded_size")
-"""The sharding attributes a tensor laid out like a sharded parameter (its fp32 master) must carry too."""
+TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "unpadded_size", "sequence_parallel")
+"""The sharding attributes a tensor laid out like a sharded parameter (its fp32 master) must carry too;
+``sequence_parallel``: a replicated parameter whose gradient is a partial sum over tp
+(`mp_toolkit.parallel.sequence_parallel`)."""
 
 
 def mark_tensor_parallel(param: nn.Parameter, dim: int, stride: int = 1,

@@ -45,7 +45,7 @@ from mp_toolkit.parallel.layouts import (
 from mp_toolkit.parallel.tp_comms import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
+    row_parallel_sum,
     scatter_to_tensor_model_parallel_region,
 )
 from mp_toolkit.parallel.vocab_parallel import (
@@ -74,7 +74,12 @@ class ColumnParallelLinear(nn.Module):
     slice of each part. ``gather_output=True`` all-gathers (.., out) on every rank (stride 1 only).
     Without ``full_weight`` the layer is initialised like ``nn.Linear(in, out)`` on one device under
     the same RNG state, then sliced, so a TP run starts from the single-device weights.
+    Under sequence parallelism (``sequence_parallel``, set by `apply_sequence_parallel`) the input
+    is already whole, gathered by the region around the layer, which also sums its gradient: no ``f``.
     """
+
+    tp_region = "open"
+    sequence_parallel = False
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, bias: bool = True,
                  gather_output: bool = False, stride: int = 1,
@@ -99,7 +104,8 @@ class ColumnParallelLinear(nn.Module):
                    gather_output=gather_output, stride=stride, full_weight=linear.weight, full_bias=linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f: sum input grads backward
+        if not self.sequence_parallel:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f: sum input grads backward
         y = F.linear(x, self.weight, self.bias)  # (.., in) -> (.., out / tp)
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
@@ -112,7 +118,12 @@ class RowParallelLinear(nn.Module):
 
     The partial products are summed by ``g`` (one all-reduce); the bias is replicated and added
     once, after the reduce. ``input_is_parallel=False`` first scatters a replicated input.
+    Under sequence parallelism (``sequence_parallel``) the sum is a reduce-scatter along the
+    sequence: each rank keeps (B, T / tp, out), and adds the bias to its slice.
     """
+
+    tp_region = "close"
+    sequence_parallel = False
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, bias: bool = True,
                  input_is_parallel: bool = True,
@@ -139,7 +150,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # (.., in) -> (.., in / tp)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp_group)  # g
+        y = row_parallel_sum(F.linear(x, self.weight), self.tp_group, self.sequence_parallel)  # g
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

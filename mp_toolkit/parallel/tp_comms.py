@@ -9,12 +9,25 @@ copy_to (paper's ``f``)           identity           all-reduce
 reduce_from (paper's ``g``)       all-reduce         identity
 gather_from                       all-gather, dim -1 split, keep own
 scatter_to                        split, keep own    all-gather, dim -1
+gather_sequence                   all-gather, dim 1  reduce-scatter, dim 1
+gather_sequence (whole grads)     all-gather, dim 1  split, keep own
+reduce_scatter_sequence           reduce-scatter, 1  all-gather, dim 1
+scatter_sequence                  split, keep own    all-gather, dim 1
 ================================  =================  ==================
 
 A column-parallel linear opens with ``f`` (its input is replicated, so the partial input
 gradients of every shard must be summed) and a row-parallel linear closes with ``g`` (every rank
 holds a partial product that must be summed). An MLP or attention block therefore costs one
 all-reduce forward and one backward.
+
+The last four are sequence parallelism's (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", section 4.2.2): between the column/row pairs each rank
+holds ``T / tp`` of the sequence (dim 1 of a batch-first (B, T, ...) tensor), an all-gather opens
+a column-parallel region instead of ``f`` and a reduce-scatter closes a row-parallel one instead
+of ``g`` -- the same bytes as the all-reduce they replace. ``gather_sequence`` reduce-scatters the
+gradient where the region's input gradient is a partial sum (column-parallel consumers); with
+``whole_grad=True`` it keeps its slice of a gradient every rank already holds whole (a replicated
+consumer, such as BERT's heads).
 
 The tensor-parallel group is always an argument (STYLE.md 3). ``group=None`` (tp == 1) makes every
 region the identity with no communication (STYLE.md 9), so the same layer code runs on one process.
@@ -67,55 +80,63 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(all_gather(x, group), dim=-1)
 
 
-class _CopyToRegion(torch.autograd.Function):
-    """Megatron's ``f`` operator: identity forward, all-reduce (sum) of the gradient backward."""
+def _split_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's slice of dim 1: (B, T, ...) -> (B, T / tp, ...)."""
+    n = group_size(group)
+    if x.shape[1] % n != 0:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by the tensor-parallel size {n}: "
+                         "sequence parallelism splits every micro-batch's tokens evenly over the tp ranks")
+    return x.chunk(n, dim=1)[group_rank(group)].contiguous()
 
-    @staticmethod
-    def forward(ctx, x, group):
+
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's slice along dim 1: (B, T / tp, ...) -> (B, T, ...)."""
+    return torch.cat(all_gather(x, group), dim=1)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group and keep this rank's slice of dim 1, in one collective."""
+    n = group_size(group)
+    if x.shape[1] % n != 0:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by the tensor-parallel size {n}")
+    parts = [c.contiguous() for c in x.chunk(n, dim=1)]
+    out = torch.empty_like(parts[group_rank(group)])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+def _region(name: str, forward, backward, doc: str) -> type:
+    """An ``autograd.Function`` applying ``forward(x, group)`` to its input and ``backward(grad, group)``
+    to its gradient: each region of the module docstring's table is one pair."""
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)  # a new autograd node; the data is shared, nothing is copied
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
 
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """Megatron's ``g`` operator: all-reduce (sum) forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd),
+                                                   "__doc__": doc})
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    """All-gather along the last dim forward; backward keeps this rank's slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """Split along the last dim and keep this rank's slice forward; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+_CopyToRegion = _region("_CopyToRegion", lambda x, group: x.view_as(x), all_reduce,
+                        "Megatron's ``f``: identity forward (a new autograd node sharing the data), all-reduce "
+                        "(sum) of the gradient backward.")
+_ReduceFromRegion = _region("_ReduceFromRegion", all_reduce, lambda grad, group: grad,
+                            "Megatron's ``g``: all-reduce (sum) forward, identity backward.")
+_GatherFromRegion = _region("_GatherFromRegion", _gather_last, _split_last,
+                            "All-gather along the last dim forward; backward keeps this rank's slice of the gradient.")
+_ScatterToRegion = _region("_ScatterToRegion", _split_last, _gather_last,
+                           "Keep this rank's slice of the last dim forward; backward all-gathers the gradient.")
+_GatherSequence = _region("_GatherSequence", _gather_sequence, _reduce_scatter_sequence,
+                          "All-gather dim 1 forward; backward reduce-scatters the (partial) gradient.")
+_GatherSequenceWhole = _region("_GatherSequenceWhole", _gather_sequence, _split_sequence,
+                               "All-gather dim 1 forward; backward keeps this rank's slice of a whole gradient.")
+_ReduceScatterSequence = _region("_ReduceScatterSequence", _reduce_scatter_sequence, _gather_sequence,
+                                 "Reduce-scatter dim 1 forward (a row-parallel output); backward all-gathers the "
+                                 "gradient.")
+_ScatterSequence = _region("_ScatterSequence", _split_sequence, _gather_sequence,
+                           "Keep this rank's slice of dim 1 forward; backward all-gathers the gradient.")
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -138,7 +159,33 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Ten
     return x if group_size(group) == 1 else _ScatterToRegion.apply(x, group)
 
 
+def gather_sequence(x: torch.Tensor, group, whole_grad: bool = False) -> torch.Tensor:
+    """(B, T / tp, ...) on each rank -> (B, T, ...) on every rank (the module docstring's table)."""
+    if group_size(group) == 1:
+        return x
+    return (_GatherSequenceWhole if whole_grad else _GatherSequence).apply(x, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Partial (B, T, ...) on each rank -> this rank's (B, T / tp, ...) slice of their sum."""
+    return x if group_size(group) == 1 else _ReduceScatterSequence.apply(x, group)
+
+
+def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Replicated (B, T, ...) -> this rank's (B, T / tp, ...) slice, rank r keeping slice r."""
+    return x if group_size(group) == 1 else _ScatterSequence.apply(x, group)
+
+
+def row_parallel_sum(partial: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """Close a row-parallel projection: ``g`` (all-reduce), or under sequence parallelism the
+    reduce-scatter along dim 1 that leaves each rank its slice of the sum."""
+    if sequence_parallel:
+        return reduce_scatter_sequence(partial, group)
+    return reduce_from_tensor_model_parallel_region(partial, group)
+
+
 __all__ = [
+    "gather_sequence", "row_parallel_sum", "reduce_scatter_sequence", "scatter_sequence",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "gather_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "all_reduce", "all_gather", "group_size", "group_rank",

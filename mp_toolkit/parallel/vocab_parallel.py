@@ -98,8 +98,12 @@ class VocabParallelLMHead(nn.Module):
 
     Logits of padded ids are -inf (module docstring). Feed the local logits to
     `vocab_parallel_cross_entropy`; the full (B, T, V) never exists. ``bias`` (B = BERT's MLM
-    decoder) is split like the rows.
+    decoder) is split like the rows. Under sequence parallelism (``sequence_parallel``) its input
+    is already whole, gathered by the region around it, which also sums its gradient: no ``f``.
     """
+
+    tp_region = "open"
+    sequence_parallel = False
 
     def __init__(self, vocab_size: int, hidden: int, ctx: ParallelContext, *,
                  full_weight: torch.Tensor | None = None, full_bias: torch.Tensor | None = None,
@@ -130,7 +134,9 @@ class VocabParallelLMHead(nn.Module):
         return cls(vocab_size, hidden, ctx, full_weight=params["weight"], divisible_by=divisible_by)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(copy_to_tensor_model_parallel_region(x, self.tp_group), self.weight, self.bias)
+        if not self.sequence_parallel:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f
+        logits = F.linear(x, self.weight, self.bias)
         if self.real_local == logits.shape[-1]:
             return logits
         padded = torch.arange(logits.shape[-1], device=logits.device) >= self.real_local  # (Vp / tp,)

@@ -127,14 +127,20 @@ class LayerCost:
 
 
 def layer_costs(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str = "fp32",
-                tp: int = 1) -> list[LayerCost]:
+                tp: int = 1, sp: bool = False, cp: int = 1) -> list[LayerCost]:
     """Costs of every layer in layer-list order: each kind of layer as its architecture's record
-    counts it (`mp_toolkit.arch.costs`)."""
+    counts it (`mp_toolkit.arch.costs`). ``sp``: under sequence parallelism (tp > 1) each rank
+    keeps 1 / tp of a block's split part (`LayerArithmetic.block_split`) and of the final norm, and
+    the hidden state every layer before the head sends is 1 / tp of the tokens. ``cp``: under context
+    parallelism a rank holds seq / cp of every sequence: every per-token figure is its tokens', and its
+    ring attention computes every (query block, key block) pair whole -- 4 b s^2 h / (tp cp) FLOPs, not
+    the causal triangle's half (`mp_toolkit.parallel.context_parallel`)."""
     arch = ARCHITECTURES[shape.family]
     kinds, rules = arch.layers, arch.costs
-    b, s, d = micro_batch, seq_len, ACT_BYTES[dtype]
+    b, s, d = micro_batch, seq_len // cp, ACT_BYTES[dtype]
     n, h, v = b * s, shape.hidden, shape.vocab_size
-    msg = n * h * d + n * rules.mask_bytes
+    parts = tp if sp else 1
+    msg = n * h * d // parts + n * rules.mask_bytes
     largest = rules.largest(shape, tp)  # gradients are in the parameters' dtype: d bytes per element
     params, kept = rules.embedding(shape, b, s, d, tp)
     # at tp 1 the tables are nn.Embedding, accumulated by rows (`engine.embedding_rows`): a row per distinct
@@ -143,11 +149,16 @@ def layer_costs(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str = 
     rows = (min(n, v) + 1) * h if tp == 1 else largest.embedding
     out = [LayerCost(*kinds.embedding, params, 0.0, 0.0, kept, msg, accumulated_bytes=rows * d)]
     params, flops, kept = rules.block(shape, b, s, d, tp)
+    if cp > 1:  # the ring's whole blocks over the local causal triangle the rule counted
+        flops += (4.0 * cp - (2.0 if arch.causal else 4.0)) * b * s * s * shape.hidden / tp
+    if parts > 1:
+        kept -= rules.block_split(shape, n, d) * (parts - 1) // parts
     name, kind = kinds.block
     out += [LayerCost(name.format(i=i), kind, params, flops, 2 * flops, kept, msg,
                       accumulated_bytes=largest.block * d) for i in range(shape.num_layers)]
     if rules.final_norm is not None:
         params, kept = rules.final_norm(shape, n, d)
+        kept //= parts
         out.append(LayerCost(*kinds.final_norm, params, 0.0, 0.0, kept, msg, accumulated_bytes=largest.final_norm * d))
     params, flops, kept = rules.head(shape, b, s, d, tp)
     workspace = n * (v // tp) * (d + 8)  # logits, their fp32 copy and gradient during backward

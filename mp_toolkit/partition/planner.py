@@ -99,7 +99,9 @@ class Plan:
         """Exactly the fields ``mpt plan --json`` writes (issue 3, item 5)."""
         r = self.request
         return {
-            "pp": r.pp, "tp": r.tp, "dp": r.dp, "schedule": r.schedule, "method": r.method,
+            "pp": r.pp, "tp": r.tp, "dp": r.dp, "cp": r.cp, "sequence_parallel": r.sequence_parallel,
+            "schedule": r.schedule,
+            "method": r.method,
             "layers": [{"name": c.name, "params": c.params, "flops_fwd": c.flops_fwd,
                         "activation_bytes": c.activation_bytes} for c in self.layers],
             "stages": [{"index": s.index, "first_layer": s.first_layer, "last_layer": s.last_layer,
@@ -164,24 +166,32 @@ def layer_times(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rat
         source = f"FLOPs at {tflops:.3g} TFLOP/s" + (" (GEMM measured here)" if req.tflops is None and
                                                      req.cluster is None else "")
         source += f" + {fixed * 1e6:.0f} us per layer" if fixed else ""
-    tp = tp_seconds(req, shape, costs, rates) if req.tp > 1 else []
+    tp = tp_seconds(req, shape, costs, rates) if req.tp > 1 or req.cp > 1 else []
     if tp:
         times = [(f + tf, b + tb) for (f, b), (tf, tb) in zip(times, tp)]
     return LayerTimes(times, opt_s, step_bytes, residue, costs, source, split, recorded, tp)
 
 
 def tp_seconds(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rates: Rates) -> list[tuple[float, float]]:
-    """Per layer, the (forward, backward) seconds of its tensor-parallel all-reduces: a block's two of
-    its activations forward and two backward (Megatron's); the vocab-parallel embedding's one of its
-    output forward; the LM head's two of a value per token forward (the cross-entropy's max and its
-    sums) and one of its input's gradient backward."""
-    tokens = req.micro_batch * req.seq_len
-    act = rates.tp.allreduce_s(tokens * shape.hidden * ACT_BYTES[req.precision], req.tp)
+    """Per layer, the (forward, backward) seconds of its tensor- and context-parallel communication: a
+    block's two all-reduces of its activations forward and two backward (Megatron's; under sequence
+    parallelism a reduce-scatter and an all-gather each, a ring all-reduce's two halves: the same
+    time); the vocab-parallel embedding's one of its output forward; the LM head's two of a value per
+    token forward (the cross-entropy's max and its sums) and one of its input's gradient backward.
+    With cp > 1 each rank's tokens are seq / cp, and a block's ring attention adds cp - 1 exchanges of
+    its key and value slices forward and cp of them with their fp32 gradients backward (each timed as
+    an all-reduce of its bytes between two ranks, over the tp link: cp ranks neighbour tp's)."""
+    tokens = req.micro_batch * req.seq_len // req.cp
+    d = ACT_BYTES[req.precision]
+    act = rates.tp.allreduce_s(tokens * shape.hidden * d, req.tp)
     per_token = rates.tp.allreduce_s(tokens * 4, req.tp) + rates.tp.allreduce_s(2 * tokens * 4, req.tp)
+    kv = 2 * tokens * shape.kvh * shape.hd // req.tp  # the local key and value elements of a block
+    ring_f = (req.cp - 1) * rates.tp.allreduce_s(kv * d, 2) if req.cp > 1 else 0.0
+    ring_b = req.cp * rates.tp.allreduce_s(kv * (d + 4), 2) if req.cp > 1 else 0.0
     out = []
     for c in costs:
         if c.kind.endswith(("Block", "Layer")):
-            out.append((2 * act, 2 * act))
+            out.append((2 * act + ring_f, 2 * act + ring_b))
         elif c.kind.endswith(("Embedding", "Embeddings")):
             out.append((act, 0.0))
         elif c.kind.endswith(("Head", "Heads")):
@@ -268,14 +278,14 @@ def make_plan(req: PlanRequest) -> Plan:
     if req.hf and (req.method == "time" or req.measure):
         raise PartitionError("--hf plans from the cost model: measuring layers (--method time, --measure) builds "
                              "model_zoo's modules; drop --hf or the measurement")
-    costs = layer_costs(shape, req.micro_batch, req.seq_len, req.precision, req.tp)
+    costs = layer_costs(shape, req.micro_batch, req.seq_len, req.precision, req.tp, req.sequence_parallel, req.cp)
     rates = rates_of(req, timed=req.method == "time" or req.measure)
     lt = layer_times(req, shape, costs, rates)
     times, opt_s, step_bytes = lt.times, lt.opt_s, lt.step_bytes
     residue, costs, source = lt.residue, lt.costs, lt.source
     schedule, inflight, held, rank_held = _inflight(req)
     num_stages = schedule.num_stages
-    zero_dp = req.dp if req.zero else 1
+    zero_dp = req.dp * req.cp if req.zero else 1  # ZeRO-1 partitions over every rank holding the parameters
     bpp = bytes_per_param(req.precision, req.optimizer, zero_dp=zero_dp, momentum=req.momentum)
     msg_in = max(c.output_bytes for c in costs[:-1]) if len(costs) > 1 else 0
     # one micro-batch per step: its gradients become .grad, nothing is accumulated beside them
@@ -344,8 +354,8 @@ def make_plan(req: PlanRequest) -> Plan:
     rank_bytes = [0] * req.pp
     for st in stages:
         rank_bytes[schedule.stage_to_rank[st.index]] += st.memory_bytes
-    model_flops = sum(c.flops_fwd + c.flops_bwd for c in costs) * req.microbatches * req.tp * req.dp
-    mfu = (model_flops / (step_ms / 1e3) / (rates.peak_tflops * 1e12 * req.pp * req.tp * req.dp)
+    model_flops = sum(c.flops_fwd + c.flops_bwd for c in costs) * req.microbatches * req.tp * req.dp * req.cp
+    mfu = (model_flops / (step_ms / 1e3) / (rates.peak_tflops * 1e12 * req.pp * req.tp * req.dp * req.cp)
            if rates.peak_tflops else None)
     plan = Plan(req, costs, bounds, stages, timeline.bubble_fraction, step_ms, tokens / (step_ms / 1e3),
                 source, timeline=timeline, recompute=choices, rates=rates,
@@ -376,11 +386,12 @@ def step_overhead_ms(req: PlanRequest, rates: Rates, shape: ModelShape, stages: 
     """Per pipeline rank, what its step adds after the schedule's last action (ms): the optimizer over
     its stages (``stages``: per stage its parameters and optimizer ms), their data-parallel gradient
     all-reduce, and the tied embedding / LM head gradient summed over the two ranks holding it."""
-    zero_dp = req.dp if req.zero else 1
+    replicas = req.dp * req.cp  # the ranks holding the same parameters: gradients averaged over them
+    zero_dp = replicas if req.zero else 1
     per_rank = [0.0] * req.pp
     for s, (params, optimizer_ms) in enumerate(stages):  # every rank steps its own stages
         # ZeRO-1: a reduce-scatter and an all-gather move an all-reduce's bytes; the step covers 1/dp
-        per_rank[stage_to_rank[s]] += optimizer_ms / zero_dp + 1e3 * rates.dp.allreduce_s(params * 4, req.dp)
+        per_rank[stage_to_rank[s]] += optimizer_ms / zero_dp + 1e3 * rates.dp.allreduce_s(params * 4, replicas)
     ends = {stage_to_rank[0], stage_to_rank[len(stages) - 1]}
     if shape.tied and len(ends) == 2:  # the tied embedding / LM head gradient, summed over its two ranks
         tie_ms = 1e3 * rates.tie.allreduce_s(shape.vocab_size * shape.hidden // req.tp * ACT_BYTES[req.precision], 2)

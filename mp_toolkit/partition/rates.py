@@ -115,7 +115,7 @@ def rates_of(req: PlanRequest, timed: bool) -> Rates:
         line = (f"profile: none ({where}; links {req.p2p_gbps:g} GB/s, {req.p2p_latency_us:g} us: "
                 "--p2p-gbps, --p2p-latency-us; --cluster FILE describes a cluster)")
         return Rates(tflops, None, req.mem_gbps, link, link, link, None, cap, 0, "cpu", line)
-    place = c.placement(req.tp, req.dp, req.pp)
+    place = c.placement(req.tp, req.dp * req.cp, req.pp)  # cp ranks sit between tp and dp, as dp replicas do
     d = c.device
     if req.precision not in dict(d.tflops):
         raise PartitionError(f"--precision {req.precision}: the profile {c.name} has no {req.precision} rate "
@@ -131,10 +131,10 @@ def rates_of(req: PlanRequest, timed: bool) -> Rates:
     contention = per_node / d.cores if d.kind == "cpu" and per_node > d.cores else 1.0
     speed = c.rank_tflops(req.precision, min(per_node, d.cores or per_node), req.threads) / d.rate(req.precision)
     tflops = None if timed else d.rate(req.precision) * speed
-    span = req.tp * req.dp * (req.pp - 1)  # the first stage's rank 0 to the last stage's
+    span = req.tp * req.cp * req.dp * (req.pp - 1)  # the first stage's rank 0 to the last stage's
     tie = c.inter_node if span >= c.devices_per_node else c.intra_node
     return Rates(tflops, peak, d.mem_gbps, place.tp_link, place.dp_link, tie, place,
                  cap if cap is not None else c.rank_memory_bytes(per_node), int(d.runtime_gb * 1e9), d.kind,
                  c.describe(), layer_overhead_s=d.layer_overhead_us * 1e-6 / speed, contention=contention,
-                 comm_bytes=int(d.comm_gb * 1e9) if req.pp * req.tp * req.dp > 1 else 0,
-                 step_overhead_s=d.step_overhead_us * 1e-6 if req.pp * req.tp * req.dp > 1 else 0.0)
+                 comm_bytes=int(d.comm_gb * 1e9) if req.pp * req.tp * req.cp * req.dp > 1 else 0,
+                 step_overhead_s=d.step_overhead_us * 1e-6 if req.pp * req.tp * req.cp * req.dp > 1 else 0.0)

@@ -20,7 +20,8 @@ def _human(n: float) -> str:
 def format_plan(plan: Plan) -> str:
     """The stage table, then bubble, step time and tokens/s, then the warnings."""
     r = plan.request
-    head = (f"{r.model}: pp={r.pp} tp={r.tp} dp={r.dp}, {r.schedule}"
+    head = (f"{r.model}: pp={r.pp} tp={r.tp}{' +sp' if r.sequence_parallel else ''}"
+            + (f" cp={r.cp}" if r.cp > 1 else "") + f" dp={r.dp}, {r.schedule}"
             + (f" x{r.chunks} chunks" if r.chunks > 1 else "")
             + (" ZeRO-1" if r.zero and r.dp > 1 else "")
             + f", {r.microbatches} micro-batches of {r.micro_batch} x {r.seq_len} tokens, {r.precision}, "

@@ -79,6 +79,13 @@ class PlanRequest:
     """The modes ``recompute`` auto may choose (selective only where the family has it)."""
     boundaries: tuple[int, ...] | None = None
     """A given cut (``mpt train``'s own, to predict what its ranks hold): ``method`` is not consulted."""
+    cp: int = 1
+    """Context-parallel degree (``mpt train --cp``): each rank holds seq / cp of every sequence
+    (`cost.layer_costs`'s ``cp``); its gradients are averaged over dp x cp ranks."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (tp > 1, ``mpt train --sequence-parallel``): a block's norms and
+    dropout masks and the messages between stages hold seq / tp of the tokens (`cost.layer_costs`'s
+    ``sp``); the all-gathers and reduce-scatters move the bytes the all-reduces did."""
     zero: int = 0
     """ZeRO stage 0 or 1: masters and optimizer state partitioned over the dp replicas
     (`bytes_per_param`'s ``zero_dp``); each replica's optimizer step touches 1/dp of them."""
@@ -93,7 +100,7 @@ def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: 
     """Every bad combination as one line; ``layers``: how many the model's layer list has; ``optimizers``:
     what each optimizer keeps (`cost.OPTIMIZER_BYTES`; an unknown one is the cost model's error)."""
 
-    for name in ("pp", "tp", "dp", "micro_batch", "microbatches", "seq_len", "chunks"):
+    for name in ("pp", "tp", "dp", "cp", "micro_batch", "microbatches", "seq_len", "chunks"):
         v = getattr(req, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PartitionError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
@@ -128,6 +135,16 @@ def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: 
     if req.schedule == "interleaved" and req.chunks > 1 and req.microbatches % req.pp:
         raise PartitionError(f"--schedule interleaved needs --microbatches a multiple of --pp {req.pp}, "
                              f"got {req.microbatches}")
+    if req.cp > 1 and req.seq_len % (2 * req.cp):
+        raise PartitionError(f"--cp {req.cp}: --seq-len {req.seq_len} must be a multiple of 2 x cp = {2 * req.cp} "
+                             "(the zig-zag split)")
+    if req.cp > 1 and shape.family != "gpt2":
+        raise PartitionError(f"--cp {req.cp}: context parallelism is built for GPT-2-family models only")
+    if req.sequence_parallel and req.tp < 2:
+        raise PartitionError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
+                             f"--tp 2 or more (got --tp {req.tp})")
+    if req.sequence_parallel and req.seq_len % req.tp:
+        raise PartitionError(f"--sequence-parallel: --seq-len {req.seq_len} must be a multiple of --tp {req.tp}")
     if req.tp > 1:
         for what, value in (("attention heads", shape.heads), ("key/value heads", shape.kvh),
                             ("MLP size", shape.ffn)):

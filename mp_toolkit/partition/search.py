@@ -5,7 +5,11 @@ length, the search enumerates every layout (`Layout`): pp x tp x dp = N with tp 
 group stays in a node) and the model's heads and MLP, dp dividing B; micro-batch size x micro-batch
 count = B / dp; every schedule (interleaved with 2 chunks per rank); recomputation none, selective
 (where the family has it), full, or auto (per stage, chosen with the cut under the rank's memory, as
-``--recompute auto``); ZeRO 0 and, with dp > 1, 1. Each layout's prediction is `planner.make_plan`'s
+``--recompute auto``); ZeRO 0 and, with dp > 1, 1; with tp > 1, sequence parallelism wherever the
+sequence splits over tp (``sequence_parallel``: the planner counts the same collective bytes and
+latency steps with it -- a ring reduce-scatter and all-gather are an all-reduce's two halves -- and
+fewer kept bytes and smaller messages, so the layout without it is never faster and never fits where
+it does not: it is not planned). Each layout's prediction is `planner.make_plan`'s
 for that request: the search adds no model of its own, so what it ranks is what ``mpt plan`` prints
 for the pick.
 
@@ -76,6 +80,8 @@ class SearchRequest:
     zero: tuple[int, ...] = (0, 1)
     max_micro_batch: int | None = None
     """The largest micro-batch size tried; None: any divisor of B / dp."""
+    sequence_parallel: bool = True
+    """Lay tp > 1 out with sequence parallelism wherever seq_len splits over tp (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class Layout:
     chunks: int
     recompute: str
     zero: int
+    sequence_parallel: bool = False
 
     def request(self, req: SearchRequest) -> PlanRequest:
         """``mpt plan``'s request for this layout: the flops cut, or with recompute auto the memory cut."""
@@ -100,11 +107,12 @@ class Layout:
             microbatches=self.microbatches, seq_len=req.seq_len, method="memory" if auto else "flops",
             memory_gb=req.memory_gb, precision=req.precision, optimizer=req.optimizer, momentum=req.momentum,
             weight_decay=req.weight_decay, schedule=self.schedule, chunks=self.chunks, load=False, hf=req.hf,
-            recompute=self.recompute, zero=self.zero, cluster=req.cluster)
+            recompute=self.recompute, zero=self.zero, cluster=req.cluster, sequence_parallel=self.sequence_parallel)
 
     def describe(self) -> str:
         sched = self.schedule + (f" x{self.chunks}" if self.chunks > 1 else "")
-        return (f"pp {self.pp} tp {self.tp} dp {self.dp}, {self.microbatches} x {self.micro_batch}, {sched}, "
+        return (f"pp {self.pp} tp {self.tp}{' +sp' if self.sequence_parallel else ''} dp {self.dp}, "
+                f"{self.microbatches} x {self.micro_batch}, {sched}, "
                 f"recompute {self.recompute}" + (", ZeRO-1" if self.zero else ""))
 
 
@@ -158,6 +166,7 @@ def enumerate_layouts(req: SearchRequest, shape, layers: int):
 
 def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: int):
     per_replica = req.global_batch // dp
+    sp = req.sequence_parallel and tp > 1 and req.seq_len % tp == 0
     for mb in _divisors(per_replica):
         if req.max_micro_batch is not None and mb > req.max_micro_batch:
             continue
@@ -175,7 +184,7 @@ def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: in
                 if rec == "selective" and not arch.selective:
                     continue
                 for zero in req.zero if dp > 1 else (0,):
-                    yield Layout(pp, tp, dp, mb, m, schedule, chunks, rec, zero), None
+                    yield Layout(pp, tp, dp, mb, m, schedule, chunks, rec, zero, sp), None
 
 
 class _Floors:
@@ -186,11 +195,13 @@ class _Floors:
         self._costs, self._cuts = {}, {}
 
     def costs(self, tp: int, mb: int):
-        """The layer costs `make_plan` takes: the vocabulary padded for tp."""
+        """The layer costs `make_plan` takes: the vocabulary padded for tp, sequence parallel as the
+        layouts of that tp are (`_per_replica`)."""
         key = (tp, mb)
         if key not in self._costs:
             shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, tp))
-            self._costs[key] = layer_costs(shape, mb, self.req.seq_len, self.req.precision, tp)
+            sp = self.req.sequence_parallel and tp > 1 and self.req.seq_len % tp == 0
+            self._costs[key] = layer_costs(shape, mb, self.req.seq_len, self.req.precision, tp, sp)
         return self._costs[key]
 
     def cut(self, tp: int, mb: int, stages: int) -> list[int]:

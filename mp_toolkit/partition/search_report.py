@@ -22,14 +22,16 @@ def format_search(result: SearchResult) -> str:
         for k, (lay, plan) in enumerate(result.best, 1):
             sched = lay.schedule + (f" x{lay.chunks}" if lay.chunks > 1 else "")
             mfu = f"{plan.mfu:.1%}" if plan.mfu is not None else "-"
-            rows.append((str(k), str(lay.pp), str(lay.tp), str(lay.dp), f"{lay.microbatches} x {lay.micro_batch}",
+            tp = f"{lay.tp}{'+sp' if lay.sequence_parallel else ''}"
+            rows.append((str(k), str(lay.pp), tp, str(lay.dp), f"{lay.microbatches} x {lay.micro_batch}",
                          sched, lay.recompute, str(lay.zero), f"{plan.step_time_ms:.2f}",
                          f"{plan.tokens_per_s:,.0f}", mfu, f"{max(plan.rank_bytes) / GB:.3g}",
                          f"{plan.bubble_fraction:.3f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
         cap = result.best[0][1].rates.capacity
-        lines.append(f"(peak GB: the busiest rank's device memory with the runtime and allocator, of {cap / GB:.3g})")
+        lines.append(f"(peak GB: the busiest rank's device memory with the runtime and allocator, of {cap / GB:.3g}; "
+                     "+sp: sequence parallel)")
     else:
         lines.append("no layout fits" + (f": one needs at least {result.least_memory_gb:.3g} GB per rank "
                                          f"(--memory-gb, or a larger device)"

@@ -42,7 +42,7 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
 
 def _validate_numbers(cfg: TrainConfig) -> None:
     flat = cfg.flat()  # the checks below name each value by its flag
-    for name in ("pp", "tp", "dp", "chunks", "microbatches", "micro_batch", "seq_len", "steps"):
+    for name in ("pp", "tp", "dp", "cp", "chunks", "microbatches", "micro_batch", "seq_len", "steps"):
         if flat[name] < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {flat[name]} must be at least 1")
     for name in ("lr", "min_lr", "weight_decay", "loss_scale", "min_loss_scale"):
@@ -66,6 +66,8 @@ def _validate_numbers(cfg: TrainConfig) -> None:
         cfg.batch.bucket_lengths  # noqa: B018 -- each bucket at most --seq-len
     except BucketError as e:
         raise ConfigError(str(e)) from None
+    _check_sequence_parallel(cfg)
+    _check_context_parallel(cfg)
     if not (math.isfinite(cfg.faults.hang_timeout_s) and cfg.faults.hang_timeout_s >= 0):
         raise ConfigError(f"--hang-timeout {cfg.faults.hang_timeout_s} must be a positive finite number of seconds "
                           "(or 0: no heartbeats)")
@@ -79,6 +81,39 @@ def _validate_numbers(cfg: TrainConfig) -> None:
         check_optimizer_options(optim)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_sequence_parallel(cfg: TrainConfig) -> None:
+    """``--sequence-parallel`` splits every micro-batch's tokens evenly over the tp ranks."""
+    par = cfg.parallel
+    if not par.sequence_parallel:
+        return
+    if par.tp < 2:
+        raise ConfigError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp 2 "
+                          f"or more (got --tp {par.tp})")
+    if cfg.engine != "mp_toolkit":
+        raise ConfigError(f"--sequence-parallel is ours: --engine {cfg.engine} runs DeepSpeed's pipeline "
+                          "(use --engine mp_toolkit)")
+    uneven = [n for n in (cfg.batch.seq_len, *(cfg.batch.bucket_lengths or ())) if n % par.tp]
+    if uneven:
+        raise ConfigError(f"--sequence-parallel: every micro-batch length must be a multiple of --tp {par.tp}, "
+                          f"and {uneven[0]} is not (--seq-len, --length-buckets)")
+
+
+def _check_context_parallel(cfg: TrainConfig) -> None:
+    """``--cp N`` splits every sequence into 2 N chunks (zig-zag) for model_zoo's GPT, under our engine."""
+    par = cfg.parallel
+    if par.cp == 1:
+        return
+    if cfg.engine != "mp_toolkit":
+        raise ConfigError(f"--cp {par.cp} is ours: --engine {cfg.engine} runs DeepSpeed's pipeline "
+                          "(use --engine mp_toolkit)")
+    if par.sequence_parallel:
+        raise ConfigError(f"--cp {par.cp} with --sequence-parallel is not built yet: use one of them")
+    uneven = [n for n in (cfg.batch.seq_len, *(cfg.batch.bucket_lengths or ())) if n % (2 * par.cp)]
+    if uneven:
+        raise ConfigError(f"--cp {par.cp}: every micro-batch length must be a multiple of 2 x cp = {2 * par.cp} "
+                          f"(the zig-zag split), and {uneven[0]} is not (--seq-len, --length-buckets)")
 
 
 def _validate_paths(cfg: TrainConfig) -> None:

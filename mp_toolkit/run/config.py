@@ -57,6 +57,13 @@ class Parallel:
     model's heads, hidden size, MLP size and vocabulary. The world is pp x tp x dp ranks."""
     dp: int = 1
     """Data-parallel replicas: each trains on its own micro-batches, gradients are averaged."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split every sequence (zig-zag, ring attention,
+    `mp_toolkit.parallel.context_parallel`; model_zoo's GPT). The world is pp x tp x cp x dp ranks."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1): between the tensor-parallel regions (norms,
+    dropouts, residuals, the messages between stages) each tp rank holds seq / tp of every sequence;
+    all-gathers and reduce-scatters replace the all-reduces (`mp_toolkit.parallel.sequence_parallel`)."""
     dp_bucket_mb: float = 25.0
     """Data-parallel gradient buckets: MiB of fp32 gradients per all-reduce (DDP's bucket_cap_mb)."""
     zero: int = 0
@@ -85,8 +92,8 @@ class Parallel:
 
     @property
     def world_size(self) -> int:
-        """Ranks the run needs: pp x tp x dp."""
-        return self.pp * self.tp * self.dp
+        """Ranks the run needs: pp x tp x cp x dp."""
+        return self.pp * self.tp * self.cp * self.dp
 
 
 @dataclass(frozen=True)

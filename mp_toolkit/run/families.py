@@ -41,6 +41,8 @@ from mp_toolkit.errors import DataError
 from mp_toolkit.hf.model import HFModel, HFSource
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
+from mp_toolkit.parallel.context_parallel import apply_context_parallel, context_parallel_loss
+from mp_toolkit.parallel.sequence_parallel import apply_sequence_parallel
 from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.feeding import feed_batches
@@ -67,6 +69,8 @@ class Family:
     """config -> the sizes a tensor-parallel degree must divide (`check_tensor_parallel`'s keywords)."""
     tensor_parallel: Callable[[LayerList, ParallelContext], LayerList]
     """(LayerList, ctx) -> this rank's shard by the family's TP plan."""
+    sp_plan: Callable[[LayerList], Mapping[str, str]]
+    """LayerList -> the family's sequence-parallel plan (`apply_sequence_parallel`)."""
     loss: Callable[[nn.Module, ParallelContext], Callable]
     """(model, ctx) -> the last stage's loss: on full logits, or with tp > 1 its vocab-parallel form."""
     micro_batches: Callable[[object, TrainConfig, ParallelContext, int], tuple]
@@ -170,6 +174,13 @@ def check_spec(spec: ModelSpec, cfg: TrainConfig) -> None:
     """One-line ConfigError where the run ``cfg`` cannot train ``spec``'s model: a sequence longer than its
     positions; for an HF directory also the HF tensor-parallel plan's sizes, every weight's header and the
     tokenizer (`hf_family.check_hf`)."""
+    cp = cfg.parallel.cp
+    if cp > 1 and spec.family != "gpt":
+        what = "--hf models" if spec.family == "hf" else "BERT (its bidirectional, padded attention)"
+        raise ConfigError(f"--cp {cp}: context parallelism is built for model_zoo's GPT; {what} cannot use it yet")
+    if cp > 1 and spec.config.attn_pdrop > 0:
+        raise ConfigError(f"--cp {cp}: ring attention has no dropout on the attention probabilities, and "
+                          f"{cfg.model} has attn_pdrop {spec.config.attn_pdrop:g}: use a config with attn_pdrop 0")
     if spec.family == "hf":
         _hf().check_hf(spec.config, cfg)
     elif cfg.batch.seq_len > spec.positions:
@@ -192,14 +203,23 @@ def bert_vocab_parallel_loss(outputs, labels, group) -> torch.Tensor:
             + F.cross_entropy(nsp_logits.float(), nsp_labels.reshape(-1)))
 
 
-def tensor_parallel(model: nn.Module, layers: LayerList, ctx: ParallelContext) -> LayerList:
-    """This rank's tensor-parallel shard of ``layers`` (the LayerList of ``model``) by its family's plan."""
-    return family_of(model).tensor_parallel(layers, ctx)
+def tensor_parallel(model: nn.Module, layers: LayerList, ctx: ParallelContext,
+                    sequence_parallel: bool = False) -> LayerList:
+    """This rank's tensor-parallel shard of ``layers`` (the LayerList of ``model``) by its family's
+    plan, then, with ``sequence_parallel``, its sequence-parallel plan (`apply_sequence_parallel`)."""
+    family = family_of(model)
+    layers = family.tensor_parallel(layers, ctx)
+    if sequence_parallel:
+        apply_sequence_parallel(layers, ctx, dict(family.sp_plan(layers)))
+    if ctx.cp > 1:
+        apply_context_parallel(layers, ctx)
+    return layers
 
 
 def loss_function(model: nn.Module, ctx: ParallelContext):
-    """The last stage's loss: on full logits, or with tp > 1 its vocab-parallel form."""
-    return family_of(model).loss(model, ctx)
+    """The last stage's loss: on full logits, or with tp > 1 its vocab-parallel form; with cp > 1 on
+    this rank's tokens, scaled to its share (`context_parallel_loss`)."""
+    return context_parallel_loss(family_of(model).loss(model, ctx), ctx)
 
 
 def micro_batches(spec: ModelSpec, cfg: TrainConfig, ctx: ParallelContext, rank: int) -> tuple:
@@ -243,6 +263,7 @@ def _zoo_family(record: zoo.ZooFamily, micro_batches: Callable, parallel_loss: C
         build=record.model_class, positions=record.positions,
         tp_sizes=lambda c: record.arch.tp_sizes(record.shape(c)),  # the vocab is padded
         tensor_parallel=lambda layers, ctx: apply_tensor_parallel(layers, ctx, record.tp_plan),
+        sp_plan=lambda layers: record.sp_plan,
         loss=_tp_loss(record.loss, parallel_loss), micro_batches=micro_batches,
         recompute_modes=("full", "selective") if record.arch.selective else ("full",),
         builds_on_meta=True,
@@ -256,6 +277,7 @@ HF = Family(
     positions=lambda source: source.positions,
     tp_sizes=lambda source: {},  # `hf_family.check_hf` checks the HF plan's sizes (grouped-query heads too)
     tensor_parallel=lambda layers, ctx: _hf().hf_tensor_parallel(layers, ctx),
+    sp_plan=lambda layers: _hf().hf_sp_plan(layers),
     loss=lambda model, ctx: _hf().hf_loss(model, ctx),
     micro_batches=lambda source, cfg, ctx, rank: _hf().hf_micro_batches(source, cfg, ctx, rank),
     label=lambda source: source.architecture, hf_config=lambda source: source.to_dict(),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from mp_toolkit.data.feed import Wanted, tokenizer_file
 from mp_toolkit.data.mlm import SPECIAL_TOKENS
 from mp_toolkit.data.tokens import MIN_VOCAB, load_tokenizer_file
 from mp_toolkit.errors import DataError
-from mp_toolkit.hf.adapters import UnsupportedModelError
+from mp_toolkit.hf.adapters import UnsupportedModelError, architecture_of_list
 from mp_toolkit.hf.configs import architecture_for, load_config
 from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss
 from mp_toolkit.hf.model import HFModel, HFSource
@@ -108,6 +109,11 @@ def _check_tokenizer(source: HFSource) -> None:
 def hf_tensor_parallel(layers: LayerList, ctx: ParallelContext) -> LayerList:
     """This rank's shard by `apply_hf_tensor_parallel` (GPT-2, BERT and the Llama family)."""
     return apply_hf_tensor_parallel(layers, ctx)
+
+
+def hf_sp_plan(layers: LayerList) -> Mapping[str, str]:
+    """The sequence-parallel plan of the layer list's architecture (GPT-2, BERT, the Llama family)."""
+    return architecture_of_list(layers).hf_sp_plan
 
 
 def hf_loss(model: HFModel, ctx: ParallelContext):

@@ -41,9 +41,11 @@ def apply_layout(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     cfg = cfg.replace(pp=entry["pp"], tp=entry["tp"], dp=entry["dp"], micro_batch=entry["micro_batch"],
                       microbatches=entry["microbatches"], seq_len=entry["seq_len"], schedule=entry["schedule"],
                       chunks=entry["chunks"], recompute=entry["recompute"], recompute_layers=None, zero=entry["zero"],
-                      partition="flops" if auto else ",".join(map(str, entry["boundaries"])))
+                      partition="flops" if auto else ",".join(map(str, entry["boundaries"])),
+                      sequence_parallel=bool(entry.get("sequence_parallel", False)))  # older outputs: without
     sched = entry["schedule"] + (f" x{entry['chunks']}" if entry["chunks"] > 1 else "")
-    return cfg, (f"layout ({how}): pp {entry['pp']} x tp {entry['tp']} x dp {entry['dp']}, {entry['microbatches']} "
+    sp = " (sequence parallel)" if cfg.parallel.sequence_parallel else ""
+    return cfg, (f"layout ({how}): pp {entry['pp']} x tp {entry['tp']}{sp} x dp {entry['dp']}, {entry['microbatches']} "
                  f"micro-batches of {entry['micro_batch']} x {entry['seq_len']}, {sched}, recompute "
                  f"{entry['recompute']}, ZeRO {entry['zero']}, cut {','.join(map(str, entry['boundaries']))}")
 
@@ -58,7 +60,8 @@ def _searched(cfg: TrainConfig) -> tuple[dict, str]:
                         seq_len=batch.seq_len, cluster=run_profile(cfg),
                         precision=precision if precision in ACT_BYTES else "fp32", optimizer=cfg.optim.optimizer,
                         momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay, hf=cfg.hf is not None,
-                        memory_gb=cfg.recomputation.memory_gb, top=1)
+                        memory_gb=cfg.recomputation.memory_gb, top=1,
+                        sequence_parallel=not batch.length_buckets)  # bucket lengths need not split over tp
     try:
         result = search(req)
     except (PartitionError, CostModelError) as e:

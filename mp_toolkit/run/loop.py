@@ -169,7 +169,7 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
               f"optimizer {cfg.optim.optimizer}, schedule {par.schedule}, pp {par.pp}, tp {par.tp}{pad}, dp {par.dp}"
               f"{f', ZeRO-1 (masters and optimizer state 1/{par.dp} per replica)' if par.zero and par.dp > 1 else ''}",
               flush=True)
-    ctx = build_context(par.pp, par.tp, par.dp, device=device)
+    ctx = build_context(par.pp, par.tp, par.dp, device=device, cp=par.cp)
     data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
     # Peak memory is the device's figure above this baseline (`memstats.DeviceMemory`): on CPU the RSS,
     # which follows live tensors closely only when large blocks are mapped one by one

@@ -160,7 +160,7 @@ def global_batch_tokens(drawn: int, ctx: ParallelContext) -> int:
     counts once (the largest of its ranks' counts: a stage that reads none counts 0); replicas add up."""
     per_replica = [0] * ctx.dp
     for rank, count in enumerate(gather_ints(drawn, ctx.device)):
-        dp_rank = grid_coords(rank, ctx.pp, ctx.tp, ctx.dp)[2]
+        dp_rank = grid_coords(rank, ctx.pp, ctx.tp, ctx.dp, ctx.cp)[2]
         per_replica[dp_rank] = max(per_replica[dp_rank], count)
     return sum(per_replica)
 

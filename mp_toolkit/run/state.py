@@ -126,8 +126,9 @@ def config_json(cfg: TrainConfig) -> dict:
 
 def layout_of(engine: TrainEngine, ctx: ParallelContext, cfg: TrainConfig) -> dict:
     par = cfg.parallel
-    return {"pp": ctx.pp, "tp": ctx.tp, "dp": ctx.dp, "chunks": par.chunks, "schedule": par.schedule,
-            "boundaries": list(engine.boundaries), "world_size": ctx.world_size}
+    return {"pp": ctx.pp, "tp": ctx.tp, "dp": ctx.dp, **({"cp": ctx.cp} if ctx.cp > 1 else {}),
+            "chunks": par.chunks, "schedule": par.schedule, "boundaries": list(engine.boundaries),
+            "world_size": ctx.world_size}
 
 
 def _gather_state(param: torch.Tensor, value: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
@@ -187,7 +188,7 @@ def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: Mo
                 error = _one_line(e, tmp)
 
     zero = getattr(engine, "zero", 0)
-    if ctx.dp_rank == 0 or zero:  # every replica holds the same weights: replica 0 saves them
+    if ctx.grad_rank == 0 or zero:  # every replica (and cp slice) holds the same weights: replica 0 saves them
         params = dict(engine.named_parameters())
         masters = {n: engine.master_of(p) for n, p in params.items()}
         held = {id(t) for group in engine.optimizer.param_groups for t in group["params"]}  # stand-ins too (ZeRO-1)
@@ -201,7 +202,7 @@ def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: Mo
             own = by_layer.get(layer, [])
             if zero:  # ZeRO-1: whole tensors from the replicas' pieces, one layer at a time (collective over dp)
                 layer_masters, layer_states, layer_scalars = _unpartitioned(engine, params, own, states, scalars)
-                if ctx.dp_rank != 0:
+                if ctx.grad_rank != 0:
                     continue
             else:
                 layer_masters, layer_states, layer_scalars = masters, states, scalars
@@ -381,9 +382,9 @@ def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, nam
                    if saved_layout.get(k) != v]
         notes.append(f"layout changed ({', '.join(changed)}): random generators reseeded from --seed and the step")
     saved_cfg, mine = meta.get("config", {}), config_json(cfg)
+    laid_out = ("pp", "tp", "dp", "cp", "sequence_parallel", "chunks", "schedule", "partition")
     changed = [f"{k} {saved_cfg.get(k)!r} -> {v!r}" for k, v in mine.items()
-               if k not in RUN_CONTROL and k not in ("pp", "tp", "dp", "chunks", "schedule", "partition")
-               and saved_cfg.get(k) != v]
+               if k not in RUN_CONTROL and k not in laid_out and saved_cfg.get(k) != v]
     if changed:
         notes.append(f"settings changed since the save: {', '.join(changed)}")
     progress = meta.get("progress", {})

@@ -1,0 +1,92 @@
+"""Rank functions of tests/test_context_parallel.py (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mp_toolkit.parallel.context_parallel import ring_attention, zigzag_slice
+
+
+def ring_rank(rank: int, world: int, B: int = 2, H: int = 3, T: int = 16, hs: int = 8) -> dict:
+    """Ring attention over the world (the cp group) against one process's causal attention of the
+    whole sequence, in fp32 and float64: this rank's slice of the output and of q, k, v's gradients."""
+    dist.barrier()
+    g = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(B, H, T, hs, generator=g, dtype=torch.float64) for _ in range(4))
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        full = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*full, is_causal=True)
+        (ref * w.to(dtype)).sum().backward()
+        mine = [zigzag_slice(t.detach(), world, rank, dim=2).requires_grad_(True) for t in full]
+        got = ring_attention(*mine, dist.group.WORLD, T)
+        (got * zigzag_slice(w.to(dtype), world, rank, dim=2)).sum().backward()
+        out[str(dtype)] = {
+            "ref": [zigzag_slice(t, world, rank, dim=2) for t in (ref.detach(), *(f.grad for f in full))],
+            "got": [got.detach(), *(m.grad for m in mine)]}
+    return out
+
+
+def dropout_twins_rank(rank: int, world: int) -> dict:
+    """Our GPT with hidden dropout 0.1 on the whole sequence in one process and split over the world at
+    cp = world (`apply_context_parallel`, `context_parallel_loss`), from the same random state: the
+    losses, and the largest relative difference of the gradients (summed over cp as the run averages
+    them, times cp)."""
+    import dataclasses
+
+    from model_zoo.gpt import GPT, PRESETS
+    from mp_toolkit.layers import LayerList
+    from mp_toolkit.parallel.context import build_context
+    from mp_toolkit.parallel.context_parallel import apply_context_parallel, context_parallel_loss
+    from mp_toolkit.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    ctx = build_context(pp=1, tp=1, dp=1, cp=world)
+    cfg = dataclasses.replace(PRESETS["gpt-tiny"], resid_pdrop=0.1, embd_pdrop=0.1)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
+    labels[1, 20:] = -100  # unlabelled tokens: each rank's share of the labelled ones differs
+    out = {}
+    for split in (False, True):
+        layers = LayerList.from_model(GPT(cfg, seed=3)).train()
+        loss_fn = lambda y, t: vocab_parallel_cross_entropy(y, t, None)  # noqa: E731 -- plain cross-entropy
+        if split:
+            apply_context_parallel(layers, ctx)
+            loss_fn = context_parallel_loss(loss_fn, ctx)
+        torch.manual_seed(11)
+        loss = loss_fn(layers(ids), labels)
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in layers.named_parameters()}
+        if split:  # the run averages over grad_group (here the cp group): the mean of the ranks' gradients
+            for v in grads.values():
+                dist.all_reduce(v)
+                v /= world
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            loss = total / world
+        out[split] = (loss.item(), grads)
+    (one, g1), (cp, g2) = out[False], out[True]
+    worst = max(((g2[k] - g1[k]).abs().max() / g1[k].abs().max().clamp_min(1e-30)).item() for k in g1)
+    return {"loss": (one, cp), "worst_grad": worst}
+
+
+def kept_rank(rank: int, world: int, b: int = 2, s: int = 32) -> dict[str, int]:
+    """Bytes autograd keeps per layer of our gpt-tiny on this rank at cp = world (`measure_layers`'
+    saved-tensor count), the LM head with the run's loss (its share of the tokens)."""
+    from model_zoo.gpt import GPT, PRESETS
+    from mp_toolkit.layers import LayerList
+    from mp_toolkit.parallel.context import build_context
+    from mp_toolkit.parallel.context_parallel import apply_context_parallel, context_parallel_loss
+    from mp_toolkit.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from mp_toolkit.partition.measure import measure_layers
+
+    ctx = build_context(pp=1, tp=1, dp=1, cp=world)
+    cfg = PRESETS["gpt-tiny"]
+    layers = LayerList.from_model(GPT(cfg, seed=3)).train()
+    apply_context_parallel(layers, ctx)
+    ids = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    loss = context_parallel_loss(lambda y, t: vocab_parallel_cross_entropy(y, t, None), ctx)
+    measured = measure_layers(layers, ids[:, :-1].contiguous(), loss, ids[:, 1:].contiguous(), warmup=0, repeats=1)
+    return {m.name: m.activation_bytes for m in measured}

@@ -1,0 +1,106 @@
+"""Context parallelism (`mp_toolkit.parallel.context_parallel`): the zig-zag split and ring attention.
+
+Ring attention on 2 and 4 ranks equals one process's causal attention of the whole sequence
+(``scaled_dot_product_attention``) on every rank's slice of the output and of the q, k, v gradients.
+Tolerance (DESIGN.md invariant 10): both are fp32 computations of the same sums in another order,
+so the ring's relative error against the float64 reference must lie within 8 x the single process's
+own, measured in the same test (tests/floor.py).
+"""
+
+import json
+
+import pytest
+import torch
+
+from mp_toolkit.parallel.context_parallel import zigzag_positions, zigzag_slice
+from tests.cli_helpers import assert_one_line_exit_2
+from tests.cp_workers import dropout_twins_rank, kept_rank, ring_rank
+from tests.dist_harness import run_world
+from tests.floor import assert_within, pair
+from tests.mpt_command import run_mpt
+
+
+def test_zigzag_split_balances_the_causal_work():
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    for cp in (2, 4):
+        allowed = [int(sum(p + 1 for p in zigzag_positions(32, cp, r))) for r in range(cp)]
+        assert len(set(allowed)) == 1  # every rank's queries see as many keys in all
+        assert sorted(torch.cat([zigzag_positions(32, cp, r) for r in range(cp)]).tolist()) == list(range(32))
+    x = torch.arange(2 * 8).reshape(2, 8)
+    assert zigzag_slice(x, 2, 1).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    with pytest.raises(ValueError, match="multiple of 2 x cp = 4"):
+        zigzag_positions(10, 2, 0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_equals_whole_sequence_attention(world):
+    for report in run_world(ring_rank, world, timeout_s=120):
+        f32, f64 = report["torch.float32"], report["torch.float64"]
+        for what, got, ref64, ref32 in zip(("output", "dq", "dk", "dv"), f32["got"], f64["ref"], f32["ref"]):
+            assert_within(*pair(got, ref64, ref32), f"cp {world}: {what}")
+        for got, ref in zip(f64["got"], f64["ref"]):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_dropout_masks_and_loss_shares_follow_the_whole_sequence():
+    """Hidden dropout under cp draws the single process's masks (`SliceDropout` on the zig-zag tokens),
+    and each rank's loss is its share of the labelled tokens (a sequence half unlabelled): the cp
+    run's loss and averaged gradients equal the single process's within fp32 reassociation (1e-5
+    relative; a wrong mask or share moves them by 1e-2)."""
+    for report in run_world(dropout_twins_rank, 2, timeout_s=120):
+        one, cp = report["loss"]
+        assert abs(one - cp) <= 1e-5 * abs(one), report
+        assert report["worst_grad"] <= 1e-4, report
+
+
+def test_cp_flags_are_checked_in_one_line(capsys, tmp_path):
+    base = ["train", "--data", "synthetic", "--steps", "1", "--pp", "1"]
+    bad = [
+        (["--model", "bert-tiny", "--cp", "2"], "BERT (its bidirectional, padded attention) cannot use it"),
+        (["--model", "gpt-tiny", "--cp", "2", "--seq-len", "30"], "2 x cp = 4 (the zig-zag split), and 30 is not"),
+        (["--model", "gpt-tiny", "--cp", "2", "--tp", "2", "--sequence-parallel"], "not built yet"),
+        (["--model", "gpt-tiny", "--cp", "0"], "--cp 0 must be at least 1"),
+        (["--model", "gpt-tiny", "--cp", "2", "--engine", "deepspeed"], "--cp 2 is ours"),
+    ]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"vocab_size": 256, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,
+                                  "attn_pdrop": 0.1}))
+    bad.append((["--model", str(config), "--cp", "2"], "attn_pdrop 0.1"))
+    for args, mentions in bad:
+        assert_one_line_exit_2(capsys, [*base, *args], mentions)
+
+
+def test_mpt_train_at_cp_2_resumes_at_cp_1(tmp_path):
+    """`mpt train --cp 2` over a 2-stage pipeline trains the single process's model (losses within tp's
+    1e-5, tests/test_cli.py), saves a checkpoint of whole tensors, and a run at cp 1 resumes from it:
+    its steps equal the uninterrupted cp 2 run's within the same 1e-5."""
+    def losses(name, *extra):
+        metrics = tmp_path / f"{name}.jsonl"
+        r = run_mpt(["train", "--model", "gpt-tiny", "--data", "synthetic", "--steps", "4", "--microbatches", "2",
+                     "--seq-len", "32", "--threads", "1", "--no-progress", "--metrics", metrics, *extra], timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], r.stdout
+
+    one, _ = losses("one", "--pp", "1")
+    cp, _ = losses("cp", "--pp", "2", "--cp", "2")
+    assert cp == pytest.approx(one, rel=1e-5)
+    losses("a", "--pp", "2", "--cp", "2", "--steps", "2", "--save-dir", tmp_path / "ck")
+    resumed, out = losses("b", "--pp", "1", "--save-dir", tmp_path / "ck", "--resume", "latest")
+    assert "resumed from" in out and resumed == pytest.approx(cp[2:], rel=1e-5)
+
+
+def test_kept_bytes_per_rank_equal_the_planners():
+    """What each cp rank keeps per layer (saved-tensor hooks) against `layer_costs(..., cp=2)`,
+    within 5% as tests/test_cost_families.py bounds the planner, and 1/cp of the cp 1 figures where
+    the figure is per token."""
+    from mp_toolkit.partition.cost import layer_costs, model_shape
+
+    planned = layer_costs(model_shape("gpt-tiny"), 2, 32, "fp32", cp=2)
+    for measured in run_world(kept_rank, 2, timeout_s=120):
+        for cost in planned:
+            got = measured[cost.name]
+            assert abs(got - cost.activation_bytes) <= 0.05 * cost.activation_bytes, (cost.name, got, cost)
+    whole = layer_costs(model_shape("gpt-tiny"), 2, 32, "fp32")
+    assert planned[1].activation_bytes < whole[1].activation_bytes * 0.55  # a block keeps about half
+    assert planned[1].output_bytes == whole[1].output_bytes // 2  # and sends half
