@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from mp_toolkit.parallel.context_parallel import ring_attention, zigzag_slice
 
 
-def ring_rank(rank: int, world: int, B: int = 2, H: int = 3, T: int = 16, hs: int = 8) -> dict:
-    """Ring attention over the world (the cp group) against one process's causal attention of the
-    whole sequence, in fp32 and float64: this rank's slice of the output and of q, k, v's gradients."""
+def ring_rank(rank: int, world: int, fused: bool, B: int = 2, H: int = 3, T: int = 16, hs: int = 8) -> dict:
+    """Ring attention over the world (the cp group; ``fused``: each block by the CPU flash kernel, else
+    by its scores) against one process's causal attention of the whole sequence, in fp32 and float64:
+    this rank's slice of the output and of q, k, v's gradients."""
     dist.barrier()
     g = torch.Generator().manual_seed(0)
     q, k, v, w = (torch.randn(B, H, T, hs, generator=g, dtype=torch.float64) for _ in range(4))
@@ -21,7 +22,7 @@ def ring_rank(rank: int, world: int, B: int = 2, H: int = 3, T: int = 16, hs: in
         ref = F.scaled_dot_product_attention(*full, is_causal=True)
         (ref * w.to(dtype)).sum().backward()
         mine = [zigzag_slice(t.detach(), world, rank, dim=2).requires_grad_(True) for t in full]
-        got = ring_attention(*mine, dist.group.WORLD, T)
+        got = ring_attention(*mine, dist.group.WORLD, fused)
         (got * zigzag_slice(w.to(dtype), world, rank, dim=2)).sum().backward()
         out[str(dtype)] = {
             "ref": [zigzag_slice(t, world, rank, dim=2) for t in (ref.detach(), *(f.grad for f in full))],

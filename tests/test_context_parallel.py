@@ -1,7 +1,8 @@
 """Context parallelism (`mp_toolkit.parallel.context_parallel`): the zig-zag split and ring attention.
 
-Ring attention on 2 and 4 ranks equals one process's causal attention of the whole sequence
-(``scaled_dot_product_attention``) on every rank's slice of the output and of the q, k, v gradients.
+Ring attention on 2 and 4 ranks, its blocks by the CPU flash kernel and by their scores, equals one
+process's causal attention of the whole sequence (``scaled_dot_product_attention``) on every rank's
+slice of the output and of the q, k, v gradients.
 Tolerance (DESIGN.md invariant 10): both are fp32 computations of the same sums in another order,
 so the ring's relative error against the float64 reference must lie within 8 x the single process's
 own, measured in the same test (tests/floor.py).
@@ -33,9 +34,9 @@ def test_zigzag_split_balances_the_causal_work():
         zigzag_positions(10, 2, 0)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_attention_equals_whole_sequence_attention(world):
-    for report in run_world(ring_rank, world, timeout_s=120):
+@pytest.mark.parametrize("world,fused", [(2, True), (4, True), (2, False), (4, False)])
+def test_ring_attention_equals_whole_sequence_attention(world, fused):
+    for report in run_world(ring_rank, world, fused, timeout_s=120):
         f32, f64 = report["torch.float32"], report["torch.float64"]
         for what, got, ref64, ref32 in zip(("output", "dq", "dk", "dv"), f32["got"], f64["ref"], f32["ref"]):
             assert_within(*pair(got, ref64, ref32), f"cp {world}: {what}")

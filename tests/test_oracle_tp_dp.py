@@ -143,9 +143,10 @@ CP_LAYOUTS = {  # (pp, tp, dp, cp): cases
     (1, 1, 1, 4): [("1f1b", 3, True, 25.0)],
 }
 # Bound 2 K: the ring's blockwise online-softmax merge reorders the attention's sums, and after 3 LAMB
-# steps one bias near LAMB's eps magnifies that (measured on AMD EPYC AVX2: h.1.mlp.proj.bias at 7.5 x its
-# floor at cp 2 and 9.0 x at tp 2 x cp 2, while every step-1 gradient of those runs lies within 1.3 x its
-# floor). A defect -- a lost slice, a wrong loss share, a missing cp reduction -- is 100 x past either.
+# steps a bias near LAMB's eps magnifies that (measured on AMD EPYC AVX2, worst per cell: 2.7, 6.8
+# (interleaved), 1.5, 5.1 (tp 2 x cp 2), 3.9 (cp 4) x the floor; an earlier scores-based ring reached
+# 9.0 on one bias while every step-1 gradient stayed within 1.3 x). A defect -- a lost slice, a wrong
+# loss share, a missing cp reduction -- is 100 x past either bound.
 CP_K = 2 * K
 
 

@@ -8,18 +8,21 @@ local tokens; attention needs every key and value the local queries may see:
 
 * **ring attention** (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): the local
   keys and values travel around the ring of cp ranks, ``cp - 1`` sends; at each step the local
-  queries attend to the block they hold under the causal mask of the blocks' global positions, and
-  the partial results are merged with the online softmax (a running maximum, denominator and
-  numerator, Milakov and Gimelshein 2018). The forward keeps only q, k, v, the output and the
-  log-sum-exp per query.
-* the backward runs the ring again (``cp`` sends): each step recomputes the block's probabilities
-  from the kept log-sum-exp, adds to the local queries' gradient, and adds the block's key and value
-  gradients to accumulators that travel with the block and are home after the last send.
+  queries attend to the block they hold -- under the zig-zag layout exactly half of it outside the
+  own block: an earlier rank's first chunk (all our queries), or a later rank's whole block (our
+  second chunk's queries), the own block causally -- each by one attention kernel that returns its
+  log-sum-exp (on CPU torch's flash kernel, blocked, never the (T / cp)^2 scores), and the partial
+  results are merged with the online softmax (Milakov and Gimelshein 2018). The forward keeps only
+  q, k, v, the output and the log-sum-exp per query.
+* the backward runs the ring again (``cp`` sends): each step runs the kernel's backward on the block
+  with the whole row's output and log-sum-exp (the block's share of the row's softmax), adds to the
+  local queries' gradient, and adds the block's key and value gradients to accumulators that travel
+  with the block and are home after the last send.
 
 `zigzag_positions` gives a rank's global positions (the learned or rotary positions follow the
-slice); `zigzag_slice` cuts a (B, T, ...) tensor. The probabilities are computed in fp32 (inputs of
-another dtype are upcast per block), without dropout: attention dropout under context parallelism is
-refused by the run's checks.
+slice); `zigzag_slice` cuts a (B, T, ...) tensor. Partial results are merged in fp32 (float64 for
+float64 inputs), without dropout: attention dropout under context parallelism is refused by the
+run's checks.
 """
 
 from __future__ import annotations
@@ -68,84 +71,126 @@ def _ring_exchange(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
-    """What the probabilities are computed in: fp32, or the inputs' dtype where wider (float64)."""
+    """What partial results are merged in: fp32, or the inputs' dtype where wider (float64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _block_scores(q, k, q_pos, k_pos, scale):
-    """Scaled scores of a query block against a key block (fp32 or wider), -inf where the key is in the future."""
+def _attend(q, k, v, causal: bool, fused: bool):
+    """One block's attention: (output, log-sum-exp per query). ``causal``: the top-left causal mask of
+    a square block. ``fused``: torch's CPU flash kernel (blocked, never the whole (tq, tk) scores);
+    otherwise the block's scores in fp32 (or wider), as any device computes them."""
+    if fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
     w = _wide(q.dtype)
-    s = torch.matmul(q.to(w), k.to(w).transpose(-1, -2)) * scale  # (B, H, tq, tk)
-    return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    s = torch.matmul(q.to(w), k.to(w).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v.to(w)).to(q.dtype), lse
+
+
+def _attend_backward(do, q, k, v, out, lse, causal: bool, fused: bool):
+    """(dq, dk, dv) of one block, from the whole row's output and log-sum-exp (their probabilities are
+    the block's share of the row's softmax): `_attend`'s backward, with the same kernel choice."""
+    if fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal)
+    w = _wide(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = torch.matmul(q.to(w), k.to(w).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    do_w = do.to(w)
+    dv = torch.matmul(p.transpose(-1, -2), do_w)
+    ds = p * (torch.matmul(do_w, v.to(w).transpose(-1, -2)) - (do_w * out.to(w)).sum(-1, keepdim=True)) * scale
+    return torch.matmul(ds, k.to(w)), torch.matmul(ds.transpose(-1, -2), q.to(w)), dv
+
+
+def _zigzag_block(me: int, owner: int, half: int) -> tuple[slice, slice, bool]:
+    """Which of this rank's queries attend to which of ``owner``'s keys, and whether causally. The
+    zig-zag chunks of rank r are r and 2 cp - 1 - r: its own block is causal as laid out; an earlier
+    rank's first chunk precedes both of ours and its second follows both; of a later rank's block,
+    only our second chunk sees anything, and all of it."""
+    every = slice(None)
+    if owner == me:
+        return every, every, True
+    if owner < me:
+        return every, slice(0, half), False
+    return slice(half, None), every, False
+
+
+def _merge(out, lse, part_out, part_lse, rows: slice) -> None:
+    """Fold one block's (output, log-sum-exp) into the running ones for ``rows``, in place (the online
+    softmax: each side weighted by its share of the merged normaliser)."""
+    o, l_ = out[:, :, rows], lse[:, :, rows]
+    merged = torch.logaddexp(l_, part_lse)
+    o.mul_(torch.exp(l_ - merged)[..., None]).add_(part_out.to(o.dtype) * torch.exp(part_lse - merged)[..., None])
+    l_.copy_(merged)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, length):
+    def forward(ctx, q, k, v, group, fused):
         n, me = group_size(group), group_rank(group)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        q_pos = zigzag_positions(length, n, me, q.device)
-        w = _wide(q.dtype)
-        m = torch.full(q.shape[:-1], float("-inf"), dtype=w, device=q.device)  # running max
-        den = torch.zeros_like(m)
-        num = torch.zeros(q.shape, dtype=w, device=q.device)
+        half = q.shape[2] // 2
+        out, lse = None, None
         kv = [k, v]
         for step in range(n):
             owner = (me - step) % n
-            s = _block_scores(q, kv[0], q_pos, zigzag_positions(length, n, owner, q.device), scale)
-            new_m = torch.maximum(m, s.amax(-1))
-            safe = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)  # rows that saw no key yet
-            p = torch.exp(s - safe[..., None])
-            corr = torch.exp(m - safe)
-            den = den * corr + p.sum(-1)
-            num = num * corr[..., None] + torch.matmul(p, kv[1].to(w))
-            m = new_m
+            rows, cols, causal = _zigzag_block(me, owner, half)
+            part_out, part_lse = _attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, fused)
+            if out is None:  # step 0 is the own block: every row
+                out, lse = part_out.to(_wide(q.dtype)), part_lse.to(_wide(q.dtype))
+            else:
+                _merge(out, lse, part_out, part_lse, rows)
             if step < n - 1:
                 kv = _ring_exchange(kv, group)
         # laid out (B, T, H, hs) in memory, as the fused kernel's output is: the caller's transpose and
         # reshape to (B, T, C) are then a view of what is kept here, not a second copy
-        out = (num / den[..., None]).transpose(1, 2).contiguous().transpose(1, 2)
-        lse = m + torch.log(den)
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.length = group, length
-        return out.to(q.dtype)
+        ctx.group, ctx.fused = group, fused
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        group, length = ctx.group, ctx.length
+        group, fused = ctx.group, ctx.fused
         n, me = group_size(group), group_rank(group)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        q_pos = zigzag_positions(length, n, me, q.device)
+        half = q.shape[2] // 2
         w = _wide(q.dtype)
-        do = grad.to(w)
-        delta = (do * out).sum(-1)  # (B, H, tq)
+        do = grad.contiguous()
         dq = torch.zeros(q.shape, dtype=w, device=q.device)
         travelling = [k, v, torch.zeros(k.shape, dtype=w, device=k.device),
                       torch.zeros(v.shape, dtype=w, device=v.device)]
         for step in range(n):
             owner = (me - step) % n
             kb, vb, dk, dv = travelling
-            s = _block_scores(q, kb, q_pos, zigzag_positions(length, n, owner, q.device), scale)
-            p = torch.exp(s - lse[..., None])  # the block's probabilities, exactly as the forward's
-            dv = dv + torch.matmul(p.transpose(-1, -2), do)
-            dp = torch.matmul(do, vb.to(w).transpose(-1, -2))
-            ds = p * (dp - delta[..., None]) * scale
-            dq = dq + torch.matmul(ds, kb.to(w))
-            dk = dk + torch.matmul(ds.transpose(-1, -2), q.to(w))
+            rows, cols, causal = _zigzag_block(me, owner, half)
+            bq, bk, bv = _attend_backward(*(t.contiguous() for t in (do[:, :, rows], q[:, :, rows], kb[:, :, cols],
+                                                                      vb[:, :, cols], out[:, :, rows], lse[:, :, rows])),
+                                          causal, fused)
+            dq[:, :, rows] += bq
+            dk[:, :, cols] += bk
+            dv[:, :, cols] += bv
             if step < n - 1:
                 travelling = _ring_exchange([kb, vb, dk, dv], group)
         dk, dv = _ring_exchange([dk, dv], group)  # the gradients of the block held last: home
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, length: int) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, fused: bool | None = None
+                   ) -> torch.Tensor:
     """Causal attention of this rank's zig-zag slice of queries over the whole sequence's keys and
     values, held in slices by the ranks of ``group``: (B, H, T / cp, hs) x 3 -> (B, H, T / cp, hs).
-    ``length``: the whole sequence's T. With one rank: causal attention of the sequence."""
+    ``fused`` (default: on CPU): each block by torch's CPU flash kernel; False: by the block's scores
+    (any device; holds a block's (T / cp)^2 scores per head). With one rank: causal attention."""
     if group_size(group) == 1:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return _RingAttention.apply(q, k, v, group, length)
+    if q.shape[2] % 2:
+        raise ValueError(f"ring attention: a rank's {q.shape[2]} tokens are not its two zig-zag chunks")
+    return _RingAttention.apply(q, k, v, group, q.device.type == "cpu" if fused is None else fused)
 
 
 def ring_core(group, cp: int) -> Callable:
@@ -156,8 +201,8 @@ def ring_core(group, cp: int) -> Callable:
         if dropout_p > 0:
             raise ValueError("context parallelism: ring attention has no dropout on the probabilities (attn_pdrop 0)")
         if recompute and torch.is_grad_enabled():
-            return checkpoint(ring_attention, q, k, v, group, q.shape[2] * cp, use_reentrant=False)
-        return ring_attention(q, k, v, group, q.shape[2] * cp)
+            return checkpoint(ring_attention, q, k, v, group, use_reentrant=False)
+        return ring_attention(q, k, v, group)
     return core
 
 
