@@ -133,8 +133,8 @@ def layer_costs(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str = 
     keeps 1 / tp of a block's split part (`LayerArithmetic.block_split`) and of the final norm, and
     the hidden state every layer before the head sends is 1 / tp of the tokens. ``cp``: under context
     parallelism a rank holds seq / cp of every sequence: every per-token figure is its tokens', and its
-    ring attention computes every (query block, key block) pair whole -- 4 b s^2 h / (tp cp) FLOPs, not
-    the causal triangle's half (`mp_toolkit.parallel.context_parallel`)."""
+    ring attention computes 1 / cp of the causal triangle's pairs, the zig-zag split's balanced share
+    (`mp_toolkit.parallel.context_parallel`)."""
     arch = ARCHITECTURES[shape.family]
     kinds, rules = arch.layers, arch.costs
     b, s, d = micro_batch, seq_len // cp, ACT_BYTES[dtype]
@@ -149,8 +149,8 @@ def layer_costs(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str = 
     rows = (min(n, v) + 1) * h if tp == 1 else largest.embedding
     out = [LayerCost(*kinds.embedding, params, 0.0, 0.0, kept, msg, accumulated_bytes=rows * d)]
     params, flops, kept = rules.block(shape, b, s, d, tp)
-    if cp > 1:  # the ring's whole blocks over the local causal triangle the rule counted
-        flops += (4.0 * cp - (2.0 if arch.causal else 4.0)) * b * s * s * shape.hidden / tp
+    if cp > 1:  # the rule counted the local tokens' own triangle: the ring's share is cp times that
+        flops += (2.0 if arch.causal else 4.0) * (cp - 1) * b * s * s * shape.hidden / tp
     if parts > 1:
         kept -= rules.block_split(shape, n, d) * (parts - 1) // parts
     name, kind = kinds.block
