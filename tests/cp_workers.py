@@ -30,20 +30,21 @@ def ring_rank(rank: int, world: int, fused: bool, B: int = 2, H: int = 3, T: int
     return out
 
 
-def dropout_twins_rank(rank: int, world: int) -> dict:
+def dropout_twins_rank(rank: int, world: int, tp: int = 1) -> dict:
     """Our GPT with hidden dropout 0.1 on the whole sequence in one process and split over the world at
-    cp = world (`apply_context_parallel`, `context_parallel_loss`), from the same random state: the
-    losses, and the largest relative difference of the gradients (summed over cp as the run averages
-    them, times cp)."""
+    cp = world / tp (`apply_context_parallel`, `context_parallel_loss`; with tp > 1 tensor and sequence
+    parallel first), from the same random state: the losses, and the largest relative difference of the
+    gradients (averaged over cp as the run averages them; tp shards gathered whole)."""
     import dataclasses
 
-    from model_zoo.gpt import GPT, PRESETS
+    from model_zoo.gpt import GPT, PRESETS, SP_PLAN, TP_PLAN
     from mp_toolkit.layers import LayerList
     from mp_toolkit.parallel.context import build_context
     from mp_toolkit.parallel.context_parallel import apply_context_parallel, context_parallel_loss
-    from mp_toolkit.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from mp_toolkit.parallel.sequence_parallel import apply_sequence_parallel, is_sequence_parallel
+    from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, gather_full, vocab_parallel_cross_entropy
 
-    ctx = build_context(pp=1, tp=1, dp=1, cp=world)
+    ctx = build_context(pp=1, tp=tp, dp=1, cp=world // tp)
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], resid_pdrop=0.1, embd_pdrop=0.1)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
@@ -52,21 +53,27 @@ def dropout_twins_rank(rank: int, world: int) -> dict:
     out = {}
     for split in (False, True):
         layers = LayerList.from_model(GPT(cfg, seed=3)).train()
-        loss_fn = lambda y, t: vocab_parallel_cross_entropy(y, t, None)  # noqa: E731 -- plain cross-entropy
+        group = ctx.tp_group if split else None
+        loss_fn = lambda y, t: vocab_parallel_cross_entropy(y, t, group)  # noqa: E731
         if split:
+            if tp > 1:
+                layers = apply_tensor_parallel(layers, ctx, TP_PLAN)
+                apply_sequence_parallel(layers, ctx, SP_PLAN)
             apply_context_parallel(layers, ctx)
             loss_fn = context_parallel_loss(loss_fn, ctx)
         torch.manual_seed(11)
         loss = loss_fn(layers(ids), labels)
         loss.backward()
-        grads = {k: p.grad.clone() for k, p in layers.named_parameters()}
-        if split:  # the run averages over grad_group (here the cp group): the mean of the ranks' gradients
-            for v in grads.values():
-                dist.all_reduce(v)
-                v /= world
+        if split:  # as the step: partial sums over tp, then the mean over grad_group (here the cp group)
+            for p in layers.parameters():
+                if is_sequence_parallel(p):
+                    dist.all_reduce(p.grad, group=ctx.tp_group)
+                dist.all_reduce(p.grad, group=ctx.cp_group)
+                p.grad /= ctx.cp
             total = loss.detach().clone()
-            dist.all_reduce(total)
-            loss = total / world
+            dist.all_reduce(total, group=ctx.cp_group)
+            loss = total / ctx.cp
+        grads = {k: gather_full(p, group, p.grad).clone() for k, p in layers.named_parameters()}
         out[split] = (loss.item(), grads)
     (one, g1), (cp, g2) = out[False], out[True]
     worst = max(((g2[k] - g1[k]).abs().max() / g1[k].abs().max().clamp_min(1e-30)).item() for k in g1)

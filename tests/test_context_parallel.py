@@ -44,12 +44,14 @@ def test_ring_attention_equals_whole_sequence_attention(world, fused):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 
-def test_dropout_masks_and_loss_shares_follow_the_whole_sequence():
-    """Hidden dropout under cp draws the single process's masks (`SliceDropout` on the zig-zag tokens),
-    and each rank's loss is its share of the labelled tokens (a sequence half unlabelled): the cp
-    run's loss and averaged gradients equal the single process's within fp32 reassociation (1e-5
-    relative; a wrong mask or share moves them by 1e-2)."""
-    for report in run_world(dropout_twins_rank, 2, timeout_s=120):
+@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)], ids=["cp2", "tp2-sp-cp2"])
+def test_dropout_masks_and_loss_shares_follow_the_whole_sequence(world, tp):
+    """Hidden dropout under cp (and under sequence parallelism beside it) draws the single process's
+    masks (`SliceDropout` on the zig-zag tokens, and their tp slice), and each rank's loss is its share
+    of the labelled tokens (a sequence half unlabelled): the run's loss and averaged gradients equal
+    the single process's within fp32 reassociation (1e-5 relative loss, 1e-4 gradients; a wrong mask
+    or share moves them by 1e-2)."""
+    for report in run_world(dropout_twins_rank, world, tp, timeout_s=120):
         one, cp = report["loss"]
         assert abs(one - cp) <= 1e-5 * abs(one), report
         assert report["worst_grad"] <= 1e-4, report
@@ -60,7 +62,8 @@ def test_cp_flags_are_checked_in_one_line(capsys, tmp_path):
     bad = [
         (["--model", "bert-tiny", "--cp", "2"], "BERT (its bidirectional, padded attention) cannot use it"),
         (["--model", "gpt-tiny", "--cp", "2", "--seq-len", "30"], "2 x cp = 4 (the zig-zag split), and 30 is not"),
-        (["--model", "gpt-tiny", "--cp", "2", "--tp", "2", "--sequence-parallel"], "not built yet"),
+        (["--model", "gpt-tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "36"],
+         "2 x cp x tp = 8 (with --sequence-parallel)"),
         (["--model", "gpt-tiny", "--cp", "0"], "--cp 0 must be at least 1"),
         (["--model", "gpt-tiny", "--cp", "2", "--engine", "deepspeed"], "--cp 2 is ours"),
     ]

@@ -139,7 +139,7 @@ CP_LAYOUTS = {  # (pp, tp, dp, cp): cases
     (2, 1, 1, 2): [("1f1b", 3, True, 25.0), ("zbh1", 3, True, 25.0, {"recompute": "full"}),
                    ("interleaved", 2, True, 25.0)],
     (1, 1, 2, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0, {"zero": 1})],
-    (1, 2, 1, 2): [("1f1b", 3, True, 25.0)],
+    (1, 2, 1, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, True, 25.0, {"sp": True})],
     (1, 1, 1, 4): [("1f1b", 3, True, 25.0)],
 }
 # Bound 2 K: the ring's blockwise online-softmax merge reorders the attention's sums, and after 3 LAMB

@@ -19,6 +19,14 @@ measured per-rank peak.
     python -m tools.bench_scale --runs gpt2-medium:1,2,4,8:1 --precision fp32
     python -m tools.bench_scale --runs gpt2-large:8:1 gpt2-large:1:1 --largest --verify
     python -m tools.bench_scale --hf-dir gpt2-large:4
+    python -m tools.bench_scale --longest 1,2 --verify
+
+Part 3 (``--longest CP[,CP...]``): the longest sequence a GPT-2-small-shaped model (12 x 768, vocabulary
+50257, 8192 positions, SGD with momentum in fp32 -- AdamW's state alone nears 3 GiB --, one sequence per
+micro-batch, 2 micro-batches) trains with every rank
+under ``--cap-gib`` at each context-parallel degree (``--cp``, one pipeline stage): the planner's memory
+model plus the measured post-import baseline, over sequence lengths in steps of 256; ``--verify`` trains
+it for 2 steps and reports the measured per-rank peak.
 
 ``--hf-dir MODEL:PP`` writes an HF GPT2LMHeadModel directory shaped like the preset (random weights,
 written tensor by tensor into 1 GB safetensors shards with their index, as large models are
@@ -135,6 +143,33 @@ def largest(pp: int, cap: int, baseline: int, folder: Path, precision: str) -> d
     return best
 
 
+LONG = dict(micro_batch=1, microbatches=2, optimizer="sgd")  # AdamW's state alone nears 3 GiB at this size
+
+
+def longest(cp: int, cap: int, baseline: int, folder: Path, precision: str) -> dict | None:
+    """The longest sequence (a multiple of 256) whose every rank is predicted under ``cap`` at ``cp``."""
+    model = model_file({"model_type": "gpt2", "vocab_size": 50257, "n_positions": 8192, "n_embd": 768, "n_layer": 12,
+                        "n_head": 12}, folder, "gpt2-small-8k.json")
+    best = None
+    for seq in range(256, 8192 + 1, 256):
+        p = predict(train_config(model, pp=1, cp=cp, seq_len=seq, precision=precision, **LONG), method="flops")
+        need = baseline + max(rank_bytes(p, 1))
+        if need > cap:
+            break
+        best = {"cp": cp, "model": model, "seq_len": seq, "predicted_peak_bytes": need}
+    return best
+
+
+def train_long(best: dict, precision: str, out: Path, timeout: float) -> dict:
+    """2 steps of the sequence ``best`` found: the last metrics row."""
+    metrics = out / f"long-cp{best['cp']}.jsonl"
+    mpt("train", "--model", best["model"], "--pp", "1", "--cp", str(best["cp"]), "--precision", precision,
+        "--optimizer", LONG["optimizer"], "--micro-batch", "1", "--microbatches", str(LONG["microbatches"]),
+        "--seq-len", str(best["seq_len"]), "--steps", "2", "--data", "synthetic", "--threads", "1", "--no-progress",
+        "--metrics", str(metrics), "--timeout", str(int(timeout)), timeout_s=timeout)
+    return json.loads(metrics.read_text().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", nargs="*", default=[], metavar="MODEL:PPS:TPS",
@@ -144,11 +179,13 @@ def main() -> None:
     ap.add_argument("--cap-gib", type=float, default=3.0)
     ap.add_argument("--verify", action="store_true", help="train the largest found at each pp for 2 steps")
     ap.add_argument("--hf-dir", metavar="MODEL:PP", help="train an HF directory shaped like MODEL at PP (see above)")
+    ap.add_argument("--longest", metavar="CP[,CP...]", help="part 3: the longest sequence under --cap-gib per rank "
+                    "at each context-parallel degree")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
     args = ap.parse_args()
     head = header("bench_scale")
     out = Path(tempfile.mkdtemp(prefix="bench_scale-"))
-    rows, fits = [], []
+    rows, fits, long_rows = [], [], []
     for spec in args.runs:
         model, pps, tps = spec.split(":")
         for pp in map(int, pps.split(",")):
@@ -174,6 +211,21 @@ def main() -> None:
                      f"{best['predicted_peak_bytes'] / GIB:.2f} GiB" if best else "none of the grid")
                   + (f", measured {max(best['measured_peak_rss_bytes']) / GIB:.2f} GiB"
                      if best and "measured_peak_rss_bytes" in best else ""), flush=True)
+    if args.longest:
+        small = train("gpt-small-cpu", 1, 1, "fp32", [0, 7], out, args.timeout)
+        baseline = small["peak_rss_bytes"][0]
+        for cp in map(int, args.longest.split(",")):
+            best = longest(cp, int(args.cap_gib * GIB), baseline, out, args.precision)
+            if best and args.verify:
+                got = train_long(best, args.precision, out, args.timeout)
+                best["measured_peak_rss_bytes"] = got["peak_rss_bytes"]
+                best["step_time_s"] = got["step_time_s"]
+            long_rows.append(best)
+            print(f"cp {cp}: longest sequence under {args.cap_gib:g} GiB per rank: "
+                  + (f"{best['seq_len']} tokens, predicted {best['predicted_peak_bytes'] / GIB:.2f} GiB" if best
+                     else "none")
+                  + (f", measured {max(best['measured_peak_rss_bytes']) / GIB:.2f} GiB"
+                     if best and "measured_peak_rss_bytes" in best else ""), flush=True)
     hf = None
     if args.hf_dir:
         preset, pp = args.hf_dir.split(":")
@@ -183,7 +235,7 @@ def main() -> None:
               f"{[round(x, 2) for x in hf['rss_over_weights']]} x the weights; built and loaded, before the first "
               f"step: {[round(b / MIB) for b in hf['peak_load_rss_bytes']]} MiB = "
               f"{[round(x, 2) for x in hf['load_over_weights']]} x", flush=True)
-    json_line("bench_scale", head, runs=rows, largest=fits, cap_gib=args.cap_gib, hf_dir=hf)
+    json_line("bench_scale", head, runs=rows, largest=fits, longest=long_rows, cap_gib=args.cap_gib, hf_dir=hf)
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ def apply_context_parallel(layer_list: LayerList, ctx: ParallelContext) -> None:
     """Make a layer list context parallel over ``ctx.cp_group``, in place: the embedding takes this
     rank's zig-zag tokens and their positions (its ``tokens``), attention runs as ring attention (its
     ``core``), and every dropout draws the whole sequence's mask and keeps this rank's tokens
-    (`SliceDropout`: the single process's masks). The layers must expose ``tokens`` and ``core``
+    (`SliceDropout`: the single process's masks; after sequence parallelism, its tp slice of them). The layers must expose ``tokens`` and ``core``
     (model_zoo's GPT); anything else is one ValueError line. With no cp group nothing changes."""
     modules = [m for layer in layer_list.layers for m in layer.modules()]
     embeds = [m for m in modules if hasattr(type(m), "tokens")]
@@ -227,10 +227,14 @@ def apply_context_parallel(layer_list: LayerList, ctx: ParallelContext) -> None:
         m.core = ring_core(group, cp)
     for layer in layer_list.layers:
         for path, m in list(layer.named_modules()):
-            if isinstance(m, nn.Dropout):
-                parent, _, attr = path.rpartition(".")
-                owner = layer.get_submodule(parent) if parent else layer
-                setattr(owner, attr, SliceDropout(m.p, cp, lambda whole: zigzag_slice(whole, cp, rank)))
+            if isinstance(m, nn.Dropout):  # this rank's tokens of the whole sequence's mask
+                new = SliceDropout(m.p, cp, lambda whole: zigzag_slice(whole, cp, rank))
+            elif isinstance(m, SliceDropout):  # sequence parallel's tp slice of this rank's tokens
+                new = SliceDropout(m.p, m.parts * cp, lambda whole, inner=m.select: inner(zigzag_slice(whole, cp, rank)))
+            else:
+                continue
+            parent, _, attr = path.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, attr, new)
 
 
 def context_parallel_loss(loss_fn: Callable, ctx: ParallelContext, ignore_index: int = -100) -> Callable:

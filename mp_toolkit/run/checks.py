@@ -108,11 +108,11 @@ def _check_context_parallel(cfg: TrainConfig) -> None:
     if cfg.engine != "mp_toolkit":
         raise ConfigError(f"--cp {par.cp} is ours: --engine {cfg.engine} runs DeepSpeed's pipeline "
                           "(use --engine mp_toolkit)")
-    if par.sequence_parallel:
-        raise ConfigError(f"--cp {par.cp} with --sequence-parallel is not built yet: use one of them")
-    uneven = [n for n in (cfg.batch.seq_len, *(cfg.batch.bucket_lengths or ())) if n % (2 * par.cp)]
+    split = 2 * par.cp * (par.tp if par.sequence_parallel else 1)
+    uneven = [n for n in (cfg.batch.seq_len, *(cfg.batch.bucket_lengths or ())) if n % split]
     if uneven:
-        raise ConfigError(f"--cp {par.cp}: every micro-batch length must be a multiple of 2 x cp = {2 * par.cp} "
+        what = f"2 x cp = {split}" if split == 2 * par.cp else f"2 x cp x tp = {split} (with --sequence-parallel)"
+        raise ConfigError(f"--cp {par.cp}: every micro-batch length must be a multiple of {what} "
                           f"(the zig-zag split), and {uneven[0]} is not (--seq-len, --length-buckets)")
 
 
