@@ -168,9 +168,8 @@ class _RingAttention(torch.autograd.Function):
             owner = (me - step) % n
             kb, vb, dk, dv = travelling
             rows, cols, causal = _zigzag_block(me, owner, half)
-            bq, bk, bv = _attend_backward(*(t.contiguous() for t in (do[:, :, rows], q[:, :, rows], kb[:, :, cols],
-                                                                      vb[:, :, cols], out[:, :, rows], lse[:, :, rows])),
-                                          causal, fused)
+            parts = (do[:, :, rows], q[:, :, rows], kb[:, :, cols], vb[:, :, cols], out[:, :, rows], lse[:, :, rows])
+            bq, bk, bv = _attend_backward(*(t.contiguous() for t in parts), causal, fused)
             dq[:, :, rows] += bq
             dk[:, :, cols] += bk
             dv[:, :, cols] += bv
@@ -210,8 +209,10 @@ def apply_context_parallel(layer_list: LayerList, ctx: ParallelContext) -> None:
     """Make a layer list context parallel over ``ctx.cp_group``, in place: the embedding takes this
     rank's zig-zag tokens and their positions (its ``tokens``), attention runs as ring attention (its
     ``core``), and every dropout draws the whole sequence's mask and keeps this rank's tokens
-    (`SliceDropout`: the single process's masks; after sequence parallelism, its tp slice of them). The layers must expose ``tokens`` and ``core``
-    (model_zoo's GPT); anything else is one ValueError line. With no cp group nothing changes."""
+    (`SliceDropout`: the single process's masks; after sequence parallelism, its tp slice of them).
+    The layers must expose ``tokens`` and ``core`` (model_zoo's GPT); anything else is one ValueError
+    line. With no cp group nothing changes.
+    """
     modules = [m for layer in layer_list.layers for m in layer.modules()]
     embeds = [m for m in modules if hasattr(type(m), "tokens")]
     cores = [m for m in modules if hasattr(type(m), "core")]
@@ -230,7 +231,8 @@ def apply_context_parallel(layer_list: LayerList, ctx: ParallelContext) -> None:
             if isinstance(m, nn.Dropout):  # this rank's tokens of the whole sequence's mask
                 new = SliceDropout(m.p, cp, lambda whole: zigzag_slice(whole, cp, rank))
             elif isinstance(m, SliceDropout):  # sequence parallel's tp slice of this rank's tokens
-                new = SliceDropout(m.p, m.parts * cp, lambda whole, inner=m.select: inner(zigzag_slice(whole, cp, rank)))
+                new = SliceDropout(m.p, m.parts * cp,
+                                   lambda whole, inner=m.select: inner(zigzag_slice(whole, cp, rank)))
             else:
                 continue
             parent, _, attr = path.rpartition(".")
