@@ -100,3 +100,40 @@ def kept_rank(rank: int, world: int, b: int = 2, s: int = 32) -> dict[str, int]:
     loss = context_parallel_loss(lambda y, t: vocab_parallel_cross_entropy(y, t, None), ctx)
     measured = measure_layers(layers, ids[:, :-1].contiguous(), loss, ids[:, 1:].contiguous(), warmup=0, repeats=1)
     return {m.name: m.activation_bytes for m in measured}
+
+
+def llama_twins_rank(rank: int, world: int) -> dict:
+    """HF Llama (grouped-query heads, rotary positions) in one process and at cp = world: the loss and
+    the largest relative gradient difference (averaged over cp as the run averages them)."""
+    from mp_toolkit.hf.adapters import from_hf
+    from mp_toolkit.hf.losses import causal_lm_loss
+    from mp_toolkit.layers import LayerList
+    from mp_toolkit.parallel.context import build_context
+    from mp_toolkit.parallel.context_parallel import apply_context_parallel, context_parallel_loss
+    from tests.hf_workers import causal_inputs, tiny_hf
+
+    ctx = build_context(pp=1, tp=1, dp=1, cp=world)
+    ids, mask = causal_inputs(B=2, T=16, padded=False)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    out = {}
+    for split in (False, True):
+        hf = from_hf(tiny_hf("llama", train=True))
+        layers = LayerList(list(zip(hf.names, hf.layers)), hf.tie_groups)
+        loss_fn = causal_lm_loss
+        if split:
+            apply_context_parallel(layers, ctx)
+            loss_fn = context_parallel_loss(causal_lm_loss, ctx)
+        loss = loss_fn(layers(ids, mask), labels)
+        loss.backward()
+        if split:
+            for p in layers.parameters():
+                dist.all_reduce(p.grad, group=ctx.cp_group)
+                p.grad /= ctx.cp
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=ctx.cp_group)
+            loss = total / ctx.cp
+        out[split] = (loss.item(), {k: p.grad.clone() for k, p in layers.named_parameters()})
+    (one, g1), (cp, g2) = out[False], out[True]
+    worst = max(((g2[k] - g1[k]).abs().max() / g1[k].abs().max().clamp_min(1e-30)).item() for k in g1)
+    return {"loss": (one, cp), "worst_grad": worst}

@@ -266,3 +266,20 @@ def test_llama_sequence_parallel_saves_a_checkpoint_that_resumes_without_it(tmp_
     resumed, out = losses_of(tmp_path, "b", *run, "--pp", "2", "--save-dir", tmp_path / "ck", "--resume", "latest")
     assert "resumed from" in out and "sequence_parallel True -> False" not in out  # a layout choice, not a setting
     assert resumed == pytest.approx(full[2:], rel=1e-5)
+
+
+def test_llama_context_parallel_trains_the_single_process_model(tmp_path, corpus, capsys):
+    """--cp 2 on HF Llama (the ring in HF's own decoder layers, rotary positions from the zig-zag
+    position ids): the losses of one process within tp's 1e-5. Sliding windows are refused in one line."""
+    d = save_model(tmp_path / "llama", "llama", bpe_tokenizer(corpus))
+    one, _ = losses_of(tmp_path, "one", "--hf", d, "--data", corpus, "--pp", "1")
+    cp, out = losses_of(tmp_path, "cp", "--hf", d, "--data", corpus, "--pp", "1", "--cp", "2")
+    assert cp == pytest.approx(one, rel=1e-5)
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    config = json.loads((d / "config.json").read_text()) | {"model_type": "mistral", "sliding_window": 8,
+                                                             "architectures": ["MistralForCausalLM"]}
+    (mistral / "config.json").write_text(json.dumps(config))
+    shutil.copy(d / "model.safetensors", mistral / "model.safetensors")
+    assert_one_line_exit_2(capsys, [*COMMON, "--hf", mistral, "--data", corpus, "--pp", "1", "--cp", "2"],
+                           mentions="sliding-window attention (sliding_window 8) is not built for the ring")

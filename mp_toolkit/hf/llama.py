@@ -18,23 +18,62 @@ per stage boundary, each with a gradient travelling back for nothing.
 Masks are rebuilt per block as the HF model builds them (`mp_toolkit.hf.common`): Llama uses the
 causal mask, Mistral the sliding-window mask when ``config.sliding_window`` is set, Qwen2 the
 mask of each layer's ``config.layer_types[i]``.
+
+Context parallelism (`mp_toolkit.parallel.context_parallel.apply_context_parallel`) sets the two
+attributes it looks for: ``LlamaEmbed.tokens`` (which tokens of each sequence this rank embeds: their
+ids, and their positions as the position ids, so the rotary embedding follows the slice) and
+``LlamaBlockLayer.core`` (the ring): the block's attention module then gets its own copy of the config
+whose ``_attn_implementation`` is `RING_ATTENTION`, registered with HF's ``AttentionInterface``, which
+hands HF's q, k, v (grouped-query heads repeated) to the ring. Sequences must be unpadded and
+attention causal and full: sliding windows and attention dropout are refused in one line.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_utils import AttentionInterface
 
 from mp_toolkit.hf.common import FinalNorm, padding_mask, whole_sequence
 
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
+RING_ATTENTION = "mp_toolkit_ring"
+"""The ``_attn_implementation`` of a context-parallel block's attention (module docstring)."""
+
+
+def ring_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """HF's attention-function signature over ``module.ring_core``: (B, H, t, hd) queries, (B, KVH, t, hd)
+    keys and values -> ((B, t, H, hd), None). The ring is causal over the zig-zag tokens and unmasked."""
+    if attention_mask is not None:
+        raise ValueError("context parallelism: the ring attends causally over whole sequences; a padding or "
+                         "window mask cannot be applied")
+    if scaling is not None and not math.isclose(scaling, query.shape[-1] ** -0.5):
+        raise ValueError(f"context parallelism: the ring scales scores by 1/sqrt(head_dim), not {scaling:g}")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each k/v head serves `groups` query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = module.ring_core(query, key, value, False, dropout_p=dropout)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(RING_ATTENTION, ring_attention_forward)
+
+
 class LlamaEmbed(nn.Module):
-    """Token embedding; starts the mask and position ids (0..T-1, HF's default) on their way."""
+    """Token embedding; starts the mask and position ids (0..T-1, HF's default) on their way.
+
+    ``tokens`` (None: every token): as `model_zoo.gpt.GPTEmbedding.tokens` -- the positions of the
+    tokens this layer embeds; their ids are embedded and their positions become the position ids."""
+
+    tokens = None
 
     def __init__(self, embed_tokens: nn.Module):
         super().__init__()
@@ -42,10 +81,14 @@ class LlamaEmbed(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None):
-        hidden = self.embed_tokens(input_ids)  # (B, T) -> (B, T, C)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, T)
-        return hidden, padding_mask(input_ids, attention_mask), position_ids
+        mask = padding_mask(input_ids, attention_mask)  # (B, T): the whole sequences'
+        if self.tokens is not None:
+            pos = self.tokens(input_ids.shape[1], input_ids.device)
+            input_ids, position_ids = input_ids[:, pos], position_ids[:, pos]
+        hidden = self.embed_tokens(input_ids)  # (B, T) -> (B, T, C)
+        return hidden, mask, position_ids
 
 
 class LlamaBlockLayer(nn.Module):
@@ -57,11 +100,35 @@ class LlamaBlockLayer(nn.Module):
         self.rotary_emb = rotary_emb  # shared by every block; buffers only (inv_freq)
         self.config = config
         self.mask_fn = mask_fn
+        self._core = None
+
+    @property
+    def core(self):
+        """The attention core under context parallelism (None: HF's own attention); setting it gives the
+        block's attention module `RING_ATTENTION` (module docstring)."""
+        return self._core
+
+    @core.setter
+    def core(self, core) -> None:
+        if self.mask_fn is not create_causal_mask:
+            raise ValueError("context parallelism: sliding-window attention (Mistral's sliding_window, Qwen2's "
+                             "sliding layers) is not built for the ring")
+        attn = self.block.self_attn
+        if getattr(attn, "attention_dropout", 0.0):
+            raise ValueError("context parallelism: the ring has no attention dropout (attention_dropout 0)")
+        attn.config = copy.copy(attn.config)
+        attn.config._attn_implementation = RING_ATTENTION
+        attn.ring_core = core
+        self._core = core
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
-        mask = self.mask_fn(config=self.config, inputs_embeds=whole_sequence(hidden, attention_mask),
-                            attention_mask=attention_mask,
-                            cache=None, position_ids=position_ids)
+        if self._core is not None:  # the ring: causal over whole, unpadded sequences
+            if not bool(attention_mask.all()):
+                raise ValueError("context parallelism takes unpadded sequences: a padding mask reached the ring")
+            mask = None
+        else:
+            mask = self.mask_fn(config=self.config, inputs_embeds=whole_sequence(hidden, attention_mask),
+                                attention_mask=attention_mask, cache=None, position_ids=position_ids)
         cos_sin = self.rotary_emb(hidden, position_ids=position_ids)  # 2 x (B or 1, T, head_dim)
         hidden = self.block(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
         return hidden, attention_mask, position_ids

@@ -210,15 +210,15 @@ def apply_context_parallel(layer_list: LayerList, ctx: ParallelContext) -> None:
     rank's zig-zag tokens and their positions (its ``tokens``), attention runs as ring attention (its
     ``core``), and every dropout draws the whole sequence's mask and keeps this rank's tokens
     (`SliceDropout`: the single process's masks; after sequence parallelism, its tp slice of them).
-    The layers must expose ``tokens`` and ``core`` (model_zoo's GPT); anything else is one ValueError
-    line. With no cp group nothing changes.
+    The layers must expose ``tokens`` and ``core`` (model_zoo's GPT, HF's Llama family); anything else
+    is one ValueError line. With no cp group nothing changes.
     """
     modules = [m for layer in layer_list.layers for m in layer.modules()]
     embeds = [m for m in modules if hasattr(type(m), "tokens")]
     cores = [m for m in modules if hasattr(type(m), "core")]
     if not embeds or not cores:
-        raise ValueError("context parallelism is built for model_zoo's GPT (an embedding that takes `tokens` and "
-                         "attention that takes a `core`): this model has no such layers")
+        raise ValueError("context parallelism is built for model_zoo's GPT and HF's Llama family (an embedding "
+                         "that takes `tokens` and attention that takes a `core`): this model has no such layers")
     if ctx.cp_group is None:
         return
     cp, rank, group = ctx.cp, ctx.cp_rank, ctx.cp_group

@@ -138,8 +138,8 @@ def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: 
     if req.cp > 1 and req.seq_len % (2 * req.cp):
         raise PartitionError(f"--cp {req.cp}: --seq-len {req.seq_len} must be a multiple of 2 x cp = {2 * req.cp} "
                              "(the zig-zag split)")
-    if req.cp > 1 and shape.family != "gpt2":
-        raise PartitionError(f"--cp {req.cp}: context parallelism is built for GPT-2-family models only")
+    if req.cp > 1 and shape.family not in ("gpt2", "llama"):
+        raise PartitionError(f"--cp {req.cp}: context parallelism is built for the GPT-2 and Llama families only")
     if req.sequence_parallel and req.tp < 2:
         raise PartitionError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
                              f"--tp 2 or more (got --tp {req.tp})")

@@ -174,18 +174,37 @@ def check_spec(spec: ModelSpec, cfg: TrainConfig) -> None:
     """One-line ConfigError where the run ``cfg`` cannot train ``spec``'s model: a sequence longer than its
     positions; for an HF directory also the HF tensor-parallel plan's sizes, every weight's header and the
     tokenizer (`hf_family.check_hf`)."""
-    cp = cfg.parallel.cp
-    if cp > 1 and spec.family != "gpt":
-        what = "--hf models" if spec.family == "hf" else "BERT (its bidirectional, padded attention)"
-        raise ConfigError(f"--cp {cp}: context parallelism is built for model_zoo's GPT; {what} cannot use it yet")
-    if cp > 1 and spec.config.attn_pdrop > 0:
-        raise ConfigError(f"--cp {cp}: ring attention has no dropout on the attention probabilities, and "
-                          f"{cfg.model} has attn_pdrop {spec.config.attn_pdrop:g}: use a config with attn_pdrop 0")
+    if cfg.parallel.cp > 1:
+        _check_context_parallel(spec, cfg)
     if spec.family == "hf":
         _hf().check_hf(spec.config, cfg)
     elif cfg.batch.seq_len > spec.positions:
         raise ConfigError(f"--seq-len {cfg.batch.seq_len} exceeds {cfg.model}'s {spec.positions} positions: "
                           f"use at most {spec.positions}")
+
+
+def _check_context_parallel(spec: ModelSpec, cfg: TrainConfig) -> None:
+    """``--cp`` takes model_zoo's GPT and HF's Llama family (causal, full attention, no attention dropout)."""
+    cp = cfg.parallel.cp
+    hf = spec.config.config if spec.family == "hf" else None
+    arch = architecture_of(hf.get("model_type")) if hf is not None else None
+    if spec.family == "bert" or (hf is not None and (arch is None or arch.name != "llama")):
+        what = "BERT (its bidirectional, padded attention)" if spec.family == "bert" or spec.config.is_bert else (
+            f"--hf {spec.config.architecture}")
+        raise ConfigError(f"--cp {cp}: context parallelism is built for model_zoo's GPT and HF's Llama family; "
+                          f"{what} cannot use it yet")
+    if hf is None:
+        dropout, name = spec.config.attn_pdrop, "attn_pdrop"
+    else:
+        dropout, name = float(hf.get("attention_dropout") or 0.0), "attention_dropout"
+        sliding = hf.get("sliding_window") is not None and (hf.get("model_type") == "mistral"
+                                                            or hf.get("use_sliding_window"))
+        if sliding:
+            raise ConfigError(f"--cp {cp}: sliding-window attention (sliding_window {hf['sliding_window']}) is not "
+                              "built for the ring: use a config without it")
+    if dropout > 0:
+        raise ConfigError(f"--cp {cp}: ring attention has no dropout on the attention probabilities, and the "
+                          f"model has {name} {dropout:g}: use a config with {name} 0")
 
 
 def family_of(model: nn.Module) -> Family:
