@@ -277,6 +277,8 @@ def _add_plan_parser(sub) -> None:
     g.add_argument("--devices", type=int, default=None, help="devices to lay the run out on (--search)")
     g.add_argument("--global-batch", type=int, default=None, help="sequences per step over all replicas (--search)")
     g.add_argument("--top", type=int, default=5, help="layouts to print (--search; default 5)")
+    g.add_argument("--no-context-parallel", dest="search_cp", action="store_false",
+                   help="search cp 1 only (--search; default: cp too, for GPT-2 and Llama families)")
     g.add_argument("--no-sequence-parallel", dest="search_sp", action="store_false",
                    help="lay tp > 1 out without sequence parallelism (--search; default: with it wherever "
                         "--seq-len splits over tp)")

@@ -344,12 +344,12 @@ def test_the_report_and_its_json(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "profile: two cores (measured)" in text
     header = next(line for line in text.splitlines() if line.lstrip().startswith("#"))
-    assert header.split()[:4] == ["#", "pp", "tp", "dp"] and "step ms" in header
+    assert header.split()[:5] == ["#", "pp", "tp", "cp", "dp"] and "step ms" in header
     assert "searched " in text and " layouts in " in text
     doc = json.loads(out.read_text())
     assert doc["devices"] == 4 and doc["global_batch"] == 8 and len(doc["layouts"]) == 5
     for lay in doc["layouts"]:
-        assert lay["pp"] * lay["tp"] * lay["dp"] == 4
+        assert lay["pp"] * lay["tp"] * lay["cp"] * lay["dp"] == 4
         assert lay["micro_batch"] * lay["microbatches"] * lay["dp"] == 8
         b = lay["boundaries"]
         assert b[0] == 0 and b == sorted(set(b)) and len(b) == lay["pp"] * lay["chunks"] + 1
@@ -367,7 +367,7 @@ def test_gpt2_xl_on_64_h100s_plans_a_small_share_of_its_layouts():
                                   cluster=cluster))
     assert len(result.best) == 5
     for lay, plan in result.best:
-        assert lay.pp * lay.tp * lay.dp == 64 and lay.micro_batch * lay.microbatches * lay.dp == 512
+        assert lay.pp * lay.tp * lay.cp * lay.dp == 64 and lay.micro_batch * lay.microbatches * lay.dp == 512
         assert lay.tp == 1  # 25 heads: no tp in a node of 8 divides them
         assert plan.fits and max(plan.rank_bytes) <= 80 * GB
     times = [plan.step_time_ms for _, plan in result.best]

@@ -52,7 +52,7 @@ def _search(args: argparse.Namespace) -> int:
                         cluster=with_devices(cluster, args.devices), precision=args.precision,
                         optimizer=args.optimizer, momentum=args.momentum, weight_decay=args.weight_decay, hf=args.hf,
                         memory_gb=args.memory_gb, top=args.top, max_micro_batch=args.max_micro_batch,
-                        sequence_parallel=args.search_sp)
+                        sequence_parallel=args.search_sp, context_parallel=args.search_cp)
     result = search(req)
     print(format_search(result))
     if args.json:

@@ -230,7 +230,7 @@ def choose_recompute(req, shape: ModelShape, costs: Sequence[LayerCost], times: 
     if mode == "selective" and not ARCHITECTURES[shape.family].selective:
         raise PartitionError(f"--recompute selective: {shape.family} blocks have no selective recomputation; "
                              f"use --recompute full")
-    rc = recompute_costs(shape, costs, times, req.micro_batch, req.seq_len, ACT_BYTES[req.precision], req.tp)
+    rc = recompute_costs(shape, costs, times, req.micro_batch, req.seq_len // req.cp, ACT_BYTES[req.precision], req.tp)
     per_layer = [f + b for f, b in times]
     split = [split_share(req.schedule, j, req.microbatches) for j in range(num_stages)]
     if mode == "auto":
@@ -258,7 +258,7 @@ def apply_to_plan(req, shape: ModelShape, costs: Sequence[LayerCost], times: Seq
     chosen = recomputed_layers([c.name for c in costs], bounds, choices) if choices else {}
     if not chosen:
         return memory, list(times), split
-    rc = recompute_costs(shape, costs, times, req.micro_batch, req.seq_len, ACT_BYTES[req.precision], req.tp)
+    rc = recompute_costs(shape, costs, times, req.micro_batch, req.seq_len // req.cp, ACT_BYTES[req.precision], req.tp)
     act, ws = list(memory.activation), list(memory.workspace) or [0] * len(costs)
     times, split = list(times), (list(split) if split is not None else None)
     stage_of = {i: j for j, (a, b) in enumerate(zip(bounds, bounds[1:])) for i in range(a, b)}

@@ -1,8 +1,10 @@
 """``mpt plan --search``: the whole layout of a run for a described cluster (issue 36).
 
 Given N devices (`cluster.ClusterProfile`: nodes of G), a model, a global batch B and a sequence
-length, the search enumerates every layout (`Layout`): pp x tp x dp = N with tp dividing G (a tp
-group stays in a node) and the model's heads and MLP, dp dividing B; micro-batch size x micro-batch
+length, the search enumerates every layout (`Layout`): pp x tp x cp x dp = N with tp dividing G (a tp
+group stays in a node) and the model's heads and MLP, cp (context parallelism, ``context_parallel``)
+where the family has it (GPT-2 and Llama, without attention dropout) and 2 cp divides the sequence
+(tp x cp within a node), dp dividing B; micro-batch size x micro-batch
 count = B / dp; every schedule (interleaved with 2 chunks per rank); recomputation none, selective
 (where the family has it), full, or auto (per stage, chosen with the cut under the rank's memory, as
 ``--recompute auto``); ZeRO 0 and, with dp > 1, 1; with tp > 1, sequence parallelism wherever the
@@ -45,7 +47,7 @@ from mp_toolkit.schedule import SPLIT_SCHEDULES
 
 from .cluster import ClusterProfile
 from .cost import ACT_BYTES, CostModelError, bytes_per_param, layer_costs, model_shape
-from .planner import GB, Plan, PlanRequest, make_plan, step_overhead_ms
+from .planner import GB, Plan, PlanRequest, make_plan, step_overhead_ms, tp_seconds
 from .rates import rates_of
 from .recompute import recompute_costs
 from .request import MAX_MICROBATCHES
@@ -82,6 +84,8 @@ class SearchRequest:
     """The largest micro-batch size tried; None: any divisor of B / dp."""
     sequence_parallel: bool = True
     """Lay tp > 1 out with sequence parallelism wherever seq_len splits over tp (module docstring)."""
+    context_parallel: bool = True
+    """Search cp > 1 too (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class Layout:
     recompute: str
     zero: int
     sequence_parallel: bool = False
+    cp: int = 1
 
     def request(self, req: SearchRequest) -> PlanRequest:
         """``mpt plan``'s request for this layout: the flops cut, or with recompute auto the memory cut."""
@@ -107,11 +112,13 @@ class Layout:
             microbatches=self.microbatches, seq_len=req.seq_len, method="memory" if auto else "flops",
             memory_gb=req.memory_gb, precision=req.precision, optimizer=req.optimizer, momentum=req.momentum,
             weight_decay=req.weight_decay, schedule=self.schedule, chunks=self.chunks, load=False, hf=req.hf,
-            recompute=self.recompute, zero=self.zero, cluster=req.cluster, sequence_parallel=self.sequence_parallel)
+            recompute=self.recompute, zero=self.zero, cluster=req.cluster, sequence_parallel=self.sequence_parallel,
+            cp=self.cp)
 
     def describe(self) -> str:
         sched = self.schedule + (f" x{self.chunks}" if self.chunks > 1 else "")
-        return (f"pp {self.pp} tp {self.tp}{' +sp' if self.sequence_parallel else ''} dp {self.dp}, "
+        return (f"pp {self.pp} tp {self.tp}{' +sp' if self.sequence_parallel else ''}"
+                + (f" cp {self.cp}" if self.cp > 1 else "") + f" dp {self.dp}, "
                 f"{self.microbatches} x {self.micro_batch}, {sched}, "
                 f"recompute {self.recompute}" + (", ZeRO-1" if self.zero else ""))
 
@@ -153,18 +160,30 @@ def enumerate_layouts(req: SearchRequest, shape, layers: int):
         if any(v % tp for v in (shape.heads, shape.kvh, shape.ffn)):
             yield None, "tp does not divide the heads or the MLP"
             continue
-        for pp in _divisors(req.devices // tp):
-            dp = req.devices // (tp * pp)
-            if pp > layers:
-                yield None, "more stages than layers"
-                continue
-            if req.global_batch % dp:
-                yield None, "global batch not divisible by dp"
-                continue
-            yield from _per_replica(req, arch, layers, pp, tp, dp)
+        for cp in _context_degrees(req, shape, tp):
+            for pp in _divisors(req.devices // (tp * cp)):
+                dp = req.devices // (tp * cp * pp)
+                if pp > layers:
+                    yield None, "more stages than layers"
+                    continue
+                if req.global_batch % dp:
+                    yield None, "global batch not divisible by dp"
+                    continue
+                yield from _per_replica(req, arch, layers, pp, tp, dp, cp)
 
 
-def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: int):
+def _context_degrees(req: SearchRequest, shape, tp: int) -> list[int]:
+    """The cp degrees a tp group of ``tp`` may take: 1, and with ``context_parallel`` every divisor of the
+    devices left whose tp x cp fits a node and whose 2 cp (x tp under sequence parallelism) divides the
+    sequence, for the families the ring is built for, without attention dropout."""
+    if not req.context_parallel or shape.family not in ("gpt2", "llama") or shape.attn_dropout > 0:
+        return [1]
+    sp = req.sequence_parallel and tp > 1 and req.seq_len % tp == 0
+    return [cp for cp in _divisors(req.devices // tp) if cp == 1 or (
+        tp * cp <= req.cluster.devices_per_node and req.seq_len % (2 * cp * (tp if sp else 1)) == 0)]
+
+
+def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: int, cp: int = 1):
     per_replica = req.global_batch // dp
     sp = req.sequence_parallel and tp > 1 and req.seq_len % tp == 0
     for mb in _divisors(per_replica):
@@ -184,7 +203,7 @@ def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: in
                 if rec == "selective" and not arch.selective:
                     continue
                 for zero in req.zero if dp > 1 else (0,):
-                    yield Layout(pp, tp, dp, mb, m, schedule, chunks, rec, zero, sp), None
+                    yield Layout(pp, tp, dp, mb, m, schedule, chunks, rec, zero, sp, cp), None
 
 
 class _Floors:
@@ -194,41 +213,41 @@ class _Floors:
         self.req, self.shape = req, shape
         self._costs, self._cuts = {}, {}
 
-    def costs(self, tp: int, mb: int):
+    def costs(self, tp: int, mb: int, cp: int = 1):
         """The layer costs `make_plan` takes: the vocabulary padded for tp, sequence parallel as the
-        layouts of that tp are (`_per_replica`)."""
-        key = (tp, mb)
+        layouts of that tp are (`_per_replica`), a rank's seq / cp tokens."""
+        key = (tp, mb, cp)
         if key not in self._costs:
             shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, tp))
             sp = self.req.sequence_parallel and tp > 1 and self.req.seq_len % tp == 0
-            self._costs[key] = layer_costs(shape, mb, self.req.seq_len, self.req.precision, tp, sp)
+            self._costs[key] = layer_costs(shape, mb, self.req.seq_len, self.req.precision, tp, sp, cp)
         return self._costs[key]
 
-    def cut(self, tp: int, mb: int, stages: int) -> list[int]:
+    def cut(self, tp: int, mb: int, stages: int, cp: int = 1) -> list[int]:
         """`make_plan`'s flops cut."""
-        key = (tp, mb, stages)
+        key = (tp, mb, stages, cp)
         if key not in self._cuts:
-            self._cuts[key] = min_max([c.flops_fwd + c.flops_bwd for c in self.costs(tp, mb)], stages)
+            self._cuts[key] = min_max([c.flops_fwd + c.flops_bwd for c in self.costs(tp, mb, cp)], stages)
         return self._cuts[key]
 
-    def kept_full(self, tp: int, mb: int) -> list[int]:
+    def kept_full(self, tp: int, mb: int, cp: int = 1) -> list[int]:
         """Per layer, the activation bytes it keeps per micro-batch with every block recomputed in full
         (its input; `recompute.recompute_costs`)."""
-        costs = self.costs(tp, mb)
-        rc = recompute_costs(self.shape, costs, [(0.0, 0.0)] * len(costs), mb, self.req.seq_len,
+        costs = self.costs(tp, mb, cp)
+        rc = recompute_costs(self.shape, costs, [(0.0, 0.0)] * len(costs), mb, self.req.seq_len // cp,
                              ACT_BYTES[self.req.precision], tp)
         return [c.activation_bytes - saved for c, saved in zip(costs, rc.full_saved)]
 
     def static_floor(self, lay: Layout, plan_req: PlanRequest, rates) -> int:
         """The least bytes some rank holds on its device (module docstring, 2)."""
-        costs = self.costs(lay.tp, lay.micro_batch)
-        bpp = bytes_per_param(self.req.precision, self.req.optimizer, zero_dp=lay.dp if lay.zero else 1,
+        costs = self.costs(lay.tp, lay.micro_batch, lay.cp)
+        bpp = bytes_per_param(self.req.precision, self.req.optimizer, zero_dp=lay.dp * lay.cp if lay.zero else 1,
                               momentum=self.req.momentum)
         static = [c.params * bpp for c in costs]
         if lay.recompute == "auto":  # any cut; every stage holds at least one micro-batch's layer inputs
-            per_rank = (sum(static) + sum(self.kept_full(lay.tp, lay.micro_batch))) / lay.pp
+            per_rank = (sum(static) + sum(self.kept_full(lay.tp, lay.micro_batch, lay.cp))) / lay.pp
         else:
-            bounds = self.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks)
+            bounds = self.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks, lay.cp)
             per_rank = max(sum(sum(static[bounds[s]:bounds[s + 1]]) for s in range(r, len(bounds) - 1, lay.pp))
                            for r in range(lay.pp))
         return rates.device_bytes(int(per_rank))
@@ -236,16 +255,21 @@ class _Floors:
     def time_floor(self, lay: Layout, plan_req: PlanRequest, rates) -> float:
         """A lower bound on the step time in ms (module docstring, 3), with the step's overhead after
         the schedule (`planner.step_overhead_ms`) exactly as `make_plan` adds it."""
-        costs, tflops = self.costs(lay.tp, lay.micro_batch), rates.tflops
+        costs, tflops = self.costs(lay.tp, lay.micro_batch, lay.cp), rates.tflops
         stages = lay.pp * lay.chunks
-        bounds = self.cut(lay.tp, lay.micro_batch, stages)
-        fb = [sum(c.flops_fwd + c.flops_bwd for c in costs[a:b]) / (tflops * 1e9) for a, b in zip(bounds, bounds[1:])]
+        bounds = self.cut(lay.tp, lay.micro_batch, stages, lay.cp)
+        shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, lay.tp))
+        # the tensor- and context-parallel collectives' waits, which `make_plan` adds to each layer's time
+        comm = tp_seconds(plan_req, shape, costs, rates) if lay.tp > 1 or lay.cp > 1 else [(0.0, 0.0)] * len(costs)
+        cf = [1e3 * sum(t[0] for t in comm[a:b]) for a, b in zip(bounds, bounds[1:])]
+        cb = [1e3 * sum(t[1] for t in comm[a:b]) for a, b in zip(bounds, bounds[1:])]
+        fb = [sum(c.flops_fwd + c.flops_bwd for c in costs[a:b]) / (tflops * 1e9) + x + y
+              for (a, b), x, y in zip(zip(bounds, bounds[1:]), cf, cb)]
         touched = bytes_per_param(self.req.precision, self.req.optimizer, momentum=self.req.momentum) + 8
         params = [sum(c.params for c in costs[a:b]) for a, b in zip(bounds, bounds[1:])]
-        shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, lay.tp))
         overhead = step_overhead_ms(plan_req, rates, shape, [(p, 1e3 * p * touched / (rates.mem_gbps * GB))
                                                               for p in params], [s % lay.pp for s in range(stages)])
-        f = [sum(c.flops_fwd for c in costs[a:b]) / (tflops * 1e9) for a, b in zip(bounds, bounds[1:])]
+        f = [sum(c.flops_fwd for c in costs[a:b]) / (tflops * 1e9) + x for (a, b), x in zip(zip(bounds, bounds[1:]), cf)]
         b = [x - y for x, y in zip(fb, f)]
         split = lay.schedule in SPLIT_SCHEDULES
         # One micro-batch goes forward through every stage and back: a split backward's I (half of B
@@ -254,7 +278,13 @@ class _Floors:
         # its W's may come last, so the per-rank bound keeps only what precedes its first action.
         chain = sum(f) + (sum(b[1:]) / 2 + b[0] if split else sum(b))
         if lay.recompute == "auto":  # cut by memory: no rank beats the balanced cut's slowest stage
-            work = max(fb) if lay.chunks == 1 else sum(fb) / lay.pp
+            if lay.chunks == 1:  # balanced over each layer's FLOP time with its collectives' waits
+                per_layer = [(c.flops_fwd + c.flops_bwd) / (tflops * 1e9) + 1e3 * (t[0] + t[1])
+                             for c, t in zip(costs, comm)]
+                cut = min_max(per_layer, stages)
+                work = max(sum(per_layer[a:z]) for a, z in zip(cut, cut[1:]))
+            else:
+                work = sum(fb) / lay.pp
             return max(work * lay.microbatches, sum(f) + (0.0 if split else sum(b))) + sum(overhead) / lay.pp
         tail = [0.0] * stages if split else b
         return max(chain, *(sum(f[:r]) + lay.microbatches * sum(fb[s] for s in range(r, stages, lay.pp))
@@ -297,7 +327,7 @@ def search(req: SearchRequest) -> SearchResult:
         planned += 1
         got, needed = _evaluate(plan_req)
         if lay.recompute == "auto" and isinstance(got, Plan) and not any(c.mode != "none" for c in got.recompute) \
-                and list(got.boundaries) == floors.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks):
+                and list(got.boundaries) == floors.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks, lay.cp):
             same_as_none += 1  # recompute none's layout and plan: ranked once, as none
             continue
         if isinstance(got, str):

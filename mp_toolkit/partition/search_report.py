@@ -17,13 +17,13 @@ def format_search(result: SearchResult) -> str:
     lines = [f"{req.model}: {req.devices} devices, global batch {req.global_batch} x {req.seq_len} tokens, "
              f"{req.precision}, {req.optimizer}", req.cluster.describe(), ""]
     if result.best:
-        rows = [("#", "pp", "tp", "dp", "m x mb", "schedule", "recompute", "ZeRO", "step ms", "tokens/s", "MFU",
+        rows = [("#", "pp", "tp", "cp", "dp", "m x mb", "schedule", "recompute", "ZeRO", "step ms", "tokens/s", "MFU",
                  "peak GB", "bubble")]
         for k, (lay, plan) in enumerate(result.best, 1):
             sched = lay.schedule + (f" x{lay.chunks}" if lay.chunks > 1 else "")
             mfu = f"{plan.mfu:.1%}" if plan.mfu is not None else "-"
             tp = f"{lay.tp}{'+sp' if lay.sequence_parallel else ''}"
-            rows.append((str(k), str(lay.pp), tp, str(lay.dp), f"{lay.microbatches} x {lay.micro_batch}",
+            rows.append((str(k), str(lay.pp), tp, str(lay.cp), str(lay.dp), f"{lay.microbatches} x {lay.micro_batch}",
                          sched, lay.recompute, str(lay.zero), f"{plan.step_time_ms:.2f}",
                          f"{plan.tokens_per_s:,.0f}", mfu, f"{max(plan.rank_bytes) / GB:.3g}",
                          f"{plan.bubble_fraction:.3f}"))

@@ -42,10 +42,12 @@ def apply_layout(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
                       microbatches=entry["microbatches"], seq_len=entry["seq_len"], schedule=entry["schedule"],
                       chunks=entry["chunks"], recompute=entry["recompute"], recompute_layers=None, zero=entry["zero"],
                       partition="flops" if auto else ",".join(map(str, entry["boundaries"])),
-                      sequence_parallel=bool(entry.get("sequence_parallel", False)))  # older outputs: without
+                      sequence_parallel=bool(entry.get("sequence_parallel", False)),  # older outputs: without
+                      cp=int(entry.get("cp", 1)))
     sched = entry["schedule"] + (f" x{entry['chunks']}" if entry["chunks"] > 1 else "")
     sp = " (sequence parallel)" if cfg.parallel.sequence_parallel else ""
-    return cfg, (f"layout ({how}): pp {entry['pp']} x tp {entry['tp']}{sp} x dp {entry['dp']}, {entry['microbatches']} "
+    cp = f" x cp {cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
+    return cfg, (f"layout ({how}): pp {entry['pp']} x tp {entry['tp']}{sp}{cp} x dp {entry['dp']}, {entry['microbatches']} "
                  f"micro-batches of {entry['micro_batch']} x {entry['seq_len']}, {sched}, recompute "
                  f"{entry['recompute']}, ZeRO {entry['zero']}, cut {','.join(map(str, entry['boundaries']))}")
 
@@ -61,7 +63,8 @@ def _searched(cfg: TrainConfig) -> tuple[dict, str]:
                         precision=precision if precision in ACT_BYTES else "fp32", optimizer=cfg.optim.optimizer,
                         momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay, hf=cfg.hf is not None,
                         memory_gb=cfg.recomputation.memory_gb, top=1,
-                        sequence_parallel=not batch.length_buckets)  # bucket lengths need not split over tp
+                        sequence_parallel=not batch.length_buckets,  # bucket lengths need not split over tp
+                        context_parallel=not batch.length_buckets and (cfg.hf is None or not cfg.model.startswith("bert")))
     try:
         result = search(req)
     except (PartitionError, CostModelError) as e:
