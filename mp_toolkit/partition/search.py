@@ -175,8 +175,10 @@ def enumerate_layouts(req: SearchRequest, shape, layers: int):
 def _context_degrees(req: SearchRequest, shape, tp: int) -> list[int]:
     """The cp degrees a tp group of ``tp`` may take: 1, and with ``context_parallel`` every divisor of the
     devices left whose tp x cp fits a node and whose 2 cp (x tp under sequence parallelism) divides the
-    sequence, for the families the ring is built for, without attention dropout."""
-    if not req.context_parallel or shape.family not in ("gpt2", "llama") or shape.attn_dropout > 0:
+    sequence, for the models the ring is built for (model_zoo's GPT, HF's Llama family), without
+    attention dropout."""
+    ring = shape.family == "llama" or (shape.family == "gpt2" and not shape.hf_modules)  # HF GPT-2: not built
+    if not req.context_parallel or not ring or shape.attn_dropout > 0:
         return [1]
     sp = req.sequence_parallel and tp > 1 and req.seq_len % tp == 0
     return [cp for cp in _divisors(req.devices // tp) if cp == 1 or (
@@ -269,7 +271,8 @@ class _Floors:
         params = [sum(c.params for c in costs[a:b]) for a, b in zip(bounds, bounds[1:])]
         overhead = step_overhead_ms(plan_req, rates, shape, [(p, 1e3 * p * touched / (rates.mem_gbps * GB))
                                                               for p in params], [s % lay.pp for s in range(stages)])
-        f = [sum(c.flops_fwd for c in costs[a:b]) / (tflops * 1e9) + x for (a, b), x in zip(zip(bounds, bounds[1:]), cf)]
+        f = [sum(c.flops_fwd for c in costs[a:b]) / (tflops * 1e9) + x
+             for (a, b), x in zip(zip(bounds, bounds[1:]), cf)]
         b = [x - y for x, y in zip(fb, f)]
         split = lay.schedule in SPLIT_SCHEDULES
         # One micro-batch goes forward through every stage and back: a split backward's I (half of B

@@ -47,8 +47,8 @@ def apply_layout(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     sched = entry["schedule"] + (f" x{entry['chunks']}" if entry["chunks"] > 1 else "")
     sp = " (sequence parallel)" if cfg.parallel.sequence_parallel else ""
     cp = f" x cp {cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
-    return cfg, (f"layout ({how}): pp {entry['pp']} x tp {entry['tp']}{sp}{cp} x dp {entry['dp']}, {entry['microbatches']} "
-                 f"micro-batches of {entry['micro_batch']} x {entry['seq_len']}, {sched}, recompute "
+    return cfg, (f"layout ({how}): pp {entry['pp']} x tp {entry['tp']}{sp}{cp} x dp {entry['dp']}, "
+                 f"{entry['microbatches']} micro-batches of {entry['micro_batch']} x {entry['seq_len']}, {sched}, recompute "
                  f"{entry['recompute']}, ZeRO {entry['zero']}, cut {','.join(map(str, entry['boundaries']))}")
 
 
@@ -64,7 +64,7 @@ def _searched(cfg: TrainConfig) -> tuple[dict, str]:
                         momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay, hf=cfg.hf is not None,
                         memory_gb=cfg.recomputation.memory_gb, top=1,
                         sequence_parallel=not batch.length_buckets,  # bucket lengths need not split over tp
-                        context_parallel=not batch.length_buckets and (cfg.hf is None or not cfg.model.startswith("bert")))
+                        context_parallel=not batch.length_buckets)
     try:
         result = search(req)
     except (PartitionError, CostModelError) as e:
