@@ -48,8 +48,8 @@ def apply_layout(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     sp = " (sequence parallel)" if cfg.parallel.sequence_parallel else ""
     cp = f" x cp {cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
     return cfg, (f"layout ({how}): pp {entry['pp']} x tp {entry['tp']}{sp}{cp} x dp {entry['dp']}, "
-                 f"{entry['microbatches']} micro-batches of {entry['micro_batch']} x {entry['seq_len']}, {sched}, recompute "
-                 f"{entry['recompute']}, ZeRO {entry['zero']}, cut {','.join(map(str, entry['boundaries']))}")
+                 f"{entry['microbatches']} micro-batches of {entry['micro_batch']} x {entry['seq_len']}, {sched}, "
+                 f"recompute {entry['recompute']}, ZeRO {entry['zero']}, cut {','.join(map(str, entry['boundaries']))}")
 
 
 def _searched(cfg: TrainConfig) -> tuple[dict, str]:
