@@ -47,7 +47,11 @@ class LayerArithmetic:
     block_split: Callable[[ModelShape, int, int], int] | None = None
     """(shape, n, d) -> the bytes of a block's kept ones (at tp 1) that sequence parallelism splits
     over the tp ranks: its norms' saved tensors and its hidden dropout masks, which run on seq / tp of
-    the tokens; the projections keep the gathered, whole input (`mp_toolkit.parallel.sequence_parallel`)."""
+    the tokens, and the column-parallel projections' inputs, kept as the local slice and gathered
+    again in the backward (`mp_toolkit.parallel.sequence_parallel`, `tp_comms.gathered_projection`)."""
+    head_input_split: bool = False
+    """Under sequence parallelism the head's projection keeps its input's local slice (an LM head;
+    not BERT's heads, whose replicated transform reads the gathered whole)."""
     mask_bytes: int = 0
     """Bytes per token every message carries beside the hidden state (BERT: its int64 padding mask)."""
 
@@ -165,15 +169,15 @@ def llama_block(shape: ModelShape, b: int, s: int, d: int, tp: int) -> tuple[int
 
 def layernorm_block_split(shape: ModelShape, n: int, d: int) -> int:
     """GPT-2 and BERT blocks under sequence parallelism: the two LayerNorms' inputs, means and
-    rstds, and the two sub-layer output dropout masks (measured with saved-tensor hooks at tp 2:
-    `tests/test_sequence_parallel.py`)."""
-    return n * (2 * shape.hidden * d + 4 * d + 2 * shape.hidden * dropout_mask_bytes(shape.hidden_dropout, d))
+    rstds, the attention's and the MLP's projection inputs, and the two sub-layer output dropout
+    masks (measured with saved-tensor hooks at tp 2: `tests/test_sequence_parallel.py`)."""
+    return n * (4 * shape.hidden * d + 4 * d + 2 * shape.hidden * dropout_mask_bytes(shape.hidden_dropout, d))
 
 
 def rms_block_split(shape: ModelShape, n: int, d: int) -> int:
-    """Llama-family blocks under sequence parallelism: each RMSNorm's fp32 input copy, rstd and
-    normalised value (its output, which the projections read, is the gathered whole)."""
-    return 2 * n * (4 * shape.hidden + 4 + shape.hidden * d)
+    """Llama-family blocks under sequence parallelism: each RMSNorm's fp32 input copy, rstd,
+    normalised value and output (the projections' input, kept as its local slice)."""
+    return 2 * n * (4 * shape.hidden + 4 + 2 * shape.hidden * d)
 
 
 # Final norms.
@@ -232,8 +236,8 @@ def llama_largest(shape: ModelShape, tp: int) -> LargestParameters:
 
 
 GPT2_LAYERS = LayerArithmetic(learned_embedding, gpt2_block, layer_norm, lm_head, gpt2_largest,
-                              block_split=layernorm_block_split)
+                              block_split=layernorm_block_split, head_input_split=True)
 BERT_LAYERS = LayerArithmetic(bert_embedding, bert_block, None, bert_heads, bert_largest,
                               block_split=layernorm_block_split, mask_bytes=8)
 LLAMA_LAYERS = LayerArithmetic(rotary_embedding, llama_block, rms_norm, lm_head, llama_largest,
-                               block_split=rms_block_split)
+                               block_split=rms_block_split, head_input_split=True)

@@ -22,7 +22,7 @@ from torch import nn
 
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.tensor_parallel import mark_tensor_parallel, shard_full
-from mp_toolkit.parallel.tp_comms import copy_to_tensor_model_parallel_region, row_parallel_sum
+from mp_toolkit.parallel.tp_comms import copy_to_tensor_model_parallel_region, gathered_projection, row_parallel_sum
 
 
 def _shard(full: torch.Tensor, dim: int, stride: int, ctx: ParallelContext) -> nn.Parameter:
@@ -49,8 +49,7 @@ class Conv1DColumnParallel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f
-        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)  # (N, in) @ (in, out / tp)
-        return y.view(*x.shape[:-1], -1)
+        return gathered_projection(x, self.weight, self.bias, conv1d=True)  # (N, in) @ (in, out / tp)
 
     def extra_repr(self) -> str:
         return f"nx={self.nx}, nf={self.nf} (local {self.weight.shape[1]}), stride={self.stride}"

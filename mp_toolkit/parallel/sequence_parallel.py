@@ -9,8 +9,10 @@ every message a pipeline stage sends:
 * the embedding layer runs whole (its vocabulary-parallel all-reduce and its dropout as under
   plain tp, the same mask on every rank) and keeps its slice of the output (``"scatter"``);
 * a ``"gather"`` module (attention, MLP, the LM head) all-gathers its input along the sequence
-  before its column-parallel projections, which then skip ``f``; the all-gather's backward
-  reduce-scatters their partial input gradients -- the all-reduce ``f`` did, in half the bytes;
+  before its column-parallel projections, which then skip ``f`` and keep only the input's local
+  slice for their backward, gathering it again there (`tp_comms.gathered_projection`, Megatron's
+  sequence-parallel linear); the all-gather's backward reduce-scatters their partial input
+  gradients -- the all-reduce ``f`` did, in half the bytes;
 * every row-parallel projection reduce-scatters its partial output instead of all-reducing it;
 * a ``"gather_whole"`` module (BERT's heads: a replicated transform, the pooler on token 0)
   all-gathers its input and keeps its slice of the whole gradient its replicated work returns;
@@ -37,7 +39,7 @@ from torch import nn
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.parallel.context import ParallelContext
-from mp_toolkit.parallel.tp_comms import gather_sequence, group_rank, group_size, scatter_sequence
+from mp_toolkit.parallel.tp_comms import gather_sequence, group_rank, group_size, mark_gathered, scatter_sequence
 
 SP_STYLES = ("scatter", "gather", "gather_whole", "dropout")
 ENDS = ("scatter", "gather", "gather_whole")
@@ -92,6 +94,8 @@ def _gather_hook(group, whole_grad: bool):
     def hook(module, args, kwargs):
         where, hidden = _first_tensor(args, kwargs)
         whole = gather_sequence(hidden, group, whole_grad)
+        if not whole_grad:  # its column-parallel projections keep the local slice (`gathered_projection`)
+            mark_gathered(whole, hidden, group)
         if where == 0:
             return (whole, *args[1:]), kwargs
         return args, {**kwargs, where: whole}

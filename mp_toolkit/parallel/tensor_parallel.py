@@ -45,6 +45,7 @@ from mp_toolkit.parallel.layouts import (
 from mp_toolkit.parallel.tp_comms import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
+    gathered_projection,
     row_parallel_sum,
     scatter_to_tensor_model_parallel_region,
 )
@@ -106,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f: sum input grads backward
-        y = F.linear(x, self.weight, self.bias)  # (.., in) -> (.., out / tp)
+        y = gathered_projection(x, self.weight, self.bias)  # (.., in) -> (.., out / tp)
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def group_size(group) -> int:
@@ -139,6 +140,52 @@ _ScatterSequence = _region("_ScatterSequence", _split_sequence, _gather_sequence
                            "Keep this rank's slice of dim 1 forward; backward all-gathers the gradient.")
 
 
+class _ProjectGathered(torch.autograd.Function):
+    """A column-parallel projection of a sequence-gathered input that keeps the input's local slice,
+    not the gathered whole, for its backward, and gathers the slices again there (Megatron's
+    sequence-parallel linear). ``conv1d``: HF's Conv1D layout, ``x W + b`` with W (in, out); else
+    ``x W^T + b``. The gradients are the very products autograd's linear / addmm backward computes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, local, group, conv1d):
+        ctx.save_for_backward(local, weight)
+        ctx.group, ctx.conv1d, ctx.has_bias, ctx.shape = group, conv1d, bias is not None, x.shape
+        if conv1d:
+            return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, weight = ctx.saved_tensors
+        x = _gather_sequence(local, ctx.group).reshape(-1, local.shape[-1])  # the input again
+        g = grad.reshape(-1, grad.shape[-1])
+        if ctx.conv1d:  # y = x W + b: addmm's backward
+            grad_x, grad_w = g.mm(weight.t()), x.t().mm(g)
+        else:  # y = x W^T + b: the transposed weight is column-major, so its gradient is g^T x
+            grad_x, grad_w = g.mm(weight), g.t().mm(x)
+        grad_b = g.sum(0) if ctx.has_bias else None
+        return grad_x.view(ctx.shape), grad_w, grad_b, None, None, None
+
+
+def gathered_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        conv1d: bool = False) -> torch.Tensor:
+    """A column-parallel projection of ``x``: when ``x`` is a sequence-parallel region's gathered input
+    (`mark_gathered`), one that keeps only the local slice for the backward (`_ProjectGathered`);
+    otherwise the plain product."""
+    local = getattr(x, "sequence_local", None)
+    if local is not None and torch.is_grad_enabled():
+        return _ProjectGathered.apply(x, weight, bias, *local, conv1d)
+    if conv1d:
+        return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+    return F.linear(x, weight, bias)
+
+
+def mark_gathered(whole: torch.Tensor, local: torch.Tensor, group) -> torch.Tensor:
+    """Tag a sequence-gathered tensor with its local slice, for `gathered_projection`."""
+    whole.sequence_local = (local, group)
+    return whole
+
+
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """``f``: pass a replicated input into a sharded computation."""
     return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
@@ -185,7 +232,8 @@ def row_parallel_sum(partial: torch.Tensor, group, sequence_parallel: bool) -> t
 
 
 __all__ = [
-    "gather_sequence", "row_parallel_sum", "reduce_scatter_sequence", "scatter_sequence",
+    "gather_sequence", "row_parallel_sum", "gathered_projection", "mark_gathered", "reduce_scatter_sequence",
+    "scatter_sequence",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "gather_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "all_reduce", "all_gather", "group_size", "group_rank",

@@ -32,6 +32,7 @@ from mp_toolkit.parallel.tp_comms import (
     all_reduce,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
+    gathered_projection,
     group_rank,
     reduce_from_tensor_model_parallel_region,
 )
@@ -136,7 +137,7 @@ class VocabParallelLMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f
-        logits = F.linear(x, self.weight, self.bias)
+        logits = gathered_projection(x, self.weight, self.bias)
         if self.real_local == logits.shape[-1]:
             return logits
         padded = torch.arange(logits.shape[-1], device=logits.device) >= self.real_local  # (Vp / tp,)

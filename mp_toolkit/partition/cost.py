@@ -130,11 +130,11 @@ def layer_costs(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str = 
                 tp: int = 1, sp: bool = False, cp: int = 1) -> list[LayerCost]:
     """Costs of every layer in layer-list order: each kind of layer as its architecture's record
     counts it (`mp_toolkit.arch.costs`). ``sp``: under sequence parallelism (tp > 1) each rank
-    keeps 1 / tp of a block's split part (`LayerArithmetic.block_split`) and of the final norm, and
-    the hidden state every layer before the head sends is 1 / tp of the tokens. ``cp``: under context
-    parallelism a rank holds seq / cp of every sequence: every per-token figure is its tokens', and its
-    ring attention computes 1 / cp of the causal triangle's pairs, the zig-zag split's balanced share
-    (`mp_toolkit.parallel.context_parallel`)."""
+    keeps 1 / tp of a block's split part (`LayerArithmetic.block_split`), of the final norm and of
+    an LM head's input, and the hidden state every layer before the head sends is 1 / tp of the tokens.
+    ``cp``: under context parallelism a rank holds seq / cp of every sequence: every per-token figure is its
+    tokens', and its ring attention computes 1 / cp of the causal triangle's pairs, the zig-zag split's
+    balanced share (`mp_toolkit.parallel.context_parallel`)."""
     arch = ARCHITECTURES[shape.family]
     kinds, rules = arch.layers, arch.costs
     b, s, d = micro_batch, seq_len // cp, ACT_BYTES[dtype]
@@ -161,6 +161,8 @@ def layer_costs(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str = 
         kept //= parts
         out.append(LayerCost(*kinds.final_norm, params, 0.0, 0.0, kept, msg, accumulated_bytes=largest.final_norm * d))
     params, flops, kept = rules.head(shape, b, s, d, tp)
+    if parts > 1 and rules.head_input_split:  # its projection keeps the input's local slice
+        kept -= n * h * d * (parts - 1) // parts
     workspace = n * (v // tp) * (d + 8)  # logits, their fp32 copy and gradient during backward
     out.append(LayerCost(*kinds.head, params, flops, 2 * flops, kept, n * (v // tp) * d, workspace,
                          largest.head * d))
