@@ -8,7 +8,7 @@ replica d trains on micro-batches d*m .. d*m + m - 1; the reference accumulates 
 order, each loss divided by dp x m. Layouts (pp, tp, dp): (1,2,1), (2,2,1), (1,2,2), (2,1,2);
 every one runs 1F1B with tied and untied embeddings and GPipe (tied); (2,1,2) also runs ZB-H1 and
 interleaved 1F1B. Sequence parallelism (``sp``) joins every tp layout: 1F1B at (1,2,1) and (2,2,1),
-GPipe untied with selective recomputation, ZB-H1 with full recomputation, and ZeRO-1 at (1,2,2)
+GPipe untied with selective recomputation, ZB-H1 without and with full recomputation, and ZeRO-1 at (1,2,2)
 (its gradients live in pieces: the parameters after the steps carry its comparison). The dp > 1
 GPipe cases use ~1 KiB gradient buckets (many all-reduces per stage).
 
@@ -52,7 +52,8 @@ LAYOUTS = {  # (pp, tp, dp): cases (schedule, micro-batches per replica, tied, b
     (1, 2, 1): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, 25.0),
                 ("1f1b", 3, True, 25.0, SP), ("gpipe", 2, False, 25.0, {**SP, "recompute": "selective"})],
     (2, 2, 1): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, 25.0),
-                ("1f1b", 3, True, 25.0, SP), ("zbh1", 3, True, 25.0, {**SP, "recompute": "full"})],
+                ("1f1b", 3, True, 25.0, SP), ("zbh1", 3, True, 25.0, SP),
+                ("zbh1", 3, True, 25.0, {**SP, "recompute": "full"})],
     (1, 2, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, TINY_BUCKET_MB),
                 ("1f1b", 3, True, 25.0, {**SP, "zero": 1})],
     (2, 1, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0), ("gpipe", 2, True, TINY_BUCKET_MB),
