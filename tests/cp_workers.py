@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mp_toolkit.parallel.context_parallel import ring_attention, zigzag_slice
+from tests.floor import pair
 
 
 def ring_rank(rank: int, world: int, fused: bool, B: int = 2, H: int = 3, T: int = 16, hs: int = 8) -> dict:
@@ -33,10 +34,15 @@ def ring_rank(rank: int, world: int, fused: bool, B: int = 2, H: int = 3, T: int
 
 
 def dropout_twins_rank(rank: int, world: int, tp: int = 1) -> dict:
-    """Our GPT with hidden dropout 0.1 on the whole sequence in one process and split over the world at
-    cp = world / tp (`apply_context_parallel`, `context_parallel_loss`; with tp > 1 tensor and sequence
-    parallel first), from the same random state: the losses, and the largest relative difference of the
-    gradients (averaged over cp as the run averages them; tp shards gathered whole)."""
+    """Our GPT on the whole sequence in one process and split over the world at cp = world / tp
+    (`apply_context_parallel`, `context_parallel_loss`; with tp > 1 tensor and sequence parallel
+    first), from the same random state, with hidden dropout 0.1 and without: per dropout, the largest
+    relative difference of the loss and of the gradients between the two (averaged over cp as the run
+    averages them; tp shards gathered whole)."""
+    return {f"dropout {p}": _twins(world, tp, p) for p in (0.0, 0.1)}
+
+
+def _twins(world: int, tp: int, dropout: float) -> dict:
     import dataclasses
 
     from model_zoo.gpt import GPT, PRESETS, SP_PLAN, TP_PLAN
@@ -47,7 +53,7 @@ def dropout_twins_rank(rank: int, world: int, tp: int = 1) -> dict:
     from mp_toolkit.parallel.tensor_parallel import apply_tensor_parallel, gather_full, vocab_parallel_cross_entropy
 
     ctx = build_context(pp=1, tp=tp, dp=1, cp=world // tp)
-    cfg = dataclasses.replace(PRESETS["gpt-tiny"], resid_pdrop=0.1, embd_pdrop=0.1)
+    cfg = dataclasses.replace(PRESETS["gpt-tiny"], resid_pdrop=dropout, embd_pdrop=dropout)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
@@ -79,7 +85,7 @@ def dropout_twins_rank(rank: int, world: int, tp: int = 1) -> dict:
         out[split] = (loss.item(), grads)
     (one, g1), (cp, g2) = out[False], out[True]
     worst = max(((g2[k] - g1[k]).abs().max() / g1[k].abs().max().clamp_min(1e-30)).item() for k in g1)
-    return {"loss": (one, cp), "worst_grad": worst}
+    return {"loss": abs(cp - one) / abs(one), "grad": worst}
 
 
 def kept_rank(rank: int, world: int, b: int = 2, s: int = 32) -> dict[str, int]:
@@ -103,8 +109,9 @@ def kept_rank(rank: int, world: int, b: int = 2, s: int = 32) -> dict[str, int]:
 
 
 def llama_twins_rank(rank: int, world: int) -> dict:
-    """HF Llama (grouped-query heads, rotary positions) in one process and at cp = world: the loss and
-    the largest relative gradient difference (averaged over cp as the run averages them)."""
+    """HF Llama (grouped-query heads, rotary positions) in one process in fp32 and float64 and at
+    cp = world in fp32: the loss and each gradient (averaged over cp as the run averages them) as
+    (err, floor) pairs against the float64 run (tests/floor.py)."""
     from mp_toolkit.hf.adapters import from_hf
     from mp_toolkit.hf.losses import causal_lm_loss
     from mp_toolkit.layers import LayerList
@@ -117,9 +124,9 @@ def llama_twins_rank(rank: int, world: int) -> dict:
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
     out = {}
-    for split in (False, True):
+    for split, dtype in ((False, torch.float64), (False, torch.float32), (True, torch.float32)):
         hf = from_hf(tiny_hf("llama", train=True))
-        layers = LayerList(list(zip(hf.names, hf.layers)), hf.tie_groups)
+        layers = LayerList(list(zip(hf.names, hf.layers)), hf.tie_groups).to(dtype)
         loss_fn = causal_lm_loss
         if split:
             apply_context_parallel(layers, ctx)
@@ -133,7 +140,7 @@ def llama_twins_rank(rank: int, world: int) -> dict:
             total = loss.detach().clone()
             dist.all_reduce(total, group=ctx.cp_group)
             loss = total / ctx.cp
-        out[split] = (loss.item(), {k: p.grad.clone() for k, p in layers.named_parameters()})
-    (one, g1), (cp, g2) = out[False], out[True]
-    worst = max(((g2[k] - g1[k]).abs().max() / g1[k].abs().max().clamp_min(1e-30)).item() for k in g1)
-    return {"loss": (one, cp), "worst_grad": worst}
+        out[(split, dtype)] = (loss.detach(), {k: p.grad.clone() for k, p in layers.named_parameters()})
+    (l64, g64), (l32, g32) = out[(False, torch.float64)], out[(False, torch.float32)]
+    lcp, gcp = out[(True, torch.float32)]
+    return {"loss": pair(lcp, l64, l32), "grads": {k: pair(gcp[k], g64[k], g32[k]) for k in g64}}

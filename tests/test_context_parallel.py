@@ -17,7 +17,7 @@ from mp_toolkit.parallel.context_parallel import zigzag_positions, zigzag_slice
 from tests.cli_helpers import assert_one_line_exit_2
 from tests.cp_workers import dropout_twins_rank, kept_rank, llama_twins_rank, ring_rank
 from tests.dist_harness import run_world
-from tests.floor import assert_within, pair
+from tests.floor import assert_all_within, assert_within, pair
 from tests.mpt_command import run_mpt
 
 
@@ -48,13 +48,14 @@ def test_ring_attention_equals_whole_sequence_attention(world, fused):
 def test_dropout_masks_and_loss_shares_follow_the_whole_sequence(world, tp):
     """Hidden dropout under cp (and under sequence parallelism beside it) draws the single process's
     masks (`SliceDropout` on the zig-zag tokens, and their tp slice), and each rank's loss is its share
-    of the labelled tokens (a sequence half unlabelled): the run's loss and averaged gradients equal
-    the single process's within fp32 reassociation (1e-5 relative loss, 1e-4 gradients; a wrong mask
-    or share moves them by 1e-2)."""
+    of the labelled tokens (a sequence half unlabelled). The floor, measured in the same test: the same
+    comparison without dropout (the split's reassociation alone; its loss share included). With the
+    masks the single process's, dropout adds no difference of its own: within 8 x that floor (a wrong
+    mask or share moves the loss by 1e-2, 10^4 x past it)."""
     for report in run_world(dropout_twins_rank, world, tp, timeout_s=120):
-        one, cp = report["loss"]
-        assert abs(one - cp) <= 1e-5 * abs(one), report
-        assert report["worst_grad"] <= 1e-4, report
+        plain, dropped = report["dropout 0.0"], report["dropout 0.1"]
+        floor = max(plain["loss"], plain["grad"], 2.0**-24)
+        assert dropped["loss"] <= 8 * floor and dropped["grad"] <= 8 * floor, report
 
 
 def test_cp_flags_are_checked_in_one_line(capsys, tmp_path):
@@ -113,8 +114,7 @@ def test_kept_bytes_per_rank_equal_the_planners():
 def test_hf_llama_at_cp_2_equals_one_process():
     """HF Llama (grouped-query attention: 4 heads over 2 k/v heads; rotary positions from the zig-zag
     position ids) through HF's own decoder layers, the attention handed to the ring: the loss and the
-    cp-averaged gradients equal one process's within fp32 reassociation (1e-5 loss, 1e-4 gradients)."""
+    cp-averaged gradients within 8 x the fp32 single process's own error against float64 (tests/floor.py)."""
     for report in run_world(llama_twins_rank, 2, timeout_s=120):
-        one, cp = report["loss"]
-        assert abs(one - cp) <= 1e-5 * abs(one), report
-        assert report["worst_grad"] <= 1e-4, report
+        assert_within(*report["loss"], "cp 2 Llama: loss")
+        assert_all_within(report["grads"], "cp 2 Llama: gradients")
