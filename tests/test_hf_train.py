@@ -270,7 +270,8 @@ def test_llama_sequence_parallel_saves_a_checkpoint_that_resumes_without_it(tmp_
 
 def test_llama_context_parallel_trains_the_single_process_model(tmp_path, corpus, capsys):
     """--cp 2 on HF Llama (the ring in HF's own decoder layers, rotary positions from the zig-zag
-    position ids): the losses of one process within tp's 1e-5. Sliding windows are refused in one line."""
+    position ids): the losses of one process within tp's 1e-5. A Mistral sliding window narrower than
+    the sequence is refused in one line; one as wide trains (its mask is the causal one)."""
     d = save_model(tmp_path / "llama", "llama", bpe_tokenizer(corpus))
     one, _ = losses_of(tmp_path, "one", "--hf", d, "--data", corpus, "--pp", "1")
     cp, out = losses_of(tmp_path, "cp", "--hf", d, "--data", corpus, "--pp", "1", "--cp", "2")
@@ -282,4 +283,8 @@ def test_llama_context_parallel_trains_the_single_process_model(tmp_path, corpus
     (mistral / "config.json").write_text(json.dumps(config))
     shutil.copy(d / "model.safetensors", mistral / "model.safetensors")
     assert_one_line_exit_2(capsys, [*COMMON, "--hf", mistral, "--data", corpus, "--pp", "1", "--cp", "2"],
-                           mentions="sliding-window attention (sliding_window 8) is not built for the ring")
+                           mentions="a sliding window of 8 tokens, narrower than --seq-len 32")
+    (mistral / "config.json").write_text(json.dumps(config | {"sliding_window": 32}))
+    whole, _ = losses_of(tmp_path, "whole", "--hf", mistral, "--data", corpus, "--pp", "1")
+    wide, _ = losses_of(tmp_path, "wide", "--hf", mistral, "--data", corpus, "--pp", "1", "--cp", "2")
+    assert wide == pytest.approx(whole, rel=1e-5)  # a window as wide as the sequence: the causal mask

@@ -25,7 +25,8 @@ ids, and their positions as the position ids, so the rotary embedding follows th
 ``LlamaBlockLayer.core`` (the ring): the block's attention module then gets its own copy of the config
 whose ``_attn_implementation`` is `RING_ATTENTION`, registered with HF's ``AttentionInterface``, which
 hands HF's q, k, v (grouped-query heads repeated) to the ring. Sequences must be unpadded and
-attention causal and full: sliding windows and attention dropout are refused in one line.
+attention causal over the whole sequence: a sliding window narrower than the sequence and attention
+dropout are refused in one line (a window as wide as the sequence is the causal mask).
 """
 
 from __future__ import annotations
@@ -110,9 +111,6 @@ class LlamaBlockLayer(nn.Module):
 
     @core.setter
     def core(self, core) -> None:
-        if self.mask_fn is not create_causal_mask:
-            raise ValueError("context parallelism: sliding-window attention (Mistral's sliding_window, Qwen2's "
-                             "sliding layers) is not built for the ring")
         attn = self.block.self_attn
         if getattr(attn, "attention_dropout", 0.0):
             raise ValueError("context parallelism: the ring has no attention dropout (attention_dropout 0)")
@@ -125,6 +123,10 @@ class LlamaBlockLayer(nn.Module):
         if self._core is not None:  # the ring: causal over whole, unpadded sequences
             if not bool(attention_mask.all()):
                 raise ValueError("context parallelism takes unpadded sequences: a padding mask reached the ring")
+            window = self.config.sliding_window if self.mask_fn is not create_causal_mask else None
+            if window is not None and window < attention_mask.shape[1]:
+                raise ValueError(f"context parallelism: a sliding window of {window} tokens, narrower than the "
+                                 f"{attention_mask.shape[1]}-token sequence, is not built for the ring")
             mask = None
         else:
             mask = self.mask_fn(config=self.config, inputs_embeds=whole_sequence(hidden, attention_mask),

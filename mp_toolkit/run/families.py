@@ -197,11 +197,12 @@ def _check_context_parallel(spec: ModelSpec, cfg: TrainConfig) -> None:
         dropout, name = spec.config.attn_pdrop, "attn_pdrop"
     else:
         dropout, name = float(hf.get("attention_dropout") or 0.0), "attention_dropout"
-        sliding = hf.get("sliding_window") is not None and (hf.get("model_type") == "mistral"
-                                                            or hf.get("use_sliding_window"))
-        if sliding:
-            raise ConfigError(f"--cp {cp}: sliding-window attention (sliding_window {hf['sliding_window']}) is not "
-                              "built for the ring: use a config without it")
+        window = hf.get("sliding_window")
+        sliding = window is not None and (hf.get("model_type") == "mistral" or hf.get("use_sliding_window"))
+        if sliding and window < cfg.batch.seq_len:
+            raise ConfigError(f"--cp {cp}: a sliding window of {window} tokens, narrower than --seq-len "
+                              f"{cfg.batch.seq_len}, is not built for the ring: use a wider window or a shorter "
+                              "sequence")
     if dropout > 0:
         raise ConfigError(f"--cp {cp}: ring attention has no dropout on the attention probabilities, and the "
                           f"model has {name} {dropout:g}: use a config with {name} 0")
