@@ -165,10 +165,13 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
     if rank0:
         padded = padded_vocab_size(spec.vocab_size, par.tp)  # the vocab shards' rows (vocab_parallel)
         pad = f" (vocab {spec.vocab_size} padded to {padded})" if padded != spec.vocab_size else ""
+        sp = " with sequence parallelism" if par.sequence_parallel else ""
+        cp = f", cp {par.cp}" if par.cp > 1 else ""
+        replicas = par.dp * par.cp  # the ranks holding the same parameters
+        zero = f", ZeRO-1 (masters and optimizer state 1/{replicas} per replica)" if par.zero and replicas > 1 else ""
         print(f"model {cfg.hf or cfg.model} ({spec.label}), precision {cfg.numerics.precision}, "
-              f"optimizer {cfg.optim.optimizer}, schedule {par.schedule}, pp {par.pp}, tp {par.tp}{pad}, dp {par.dp}"
-              f"{f', ZeRO-1 (masters and optimizer state 1/{par.dp} per replica)' if par.zero and par.dp > 1 else ''}",
-              flush=True)
+              f"optimizer {cfg.optim.optimizer}, schedule {par.schedule}, pp {par.pp}, tp {par.tp}{pad}{sp}{cp}, "
+              f"dp {par.dp}{zero}", flush=True)
     ctx = build_context(par.pp, par.tp, par.dp, device=device, cp=par.cp)
     data, spec = micro_batches(spec, cfg, ctx, env.rank)  # BERT: the model's padding id is the corpus's
     # Peak memory is the device's figure above this baseline (`memstats.DeviceMemory`): on CPU the RSS,
