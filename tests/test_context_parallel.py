@@ -78,8 +78,9 @@ def test_cp_flags_are_checked_in_one_line(capsys, tmp_path):
 
 def test_mpt_train_at_cp_2_resumes_at_cp_1(tmp_path):
     """`mpt train --cp 2` over a 2-stage pipeline trains the single process's model (losses within tp's
-    1e-5, tests/test_cli.py), saves a checkpoint of whole tensors, and a run at cp 1 resumes from it:
-    its steps equal the uninterrupted cp 2 run's within the same 1e-5."""
+    1e-5, tests/test_cli.py); a run at tp 2 with sequence parallelism x cp 2 saves a checkpoint of whole
+    tensors at step 2, and a run at cp 1 without either resumes from it: its steps equal the
+    uninterrupted cp 2 run's within the same 1e-5."""
     def losses(name, *extra):
         metrics = tmp_path / f"{name}.jsonl"
         r = run_mpt(["train", "--model", "gpt-tiny", "--data", "synthetic", "--steps", "4", "--microbatches", "2",
@@ -90,7 +91,8 @@ def test_mpt_train_at_cp_2_resumes_at_cp_1(tmp_path):
     one, _ = losses("one", "--pp", "1")
     cp, _ = losses("cp", "--pp", "2", "--cp", "2")
     assert cp == pytest.approx(one, rel=1e-5)
-    losses("a", "--pp", "2", "--cp", "2", "--steps", "2", "--save-dir", tmp_path / "ck")
+    losses("a", "--pp", "1", "--tp", "2", "--sequence-parallel", "--cp", "2", "--steps", "2",
+           "--save-dir", tmp_path / "ck")
     resumed, out = losses("b", "--pp", "1", "--save-dir", tmp_path / "ck", "--resume", "latest")
     assert "resumed from" in out and resumed == pytest.approx(cp[2:], rel=1e-5)
 
