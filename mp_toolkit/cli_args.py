@@ -145,6 +145,7 @@ def _add_train_parser(sub) -> None:
     field("--tp", type=int)
     field("--dp", type=int, extra="Under a launcher with --config: world size / (pp x tp), as DeepSpeed computes it.")
     field("--cp", type=int)
+    field("--cp-attention", type=str.lower, choices=("ring", "ulysses"))
     field("--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
     field("--dp-bucket-mb", type=float)
     field("--zero", type=int)
@@ -221,7 +222,9 @@ def _add_plan_parser(sub) -> None:
     for name in ("pp", "tp", "dp"):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name))
     p.add_argument("--cp", type=int, default=d.cp, help="context-parallel ranks: each holds seq / cp of every "
-                   "sequence (mpt train --cp; GPT-2-family models)")
+                   "sequence (mpt train --cp; GPT-2 and Llama families)")
+    p.add_argument("--cp-attention", type=str.lower, default=d.cp_attention, choices=("ring", "ulysses"),
+                   help="how the cp ranks attend (mpt train --cp-attention)")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per micro-batch")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="micro-batches per step")
     p.add_argument("--seq-len", type=int, default=d.seq_len)

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mp_toolkit.parallel.context_parallel import ring_attention, zigzag_slice
+from mp_toolkit.parallel.context_parallel import ring_attention, ulysses_attention, zigzag_slice
 from tests.floor import pair
 
 
-def ring_rank(rank: int, world: int, fused: bool, B: int = 2, H: int = 3, T: int = 16, hs: int = 8) -> dict:
+def ring_rank(rank: int, world: int, fused, B: int = 2, H: int = 4, T: int = 16, hs: int = 8) -> dict:
     """Ring attention over the world (the cp group; ``fused``: each block by the CPU flash kernel, else
     by its scores) against one process's causal attention of the whole sequence, in fp32 and float64:
     this rank's slice of the output and of q, k, v's gradients."""
@@ -25,7 +25,10 @@ def ring_rank(rank: int, world: int, fused: bool, B: int = 2, H: int = 3, T: int
         ref = F.scaled_dot_product_attention(*full, is_causal=True)
         (ref * w.to(dtype)).sum().backward()
         mine = [zigzag_slice(t.detach(), world, rank, dim=2).requires_grad_(True) for t in full]
-        got = ring_attention(*mine, dist.group.WORLD, fused)
+        if fused == "ulysses":
+            got = ulysses_attention(*mine, dist.group.WORLD)
+        else:
+            got = ring_attention(*mine, dist.group.WORLD, fused)
         (got * zigzag_slice(w.to(dtype), world, rank, dim=2)).sum().backward()
         out[str(dtype)] = {
             "ref": [zigzag_slice(t, world, rank, dim=2) for t in (ref.detach(), *(f.grad for f in full))],

@@ -134,12 +134,14 @@ def _log_dp_calls(engine) -> list:
     return calls
 
 
-def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", lengths=None, sp=False, zero=0):
+def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", lengths=None, sp=False, zero=0,
+             cp_attention="ring"):
     """One case on this rank. Every approximate figure comes back as (err, floor): the parallel
     result's and the fp32 single process's relative error against the float64 reference
     (tests/floor.py); the test bounds one by a multiple of the other. ``recompute``: the run's
     ``--recompute`` (the reference never recomputes). ``lengths``: `make_batches`'s sequence lengths
-    (micro-batches of mixed lengths, different on each replica)."""
+    (micro-batches of mixed lengths, different on each replica). ``sp``: ``--sequence-parallel``;
+    ``zero``: ``--zero``; ``cp_attention``: ``--cp-attention`` (the cp degree is the context's)."""
     from mp_toolkit.run.compose import build_engine  # the composition the CLI runs
     from mp_toolkit.run.plan import resolve_run
 
@@ -151,7 +153,7 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", le
                                partition="uniform", optimizer="lamb", lr=LR, weight_decay=WD, clip_grad=CLIP,
                                precision="fp32", dp_bucket_mb=bucket_mb,
                                chunks=2 if schedule == "interleaved" else 1, recompute=recompute,
-                               sequence_parallel=sp, zero=zero, cp=ctx.cp)
+                               sequence_parallel=sp, zero=zero, cp=ctx.cp, cp_attention=cp_attention)
     torch.manual_seed(0)
     with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers and shards
         model = GPT(cfg)

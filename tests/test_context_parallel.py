@@ -1,8 +1,8 @@
 """Context parallelism (`mp_toolkit.parallel.context_parallel`): the zig-zag split and ring attention.
 
-Ring attention on 2 and 4 ranks, its blocks by the CPU flash kernel and by their scores, equals one
-process's causal attention of the whole sequence (``scaled_dot_product_attention``) on every rank's
-slice of the output and of the q, k, v gradients.
+Ring attention on 2 and 4 ranks, its blocks by the CPU flash kernel and by their scores, and all-to-all
+(Ulysses) attention equal one process's causal attention of the whole sequence
+(``scaled_dot_product_attention``) on every rank's slice of the output and of the q, k, v gradients.
 Tolerance (DESIGN.md invariant 10): both are fp32 computations of the same sums in another order,
 so the ring's relative error against the float64 reference must lie within 8 x the single process's
 own, measured in the same test (tests/floor.py).
@@ -34,7 +34,8 @@ def test_zigzag_split_balances_the_causal_work():
         zigzag_positions(10, 2, 0)
 
 
-@pytest.mark.parametrize("world,fused", [(2, True), (4, True), (2, False), (4, False)])
+@pytest.mark.parametrize("world,fused", [(2, True), (4, True), (2, False), (4, False), (2, "ulysses"),
+                                         (4, "ulysses")])
 def test_ring_attention_equals_whole_sequence_attention(world, fused):
     for report in run_world(ring_rank, world, fused, timeout_s=120):
         f32, f64 = report["torch.float32"], report["torch.float64"]
@@ -67,6 +68,8 @@ def test_cp_flags_are_checked_in_one_line(capsys, tmp_path):
          "2 x cp x tp = 8 (with --sequence-parallel)"),
         (["--model", "gpt-tiny", "--cp", "0"], "--cp 0 must be at least 1"),
         (["--model", "gpt-tiny", "--cp", "2", "--engine", "deepspeed"], "--cp 2 is ours"),
+        (["--model", "gpt-tiny", "--cp", "4", "--tp", "2", "--cp-attention", "ulysses"],
+         "cp x tp = 8 does not divide the 4 heads"),
     ]
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"vocab_size": 256, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,

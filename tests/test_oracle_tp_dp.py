@@ -132,15 +132,18 @@ def test_grid_matches_single_process(layout):
 
 
 # Context parallelism (``cp``, the 4th degree: world pp x tp x cp x dp; model_zoo's GPT, ring attention over
-# the zig-zag split, tests/test_context_parallel.py): the same figures within the same floor, and the cp
+# the zig-zag split, and all-to-all (Ulysses) attention at cp 2 and tp 2 + sp x cp 2,
+# tests/test_context_parallel.py): the same figures within the same floor, and the cp
 # ranks of a replica bitwise equal parameters after every step (their gradients averaged with the dp
 # replicas' over grad_group).
 CP_LAYOUTS = {  # (pp, tp, dp, cp): cases
-    (1, 1, 1, 2): [("1f1b", 3, True, 25.0), ("gpipe", 2, False, 25.0, {"recompute": "selective"})],
+    (1, 1, 1, 2): [("1f1b", 3, True, 25.0), ("gpipe", 2, False, 25.0, {"recompute": "selective"}),
+                   ("1f1b", 3, True, 25.0, {"cp_attention": "ulysses"})],
     (2, 1, 1, 2): [("1f1b", 3, True, 25.0), ("zbh1", 3, True, 25.0, {"recompute": "full"}),
                    ("interleaved", 2, True, 25.0)],
     (1, 1, 2, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, False, 25.0, {"zero": 1})],
-    (1, 2, 1, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, True, 25.0, {"sp": True})],
+    (1, 2, 1, 2): [("1f1b", 3, True, 25.0), ("1f1b", 3, True, 25.0, {"sp": True}),
+                   ("1f1b", 3, True, 25.0, {"sp": True, "cp_attention": "ulysses"})],
     (1, 1, 1, 4): [("1f1b", 3, True, 25.0)],
 }
 # Bound 2 K: the ring's blockwise online-softmax merge reorders the attention's sums, and after 3 LAMB

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace, argv: list[str], main=None) -> int:
         p2p_latency_us=args.p2p_latency_us, p2p_gbps=args.p2p_gbps,
         mem_gbps=args.mem_gbps, hf=args.hf, recompute=args.recompute, recompute_layers=args.recompute_layers,
         zero=args.zero, cluster=read_profile(args.cluster) if args.cluster is not None else None,
-        sequence_parallel=args.sequence_parallel, cp=args.cp,
+        sequence_parallel=args.sequence_parallel, cp=args.cp, cp_attention=args.cp_attention,
     )
     check_output(args.gantt)
     plan = _make_plan(req)

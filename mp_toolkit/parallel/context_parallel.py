@@ -14,7 +14,10 @@ local tokens; attention needs every key and value the local queries may see:
   log-sum-exp (on CPU torch's flash kernel, blocked, never the (T / cp)^2 scores), and the partial
   results are merged with the online softmax (Milakov and Gimelshein 2018). The forward keeps only
   q, k, v, the output and the log-sum-exp per query.
-* the backward runs the ring again (``cp`` sends): each step runs the kernel's backward on the block
+* or **all-to-all attention** (`ulysses_attention`, ``--cp-attention ulysses``): each rank trades its
+  tokens of the other ranks' heads for their tokens of its own heads, attends over the whole sequence
+  (put back in order) with one fused causal kernel, and trades the output back.
+* the ring's backward runs the ring again (``cp`` sends): each step runs the kernel's backward on the block
   with the whole row's output and log-sum-exp (the block's share of the row's softmax), adds to the
   local queries' gradient, and adds the block's key and value gradients to accumulators that travel
   with the block and are home after the last send.
@@ -192,20 +195,89 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, fus
     return _RingAttention.apply(q, k, v, group, q.device.type == "cpu" if fused is None else fused)
 
 
-def ring_core(group, cp: int) -> Callable:
+def _all_to_all(parts: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Part i to rank i of ``group``; rank i's part for this rank back, in rank order."""
+    received = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in parts]
+    dist.all_to_all(received, [p.contiguous() for p in parts], group=group)
+    return received
+
+
+def _tokens_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, H, t, hs) this rank's tokens of every head -> (B, H / n, n t, hs) every rank's tokens (rank
+    order) of this rank's heads."""
+    return torch.cat(_all_to_all(list(x.chunk(group_size(group), dim=1)), group), dim=2)
+
+
+def _heads_to_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of `_tokens_to_heads`."""
+    return torch.cat(_all_to_all(list(x.chunk(group_size(group), dim=2)), group), dim=1)
+
+
+class _TokensToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _tokens_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_tokens(grad, ctx.group), None
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _tokens_to_heads(grad, ctx.group), None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+    """Causal attention of this rank's zig-zag tokens as all-to-all attention (DeepSpeed Ulysses,
+    Jacobs et al. 2023): an all-to-all turns (every head, this rank's tokens) into (this rank's H / cp
+    heads, every token); the heads attend over the whole sequence in its order (one fused kernel); a
+    second all-to-all turns the output back. Needs the heads to divide over the group:
+    (B, H, T / cp, hs) x 3 -> (B, H, T / cp, hs)."""
+    n = group_size(group)
+    if n == 1:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.shape[1] % n:
+        raise ValueError(f"all-to-all attention splits the {q.shape[1]} heads over {n} ranks: they do not divide")
+    length = q.shape[2] * n
+    exchanged = torch.cat([zigzag_positions(length, n, r, q.device) for r in range(n)])  # positions after
+    natural = torch.argsort(exchanged)
+    qh, kh, vh = (_TokensToHeads.apply(t, group)[:, :, natural] for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    return _HeadsToTokens.apply(out[:, :, exchanged], group)  # back to the exchange order
+
+
+CP_ATTENTION = {"ring": "ring attention: key and value slices around the ring",
+                "ulysses": "all-to-all attention: heads split over the cp ranks for the whole sequence"}
+"""The attention a context-parallel run computes (``--cp-attention``)."""
+
+
+def ring_core(group, attention: str = "ring") -> Callable:
     """An attention ``core`` (`model_zoo.gpt.CausalSelfAttention.core`, called as `attention_core` is)
-    that runs `ring_attention` over ``group``; selective recomputation runs it again in the backward
-    (the ring's exchanges included, in the same order on every rank)."""
+    that runs `ring_attention` (``attention`` "ring") or `ulysses_attention` ("ulysses") over ``group``;
+    selective recomputation runs it again in the backward (its exchanges included, in the same order on
+    every rank)."""
+    if attention not in CP_ATTENTION:
+        raise ValueError(f"unknown context-parallel attention {attention!r}: choose {' or '.join(CP_ATTENTION)}")
+    attend = ring_attention if attention == "ring" else ulysses_attention
+
     def core(q, k, v, recompute: bool, dropout_p: float = 0.0, is_causal: bool = True, **_):
         if dropout_p > 0:
-            raise ValueError("context parallelism: ring attention has no dropout on the probabilities (attn_pdrop 0)")
+            raise ValueError("context parallelism: its attention has no dropout on the probabilities (attn_pdrop 0)")
         if recompute and torch.is_grad_enabled():
-            return checkpoint(ring_attention, q, k, v, group, use_reentrant=False)
-        return ring_attention(q, k, v, group)
+            return checkpoint(attend, q, k, v, group, use_reentrant=False)
+        return attend(q, k, v, group)
     return core
 
 
-def apply_context_parallel(layer_list: LayerList, ctx: ParallelContext) -> None:
+def apply_context_parallel(layer_list: LayerList, ctx: ParallelContext, attention: str = "ring") -> None:
     """Make a layer list context parallel over ``ctx.cp_group``, in place: the embedding takes this
     rank's zig-zag tokens and their positions (its ``tokens``), attention runs as ring attention (its
     ``core``), and every dropout draws the whole sequence's mask and keeps this rank's tokens
@@ -225,7 +297,7 @@ def apply_context_parallel(layer_list: LayerList, ctx: ParallelContext) -> None:
     for m in embeds:
         m.tokens = lambda length, device: zigzag_positions(length, cp, rank, device)
     for m in cores:
-        m.core = ring_core(group, cp)
+        m.core = ring_core(group, attention)
     for layer in layer_list.layers:
         for path, m in list(layer.named_modules()):
             if isinstance(m, nn.Dropout):  # this rank's tokens of the whole sequence's mask
@@ -259,5 +331,5 @@ def context_parallel_loss(loss_fn: Callable, ctx: ParallelContext, ignore_index:
     return loss
 
 
-__all__ = ["apply_context_parallel", "context_parallel_loss", "ring_attention", "ring_core", "zigzag_positions",
-           "zigzag_slice"]
+__all__ = ["CP_ATTENTION", "apply_context_parallel", "context_parallel_loss", "ring_attention", "ring_core",
+           "ulysses_attention", "zigzag_positions", "zigzag_slice"]

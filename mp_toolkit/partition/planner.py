@@ -180,14 +180,20 @@ def tp_seconds(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rate
     token forward (the cross-entropy's max and its sums) and one of its input's gradient backward.
     With cp > 1 each rank's tokens are seq / cp, and a block's ring attention adds cp - 1 exchanges of
     its key and value slices forward and cp of them with their fp32 gradients backward (each timed as
-    an all-reduce of its bytes between two ranks, over the tp link: cp ranks neighbour tp's)."""
+    an all-reduce of its bytes between two ranks, over the tp link: cp ranks neighbour tp's); all-to-all
+    attention (``cp_attention`` "ulysses") adds four all-to-alls of q, k, v and the output each way
+    (each half a ring all-reduce of its bytes over the cp ranks)."""
     tokens = req.micro_batch * req.seq_len // req.cp
     d = ACT_BYTES[req.precision]
     act = rates.tp.allreduce_s(tokens * shape.hidden * d, req.tp)
     per_token = rates.tp.allreduce_s(tokens * 4, req.tp) + rates.tp.allreduce_s(2 * tokens * 4, req.tp)
     kv = 2 * tokens * shape.kvh * shape.hd // req.tp  # the local key and value elements of a block
-    ring_f = (req.cp - 1) * rates.tp.allreduce_s(kv * d, 2) if req.cp > 1 else 0.0
-    ring_b = req.cp * rates.tp.allreduce_s(kv * (d + 4), 2) if req.cp > 1 else 0.0
+    if req.cp > 1 and req.cp_attention == "ulysses":
+        qkvo = 4 * tokens * shape.heads * shape.hd // req.tp
+        ring_f = ring_b = rates.tp.allreduce_s(qkvo * d, req.cp) / 2
+    else:
+        ring_f = (req.cp - 1) * rates.tp.allreduce_s(kv * d, 2) if req.cp > 1 else 0.0
+        ring_b = req.cp * rates.tp.allreduce_s(kv * (d + 4), 2) if req.cp > 1 else 0.0
     out = []
     for c in costs:
         if c.kind.endswith(("Block", "Layer")):

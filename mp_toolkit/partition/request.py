@@ -82,6 +82,9 @@ class PlanRequest:
     cp: int = 1
     """Context-parallel degree (``mpt train --cp``): each rank holds seq / cp of every sequence
     (`cost.layer_costs`'s ``cp``); its gradients are averaged over dp x cp ranks."""
+    cp_attention: str = "ring"
+    """``mpt train --cp-attention``: ring (the key and value slices around the ring) or ulysses (four
+    all-to-alls of the activations a block's attention each way); the same FLOPs and kept bytes."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (tp > 1, ``mpt train --sequence-parallel``): a block's norms and
     dropout masks and the messages between stages hold seq / tp of the tokens (`cost.layer_costs`'s
@@ -138,6 +141,11 @@ def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: 
     if req.cp > 1 and req.seq_len % (2 * req.cp):
         raise PartitionError(f"--cp {req.cp}: --seq-len {req.seq_len} must be a multiple of 2 x cp = {2 * req.cp} "
                              "(the zig-zag split)")
+    if req.cp_attention not in ("ring", "ulysses"):
+        raise PartitionError(f"unknown --cp-attention {req.cp_attention!r}: choose ring or ulysses")
+    if req.cp > 1 and req.cp_attention == "ulysses" and shape.heads % (req.cp * req.tp):
+        raise PartitionError(f"--cp-attention ulysses: cp x tp = {req.cp * req.tp} does not divide the model's "
+                             f"{shape.heads} heads")
     if req.cp > 1 and shape.family not in ("gpt2", "llama"):
         raise PartitionError(f"--cp {req.cp}: context parallelism is built for the GPT-2 and Llama families only")
     if req.sequence_parallel and req.tp < 2:

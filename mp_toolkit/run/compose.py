@@ -59,7 +59,8 @@ def build_engine(run: RunPlan, ctx: ParallelContext, model: torch.nn.Module, val
     recompute = list(run.recompute)
     on_meta = is_meta(model)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
-        layers = tensor_parallel(model, layers, ctx, cfg.parallel.sequence_parallel)  # 2: shapes only on meta
+        layers = tensor_parallel(model, layers, ctx, cfg.parallel.sequence_parallel,  # 2: shapes only on meta
+                                 cfg.parallel.cp_attention)
     apply_choices(layers, boundaries, recompute)
     if cfg.recomputation.recompute != "none" and ctx.rank == 0:
         print(f"--recompute {cfg.recomputation.recompute}: {describe(layers, boundaries, recompute)}", flush=True)

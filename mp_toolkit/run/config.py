@@ -59,7 +59,11 @@ class Parallel:
     """Data-parallel replicas: each trains on its own micro-batches, gradients are averaged."""
     cp: int = 1
     """Context-parallel degree: ranks that split every sequence (zig-zag, ring attention,
-    `mp_toolkit.parallel.context_parallel`; model_zoo's GPT). The world is pp x tp x cp x dp ranks."""
+    `mp_toolkit.parallel.context_parallel`; model_zoo's GPT, HF's Llama family). The world is
+    pp x tp x cp x dp ranks."""
+    cp_attention: str = "ring"
+    """How context-parallel ranks attend: ring (key and value slices around the ring) or ulysses
+    (all-to-all: the heads split over the cp ranks for the whole sequence; cp must divide the heads)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1): between the tensor-parallel regions (norms,
     dropouts, residuals, the messages between stages) each tp rank holds seq / tp of every sequence;

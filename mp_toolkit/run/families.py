@@ -206,6 +206,10 @@ def _check_context_parallel(spec: ModelSpec, cfg: TrainConfig) -> None:
     if dropout > 0:
         raise ConfigError(f"--cp {cp}: ring attention has no dropout on the attention probabilities, and the "
                           f"model has {name} {dropout:g}: use a config with {name} 0")
+    heads = spec.config.n_head if hf is None else int(hf.get("num_attention_heads") or 0)
+    if cfg.parallel.cp_attention == "ulysses" and heads % (cp * cfg.parallel.tp):
+        raise ConfigError(f"--cp-attention ulysses splits each tp rank's heads over the cp ranks: cp x tp = "
+                          f"{cp * cfg.parallel.tp} does not divide the {heads} heads (use --cp-attention ring)")
 
 
 def family_of(model: nn.Module) -> Family:
@@ -224,7 +228,7 @@ def bert_vocab_parallel_loss(outputs, labels, group) -> torch.Tensor:
 
 
 def tensor_parallel(model: nn.Module, layers: LayerList, ctx: ParallelContext,
-                    sequence_parallel: bool = False) -> LayerList:
+                    sequence_parallel: bool = False, cp_attention: str = "ring") -> LayerList:
     """This rank's tensor-parallel shard of ``layers`` (the LayerList of ``model``) by its family's
     plan, then, with ``sequence_parallel``, its sequence-parallel plan (`apply_sequence_parallel`)."""
     family = family_of(model)
@@ -232,7 +236,7 @@ def tensor_parallel(model: nn.Module, layers: LayerList, ctx: ParallelContext,
     if sequence_parallel:
         apply_sequence_parallel(layers, ctx, dict(family.sp_plan(layers)))
     if ctx.cp > 1:
-        apply_context_parallel(layers, ctx)
+        apply_context_parallel(layers, ctx, cp_attention)
     return layers
 
 

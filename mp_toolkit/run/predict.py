@@ -59,7 +59,7 @@ def plan_request(cfg: TrainConfig, **fields) -> PlanRequest:
     recomputation, precision and optimizer, read from their sections, and its device profile (`run_profile`)."""
     par, batch, rec, precision = cfg.parallel, cfg.batch, cfg.recomputation, cfg.numerics.precision
     base = dict(model=cfg.hf or cfg.model, pp=par.pp, tp=par.tp, dp=par.dp, zero=par.zero, schedule=par.schedule,
-                sequence_parallel=par.sequence_parallel, cp=par.cp,
+                sequence_parallel=par.sequence_parallel, cp=par.cp, cp_attention=par.cp_attention,
                 chunks=par.chunks, micro_batch=batch.micro_batch, microbatches=batch.microbatches,
                 seq_len=batch.seq_len,
                 memory_gb=rec.memory_gb, recompute=rec.recompute, recompute_layers=rec.recompute_layers,

@@ -382,7 +382,7 @@ def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, nam
                    if saved_layout.get(k) != v]
         notes.append(f"layout changed ({', '.join(changed)}): random generators reseeded from --seed and the step")
     saved_cfg, mine = meta.get("config", {}), config_json(cfg)
-    laid_out = ("pp", "tp", "dp", "cp", "sequence_parallel", "chunks", "schedule", "partition")
+    laid_out = ("pp", "tp", "dp", "cp", "cp_attention", "sequence_parallel", "chunks", "schedule", "partition")
     changed = [f"{k} {saved_cfg.get(k)!r} -> {v!r}" for k, v in mine.items()
                if k not in RUN_CONTROL and k not in laid_out and saved_cfg.get(k) != v]
     if changed:
