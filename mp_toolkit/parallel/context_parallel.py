@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.parallel.sequence_parallel import SliceDropout
-from mp_toolkit.parallel.tp_comms import all_reduce, group_rank, group_size
+from mp_toolkit.parallel.tp_comms import all_reduce, group_rank, group_size, region_function
 
 
 def zigzag_positions(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -213,26 +213,10 @@ def _heads_to_tokens(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(_all_to_all(list(x.chunk(group_size(group), dim=2)), group), dim=1)
 
 
-class _TokensToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _tokens_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_tokens(grad, ctx.group), None
-
-
-class _HeadsToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _tokens_to_heads(grad, ctx.group), None
+_TokensToHeads = region_function("_TokensToHeads", _tokens_to_heads, _heads_to_tokens,
+                                 "All-to-all from token slices to head slices; backward the inverse.")
+_HeadsToTokens = region_function("_HeadsToTokens", _heads_to_tokens, _tokens_to_heads,
+                                 "All-to-all from head slices back to token slices; backward the inverse.")
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:

@@ -106,7 +106,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _region(name: str, forward, backward, doc: str) -> type:
+def region_function(name: str, forward, backward, doc: str) -> type:
     """An ``autograd.Function`` applying ``forward(x, group)`` to its input and ``backward(grad, group)``
     to its gradient: each region of the module docstring's table is one pair."""
     def fwd(ctx, x, group):
@@ -120,23 +120,23 @@ def _region(name: str, forward, backward, doc: str) -> type:
                                                    "__doc__": doc})
 
 
-_CopyToRegion = _region("_CopyToRegion", lambda x, group: x.view_as(x), all_reduce,
+_CopyToRegion = region_function("_CopyToRegion", lambda x, group: x.view_as(x), all_reduce,
                         "Megatron's ``f``: identity forward (a new autograd node sharing the data), all-reduce "
                         "(sum) of the gradient backward.")
-_ReduceFromRegion = _region("_ReduceFromRegion", all_reduce, lambda grad, group: grad,
+_ReduceFromRegion = region_function("_ReduceFromRegion", all_reduce, lambda grad, group: grad,
                             "Megatron's ``g``: all-reduce (sum) forward, identity backward.")
-_GatherFromRegion = _region("_GatherFromRegion", _gather_last, _split_last,
+_GatherFromRegion = region_function("_GatherFromRegion", _gather_last, _split_last,
                             "All-gather along the last dim forward; backward keeps this rank's slice of the gradient.")
-_ScatterToRegion = _region("_ScatterToRegion", _split_last, _gather_last,
+_ScatterToRegion = region_function("_ScatterToRegion", _split_last, _gather_last,
                            "Keep this rank's slice of the last dim forward; backward all-gathers the gradient.")
-_GatherSequence = _region("_GatherSequence", _gather_sequence, _reduce_scatter_sequence,
+_GatherSequence = region_function("_GatherSequence", _gather_sequence, _reduce_scatter_sequence,
                           "All-gather dim 1 forward; backward reduce-scatters the (partial) gradient.")
-_GatherSequenceWhole = _region("_GatherSequenceWhole", _gather_sequence, _split_sequence,
+_GatherSequenceWhole = region_function("_GatherSequenceWhole", _gather_sequence, _split_sequence,
                                "All-gather dim 1 forward; backward keeps this rank's slice of a whole gradient.")
-_ReduceScatterSequence = _region("_ReduceScatterSequence", _reduce_scatter_sequence, _gather_sequence,
+_ReduceScatterSequence = region_function("_ReduceScatterSequence", _reduce_scatter_sequence, _gather_sequence,
                                  "Reduce-scatter dim 1 forward (a row-parallel output); backward all-gathers the "
                                  "gradient.")
-_ScatterSequence = _region("_ScatterSequence", _split_sequence, _gather_sequence,
+_ScatterSequence = region_function("_ScatterSequence", _split_sequence, _gather_sequence,
                            "Keep this rank's slice of dim 1 forward; backward all-gathers the gradient.")
 
 
@@ -232,7 +232,8 @@ def row_parallel_sum(partial: torch.Tensor, group, sequence_parallel: bool) -> t
 
 
 __all__ = [
-    "gather_sequence", "row_parallel_sum", "gathered_projection", "mark_gathered", "reduce_scatter_sequence",
+    "gather_sequence", "row_parallel_sum", "region_function", "gathered_projection", "mark_gathered",
+    "reduce_scatter_sequence",
     "scatter_sequence",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "gather_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
