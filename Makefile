@@ -41,10 +41,11 @@ lint: $(STAMP)
 
 # The oracle files again on ATen's portable kernels (no SIMD): their tolerances come from a floor
 # measured in each test (DESIGN.md invariant 10), so they must hold on any CPU's kernels, not only
-# on the ones this machine picks (AVX2 here, AVX-512/AMX on another). CI runs it after `make test`.
+# on the ones this machine picks (AVX2 here, AVX-512/AMX on another). CI runs it after `make test`,
+# its tests spread over the workers one by one (the grid oracle is one file of long cells).
 KERNEL_TESTS ?= tests/test_oracle.py tests/test_oracle_tp_dp.py tests/test_numerics_pipeline.py
 test-kernels: $(STAMP)
-	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q $(KERNEL_TESTS)
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load $(KERNEL_TESTS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
