@@ -7,7 +7,9 @@ batches, AdamW fp32, for ``--steps`` steps; the step time is the median of the s
 (``step_time_s`` of the metrics rows). The two runs alternate for ``--rounds`` rounds; the ratio is of
 the medians over the rounds.
 
-    python -m tools.bench_context [--layers 4 --width 512 --seq 2048 --steps 4 --rounds 3]
+    python -m tools.bench_context [--layers 4 --width 512 --seq 2048 --steps 4 --rounds 3 --attention ring]
+
+``--attention ulysses`` times ``--cp-attention ulysses`` (all-to-all attention) instead of the ring.
 
 Prints the machine header (`tools.report`), the figures and, last, one JSON line.
 """
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--attention", choices=("ring", "ulysses"), default="ring", help="mpt train --cp-attention")
     a = ap.parse_args()
     head = header("bench_context")
     out = Path(tempfile.mkdtemp(prefix="bench_context-"))
@@ -49,13 +52,15 @@ def main() -> None:
     one, two = [], []
     for _ in range(a.rounds):
         one.append(statistics.median(step_times(model, a.seq, a.steps, out, "one", "--threads", "2")))
-        two.append(statistics.median(step_times(model, a.seq, a.steps, out, "cp2", "--cp", "2", "--threads", "1")))
+        two.append(statistics.median(step_times(model, a.seq, a.steps, out, "cp2", "--cp", "2", "--threads", "1",
+                                                "--cp-attention", a.attention)))
     t1, t2 = statistics.median(one), statistics.median(two)
     print(f"GPT {a.layers} x {a.width}, 1 x {a.seq} tokens per micro-batch, 2 micro-batches, fp32, AdamW")
     print(f"one process, 2 threads: {t1 * 1e3:.0f} ms per step (rounds {[round(x * 1e3) for x in one]})")
-    print(f"--cp 2, 1 thread per rank: {t2 * 1e3:.0f} ms per step (rounds {[round(x * 1e3) for x in two]})")
+    print(f"--cp 2 --cp-attention {a.attention}, 1 thread per rank: {t2 * 1e3:.0f} ms per step "
+          f"(rounds {[round(x * 1e3) for x in two]})")
     print(f"cp 2 / one process: {t2 / t1:.2f}x")
-    json_line("bench_context", head, layers=a.layers, width=a.width, seq=a.seq, steps=a.steps,
+    json_line("bench_context", head, layers=a.layers, width=a.width, seq=a.seq, steps=a.steps, attention=a.attention,
               one_process_s=one, cp2_s=two, ratio=t2 / t1)
 
 
