@@ -78,18 +78,25 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _scores(q, k, causal: bool) -> torch.Tensor:
+    """A block's scaled scores in fp32 (or wider), -inf above the diagonal of a causal square block:
+    the forward and the backward compute them alike."""
+    w = _wide(q.dtype)
+    s = torch.matmul(q.to(w), k.to(w).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
 def _attend(q, k, v, causal: bool, fused: bool):
     """One block's attention: (output, log-sum-exp per query). ``causal``: the top-left causal mask of
     a square block. ``fused``: torch's CPU flash kernel (blocked, never the whole (tq, tk) scores);
     otherwise the block's scores in fp32 (or wider), as any device computes them."""
     if fused:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    w = _wide(q.dtype)
-    s = torch.matmul(q.to(w), k.to(w).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    s = _scores(q, k, causal)
     lse = torch.logsumexp(s, -1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v.to(w)).to(q.dtype), lse
+    return torch.matmul(torch.exp(s - lse[..., None]), v.to(s.dtype)).to(q.dtype), lse
 
 
 def _attend_backward(do, q, k, v, out, lse, causal: bool, fused: bool):
@@ -98,11 +105,8 @@ def _attend_backward(do, q, k, v, out, lse, causal: bool, fused: bool):
     if fused:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal)
-    w = _wide(q.dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = torch.matmul(q.to(w), k.to(w).transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    s = _scores(q, k, causal)
+    w, scale = s.dtype, 1.0 / math.sqrt(q.shape[-1])
     p = torch.exp(s - lse[..., None])
     do_w = do.to(w)
     dv = torch.matmul(p.transpose(-1, -2), do_w)
@@ -291,8 +295,7 @@ def apply_context_parallel(layer_list: LayerList, ctx: ParallelContext, attentio
                                    lambda whole, inner=m.select: inner(zigzag_slice(whole, cp, rank)))
             else:
                 continue
-            parent, _, attr = path.rpartition(".")
-            setattr(layer.get_submodule(parent) if parent else layer, attr, new)
+            layer.set_submodule(path, new)
 
 
 def context_parallel_loss(loss_fn: Callable, ctx: ParallelContext, ignore_index: int = -100) -> Callable:

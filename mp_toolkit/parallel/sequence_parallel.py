@@ -164,9 +164,7 @@ def apply_sequence_parallel(layer_list: LayerList, ctx: ParallelContext, plan: d
     gathered: set[int] = set()  # ids of modules inside a "gather" region
     for i, path, module, style, _ in matches:
         if style == "dropout":
-            parent, _, attr = path.rpartition(".")
-            owner = layer_list.layers[i].get_submodule(parent) if parent else layer_list.layers[i]
-            setattr(owner, attr, SequenceDropout(module.p, group))
+            layer_list.layers[i].set_submodule(path, SequenceDropout(module.p, group))
         elif style == "scatter":
             module.register_forward_hook(_scatter_hook(group))
         else:

@@ -261,8 +261,7 @@ def apply_tensor_parallel(layer_list: LayerList, ctx: ParallelContext, plan: dic
         if not path:
             layers[i] = new
         else:
-            parent, _, attr = path.rpartition(".")
-            setattr(layers[i].get_submodule(parent) if parent else layers[i], attr, new)
+            layers[i].set_submodule(path, new)
     out = LayerList(list(zip(layer_list.names, layers)), layer_list.tie_groups)
     for group in out.tie_groups:  # e.g. a plan that shards the embedding but not the tied LM head
         if len({id(out[layer].get_parameter(p)) for layer, p in group}) != 1:

@@ -172,6 +172,11 @@ def enumerate_layouts(req: SearchRequest, shape, layers: int):
                 yield from _per_replica(req, arch, layers, pp, tp, dp, cp)
 
 
+def _sequence_parallel(req: SearchRequest, tp: int) -> bool:
+    """Whether the layouts of this tp are sequence parallel (module docstring): tp > 1 and it splits the sequence."""
+    return req.sequence_parallel and tp > 1 and req.seq_len % tp == 0
+
+
 def _context_degrees(req: SearchRequest, shape, tp: int) -> list[int]:
     """The cp degrees a tp group of ``tp`` may take: 1, and with ``context_parallel`` every divisor of the
     devices left whose tp x cp fits a node and whose 2 cp (x tp under sequence parallelism) divides the
@@ -180,14 +185,14 @@ def _context_degrees(req: SearchRequest, shape, tp: int) -> list[int]:
     ring = shape.family == "llama" or (shape.family == "gpt2" and not shape.hf_modules)  # HF GPT-2: not built
     if not req.context_parallel or not ring or shape.attn_dropout > 0:
         return [1]
-    sp = req.sequence_parallel and tp > 1 and req.seq_len % tp == 0
+    sp = _sequence_parallel(req, tp)
     return [cp for cp in _divisors(req.devices // tp) if cp == 1 or (
         tp * cp <= req.cluster.devices_per_node and req.seq_len % (2 * cp * (tp if sp else 1)) == 0)]
 
 
 def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: int, cp: int = 1):
     per_replica = req.global_batch // dp
-    sp = req.sequence_parallel and tp > 1 and req.seq_len % tp == 0
+    sp = _sequence_parallel(req, tp)
     for mb in _divisors(per_replica):
         if req.max_micro_batch is not None and mb > req.max_micro_batch:
             continue
@@ -221,7 +226,7 @@ class _Floors:
         key = (tp, mb, cp)
         if key not in self._costs:
             shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, tp))
-            sp = self.req.sequence_parallel and tp > 1 and self.req.seq_len % tp == 0
+            sp = _sequence_parallel(self.req, tp)
             self._costs[key] = layer_costs(shape, mb, self.req.seq_len, self.req.precision, tp, sp, cp)
         return self._costs[key]
 
