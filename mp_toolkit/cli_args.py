@@ -308,11 +308,14 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--schedule", required=True, type=str.lower, choices=SCHEDULES)
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True)
-    p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="model chunks per rank (interleaved; default 2; the V schedules hold 2)")
     for kind, default in (("f", 1.0), ("b", 2.0)):
         p.add_argument(f"--cost-{kind}", type=float, default=default, help=f"{kind.upper()} cost of one micro-batch")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--gantt", type=Path, default=None, help=".png or .svg")
+    p.add_argument("--print", action="store_true", dest="print_grid",
+                   help="also print the ranks x time-steps grid of the schedule's compute actions (unit costs)")
 
 
 

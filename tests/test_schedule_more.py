@@ -297,8 +297,9 @@ def test_costs_by_stage_and_callable():
 # ---- report and Gantt ---------------------------------------------------------------
 def test_simulate_report():
     report = simulate_report("interleaved", 2, 4, chunks=2)
-    assert set(report) == {"schedule", "pp", "microbatches", "chunks", "step_time",
-                           "bubble_fraction", "peak_inflight"}
+    assert set(report) == {"schedule", "pp", "microbatches", "chunks", "placement", "step_time",
+                           "bubble_fraction", "peak_inflight", "peak_inflight_rank", "grid"}
+    assert report["placement"] == [0, 1, 0, 1] and report["peak_inflight_rank"] == [5, 3]
     assert (report["schedule"], report["pp"], report["microbatches"], report["chunks"]) == (
         "Interleaved1F1B", 2, 4, 2)
     assert report["bubble_fraction"] == pytest.approx(1 / 9)

@@ -8,14 +8,15 @@ import math
 from pathlib import Path
 
 from mp_toolkit.errors import ConfigError
+from mp_toolkit.names import stages_per_rank
 from mp_toolkit.partition.report import write_json
 from mp_toolkit.partition.request import MAX_MICROBATCHES
 from mp_toolkit.schedule import simulate_report
 
 
 def chunks_of(args: argparse.Namespace) -> int:
-    """``--chunks``, or its default: 2 for the interleaved schedule, else 1."""
-    return args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
+    """``--chunks``, or its default: 2 for the interleaved and the V schedules, else 1 (`stages_per_rank`)."""
+    return args.chunks if args.chunks is not None else stages_per_rank(args.schedule)
 
 
 def check_output(gantt: Path | None) -> None:
@@ -40,7 +41,12 @@ def run(args: argparse.Namespace, argv: list[str], main=None) -> int:
         raise ConfigError(str(e)) from None
     print(f"{report['schedule']}: pp={report['pp']} microbatches={report['microbatches']} "
           f"chunks={report['chunks']}: step time {report['step_time']:g}, "
-          f"bubble fraction {report['bubble_fraction']:.4f}, peak in-flight per stage {report['peak_inflight']}")
+          f"bubble fraction {report['bubble_fraction']:.4f}, peak in-flight per stage {report['peak_inflight']}, "
+          f"per rank {report['peak_inflight_rank']}")
+    if report["chunks"] > 1:
+        print("stage -> rank: " + " ".join(f"{s}:{r}" for s, r in enumerate(report["placement"])))
+    if args.print_grid:
+        print(report["grid"])
     if args.json:
         write_json(report, args.json)
     return 0

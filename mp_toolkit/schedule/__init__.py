@@ -10,12 +10,13 @@ rank 1  . F0 B0 F1 B1 F2 B2  .
 """
 from .actions import Action, Kind, Schedule
 from .gantt import draw_gantt
-from .generators import GENERATORS, get_schedule, gpipe, one_f_one_b
+from .generators import GENERATORS, get_schedule, gpipe, one_f_one_b, placement
 from .interleaved import insert_comms, interleaved_1f1b
 from .printer import format_actions, format_schedule, makespan, unit_time_steps
 from .report import simulate_report
 from .simulator import DEFAULT_COSTS, Event, Timeline, cost_function, simulate
 from .validate import ScheduleError, simulate_order, validate
+from .vshape import dualpipev, v_placement, zbv
 from .zero_bubble import SPLIT_SCHEDULES, split_share, zb_drain, zbh1
 
 __all__ = [
@@ -24,6 +25,10 @@ __all__ = [
     "Schedule",
     "GENERATORS",
     "get_schedule",
+    "placement",
+    "v_placement",
+    "zbv",
+    "dualpipev",
     "gpipe",
     "one_f_one_b",
     "interleaved_1f1b",

@@ -1,5 +1,6 @@
 """Schedule generators: GPipe and 1F1B (PipeDream-Flush), with comm actions inserted, and
-the registry of every schedule by name (interleaved 1F1B, ZB-H1 and ZB-drain live in their own files).
+the registry of every schedule by name (interleaved 1F1B, ZB-H1 and ZB-drain, ZB-V and DualPipeV live in their
+own files).
 
 Both put stage ``s`` on rank ``s``. With ``p`` stages, ``m`` micro-batches and equal forward
 and backward cost per stage, both have bubble fraction ``(p-1)/(m+p-1)``; 1F1B holds at most
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mp_toolkit.names import SCHEDULE_TITLES, SCHEDULES, schedule_name
+from mp_toolkit.names import SCHEDULE_TITLES, SCHEDULES, V_SCHEDULES, schedule_name, stages_per_rank
 
 from .actions import Action, Kind, Schedule
 from .interleaved import interleaved_1f1b
+from .vshape import dualpipev, v_placement, zbv
 from .zero_bubble import zb_drain, zbh1
 
-__all__ = ["gpipe", "one_f_one_b", "get_schedule", "GENERATORS"]
+__all__ = ["gpipe", "one_f_one_b", "get_schedule", "placement", "GENERATORS"]
 
 
 def _forward(stage: int, mb: int, num_stages: int) -> list[Action]:
@@ -114,18 +116,20 @@ def _one_f_one_b_stage(stage: int, p: int, m: int) -> list[Action]:
 
 
 GENERATORS: dict[str, Callable[..., Schedule]] = dict(
-    zip(SCHEDULES, (gpipe, one_f_one_b, interleaved_1f1b, zb_drain, zbh1), strict=True))
+    zip(SCHEDULES, (gpipe, one_f_one_b, interleaved_1f1b, zb_drain, zbh1, zbv, dualpipev), strict=True))
 """Each schedule's generator, in `SCHEDULES`' order; each takes ``(num_stages, microbatches)``."""
 
 
 def get_schedule(name: str, num_stages: int, microbatches: int, *, chunks: int | None = None) -> Schedule:
     """Build a schedule by torch's name (case-insensitive): ``GPipe``, ``1F1B``,
-    ``Interleaved1F1B`` (alias ``interleaved``), ``ZBH1`` or ``ZBDrain``.
+    ``Interleaved1F1B`` (alias ``interleaved``), ``ZBH1``, ``ZBDrain``, ``ZBVZeroBubble`` (alias ``zbv``)
+    or ``DualPipeV``.
 
     ``num_stages`` is the pipeline degree ``p`` (ranks). For ``Interleaved1F1B`` each rank
     holds ``chunks`` (default 2) model chunks, so the Schedule has ``p * chunks`` stages with
-    stage ``s`` on rank ``s % p``; every other schedule has ``p`` stages, one per rank, and
-    accepts only ``chunks`` of None or 1.
+    stage ``s`` on rank ``s % p``; the V schedules have ``2p`` stages, rank ``r`` holding ``r`` and
+    ``2p-1-r``, and accept ``chunks`` of None or 2; every other schedule has ``p`` stages, one per
+    rank, and accepts only ``chunks`` of None or 1.
     """
     key = schedule_name(name)
     if key is None:
@@ -133,10 +137,21 @@ def get_schedule(name: str, num_stages: int, microbatches: int, *, chunks: int |
         raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {choices}")
     generator = GENERATORS[key]
     if key == "interleaved":
-        return generator(num_stages, microbatches, 2 if chunks is None else chunks)
-    if chunks not in (None, 1):
+        return generator(num_stages, microbatches, stages_per_rank(key, chunks))
+    if chunks not in (None, stages_per_rank(key)):
+        held = "two stages per rank in a V" if key in V_SCHEDULES else "one stage per rank"
         raise ValueError(
-            f"--chunks {chunks} applies only to Interleaved1F1B; {SCHEDULE_TITLES[key]} runs one "
-            f"stage per rank (drop --chunks or use --schedule interleaved)"
+            f"--chunks {chunks} applies only to Interleaved1F1B; {SCHEDULE_TITLES[key]} runs {held} "
+            f"(drop --chunks or use --schedule interleaved)"
         )
     return generator(num_stages, microbatches)
+
+
+def placement(name: str, num_ranks: int, chunks: int | None = None) -> tuple[int, ...]:
+    """``stage -> rank`` of schedule ``name`` (a `SCHEDULES` name) over ``num_ranks`` ranks, without
+    generating its actions: the V for the V schedules (`v_placement`), else stage ``s`` on rank
+    ``s % num_ranks`` over ``num_ranks x stages_per_rank(name, chunks)`` stages. The same map as
+    ``get_schedule(...).stage_to_rank``, for the planner's floors and the benches."""
+    if name in V_SCHEDULES:
+        return v_placement(num_ranks)
+    return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank(name, chunks)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .gantt import draw_gantt
 from .generators import get_schedule
+from .printer import format_schedule
 from .simulator import DEFAULT_COSTS, CostSpec, complete_kinds, simulate
 
 __all__ = ["simulate_report"]
@@ -24,8 +25,9 @@ def simulate_report(
     one rank's share of the model; with ``chunks`` v > 1 each chunk's action takes 1/v of it,
     so schedules of the same model compare directly. A stage dict ``{stage: {...}}`` gives
     each schedule stage (chunk) its own costs, used as they are. ``gantt`` (a .png or .svg path)
-    also draws the timeline. Returns ``schedule, pp, microbatches, chunks, step_time,
-    bubble_fraction, peak_inflight`` (per stage). Bad names or sizes raise ``ValueError``.
+    also draws the timeline. Returns ``schedule, pp, microbatches, chunks, placement`` (each stage's
+    rank), ``step_time, bubble_fraction, peak_inflight`` (per stage), ``peak_inflight_rank`` (per rank,
+    its stages' at once) and ``grid`` (`format_schedule`'s text). Bad names or sizes raise ``ValueError``.
     """
     schedule = get_schedule(schedule_name, pp, microbatches, chunks=chunks)
     v = schedule.num_stages // schedule.num_ranks
@@ -43,7 +45,10 @@ def simulate_report(
         "pp": pp,
         "microbatches": microbatches,
         "chunks": v,
+        "placement": list(schedule.stage_to_rank),
         "step_time": timeline.step_time,
         "bubble_fraction": timeline.bubble_fraction,
         "peak_inflight": list(timeline.peak_inflight),
+        "peak_inflight_rank": list(timeline.peak_inflight_rank),
+        "grid": format_schedule(schedule),
     }

@@ -28,15 +28,18 @@ unequal ones; the planner (`mp_toolkit.partition.auto_schedule`) weighs the two 
 """
 from __future__ import annotations
 
+import functools
+
 from mp_toolkit.names import SCHEDULE_TITLES
 
 from .actions import Action, Kind, Schedule
 from .interleaved import insert_comms
+from .vshape import dualpipev
 
 __all__ = ["zbh1", "zb_drain", "split_share", "SPLIT_SCHEDULES"]
 
-SPLIT_SCHEDULES = ("zbh1", "zbdrain")
-"""The schedules (`run.config` names) that run backwards as ``I`` then ``W``."""
+SPLIT_SCHEDULES = ("zbh1", "zbdrain", "zbv", "dualpipev")
+"""The schedules (`run.config` names) that run backwards (all, or some) as ``I`` then ``W``."""
 
 
 def zbh1(num_stages: int, microbatches: int) -> Schedule:
@@ -67,16 +70,28 @@ def _one_stage_per_rank(name: str, p: int, m: int, compute_order) -> Schedule:
     return Schedule(name, p, m, tuple(range(p)), insert_comms(tuple(range(p)), compute))
 
 
-def split_share(schedule: str, stage: int, microbatches: int) -> float:
-    """The share of stage ``stage``'s backwards that ``schedule`` (a `run.config` name) runs as
-    ``I`` then ``W``: the engine then records what ``W`` needs, and a recomputed layer is rebuilt
-    in each of the two. The first stage never splits (its input is token ids: ``I`` has nothing
-    to compute, ``W`` runs the whole backward)."""
+def split_share(schedule: str, stage: int, microbatches: int, pp: int = 1) -> float:
+    """The share of stage ``stage``'s backwards that ``schedule`` (a `run.config` name, over ``pp``
+    ranks) runs as ``I`` then ``W``: the engine then records what ``W`` needs, and a recomputed layer
+    is rebuilt in each of the two. The first stage never splits (its input is token ids: ``I`` has
+    nothing to compute, ``W`` runs the whole backward)."""
     if stage == 0 or schedule not in SPLIT_SCHEDULES:
         return 0.0
-    if schedule == "zbh1":
+    if schedule in ("zbh1", "zbv"):
         return 1.0
+    if schedule == "dualpipev":  # the last backwards of each rank, counted off the schedule
+        return _dualpipev_shares(pp, microbatches)[stage]
     return min(stage, microbatches) / microbatches  # zbdrain
+
+
+@functools.lru_cache(maxsize=64)
+def _dualpipev_shares(pp: int, microbatches: int) -> tuple[float, ...]:
+    """Per stage, the share of its backwards DualPipeV runs as I then W (a planner asks per stage and layer)."""
+    splits = [0] * (2 * pp)
+    for acts in dualpipev(pp, microbatches).actions:
+        for a in acts:
+            splits[a.stage] += a.kind is Kind.I
+    return tuple(n / microbatches for n in splits)
 
 
 def _drain_compute_order(stage: int, p: int, m: int) -> list[Action]:
