@@ -7,6 +7,7 @@ import torch
 from model_zoo.gpt import GPT, GPTConfig, lm_loss
 from mp_toolkit.engine.pipeline import PipelineEngine
 from mp_toolkit.layers import LayerList
+from mp_toolkit.names import stages_per_rank
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.optim.settings import Optim
@@ -31,7 +32,8 @@ def _engine(cfg, world, optimizer="lamb", precision="fp32", scaler=None, m=3, cl
             lr=LR):
     torch.manual_seed(0)
     layers = LayerList.from_model(GPT(cfg))
-    return PipelineEngine(layers, build_context(world), uniform(len(layers), world), m, schedule,
+    stages = world * stages_per_rank(schedule)
+    return PipelineEngine(layers, build_context(world), uniform(len(layers), stages), m, schedule,
                           optimizer=lambda named: build_optimizer(Optim(optimizer, lr=lr, weight_decay=WD), named),
                           loss_fn=lm_loss, clip_grad=clip, precision=precision, loss_scaler=scaler)
 
@@ -75,21 +77,29 @@ def _same(a, b) -> bool:
     return all(map(torch.equal, pa, pb)) and all(map(torch.equal, ma, mb)) and same_state
 
 
-def overflow_on_one_stage(rank, world, hysteresis):
-    """Step 1 clean; step 2 with inf injected into one gradient of the LAST stage only."""
+def overflow_on_one_stage(rank, world, hysteresis, schedule="1f1b", m=3):
+    """Step 1 clean; step 2 with inf injected into one gradient of the LAST stage only (on whichever rank
+    holds it: the last under 1F1B, the first under a V)."""
     cfg = GPTConfig(**TINY)
     scaler = DynamicLossScaler(initial_scale_power=10, loss_scale_window=1000, hysteresis=hysteresis)
-    engine = _engine(cfg, world, "lamb", "fp16", scaler)
-    batches = make_batches(2, 3, cfg.vocab_size)
+    engine = _engine(cfg, world, "lamb", "fp16", scaler, m=m, schedule=schedule)
+    batches = make_batches(2, m, cfg.vocab_size)
     first = engine.train_batch(iter(batches[0]))
     before = _snapshot(engine)
-    if rank == world - 1:
-        victim = next(engine.stage.parameters())
+    last = engine.schedule.num_stages - 1
+    handle = None
+    if last in engine.stages:
+        victim = next(engine.stages[last].parameters())
         handle = victim.register_hook(lambda g: torch.full_like(g, float("inf")))
     second = engine.train_batch(iter(batches[1]))
-    if rank == world - 1:
+    if handle is not None:
         handle.remove()
     return first.skipped, second.skipped, _same(before, _snapshot(engine)), first.loss_scale, scaler.scale
+
+
+def overflow_cases(rank, world, cases):
+    """`overflow_on_one_stage` for several (hysteresis, schedule, m) in one world."""
+    return [overflow_on_one_stage(rank, world, *case) for case in cases]
 
 
 def precision_curve(rank, world, precision, steps):
@@ -103,5 +113,5 @@ def precision_curve(rank, world, precision, steps):
 
 
 def many_optimizers_oracle(rank, world, pairs):
-    """`lamb_clip_oracle` for several (optimizer, schedule) pairs in one world."""
-    return [lamb_clip_oracle(rank, world, optimizer, schedule) for optimizer, schedule in pairs]
+    """`lamb_clip_oracle` for several (optimizer, schedule[, m]) in one world."""
+    return [lamb_clip_oracle(rank, world, optimizer, schedule, 3, *m) for optimizer, schedule, *m in pairs]

@@ -13,7 +13,13 @@ import pytest
 
 from tests.dist_harness import run_world
 from tests.floor import K
-from tests.numerics_workers import lamb_clip_oracle, many_optimizers_oracle, overflow_on_one_stage, precision_curve
+from tests.numerics_workers import (
+    lamb_clip_oracle,
+    many_optimizers_oracle,
+    overflow_cases,
+    overflow_on_one_stage,
+    precision_curve,
+)
 
 
 @pytest.mark.parametrize("optimizer,schedule", [("lamb", "1f1b"), ("lars", "gpipe")])
@@ -29,13 +35,25 @@ def test_lamb_lars_with_clipping_bitwise_equal_unsplit(optimizer, schedule):
 
 def test_torch_optimizers_take_the_same_path_bitwise():
     """Adam and AdamW (fused kernels), Adagrad, RMSprop and SGD through masters, overflow check and
-    clipping, ZB-H1's split backward included: still exact."""
-    pairs = [("adam", "gpipe"), ("adagrad", "1f1b"), ("rmsprop", "zbh1"), ("sgd", "1f1b"), ("adamw", "zbh1")]
+    clipping, ZB-H1's split backward included, and LAMB and LARS where a rank holds stages far apart (the V
+    schedules, interleaved chunks: the per-tensor norms reduced in stage order, not rank order): still exact."""
+    pairs = [("adam", "gpipe"), ("adagrad", "1f1b"), ("rmsprop", "zbh1"), ("sgd", "1f1b"), ("adamw", "zbh1"),
+             ("lamb", "zbv"), ("lars", "dualpipev", 4), ("lamb", "interleaved", 4)]
     reports = run_world(many_optimizers_oracle, 2, pairs, timeout_s=180)
     for rank_reports in reports:
-        for (optimizer, _), (unequal, norms, ref_norms, trust) in zip(pairs, rank_reports):
+        for (optimizer, *_), (unequal, norms, ref_norms, trust) in zip(pairs, rank_reports):
             assert unequal == [], f"{optimizer}: not bitwise equal: {unequal}"
-            assert norms == ref_norms and trust is None
+            assert norms == ref_norms and (trust is None) == (optimizer not in ("lamb", "lars"))
+
+
+def test_overflow_under_a_v_skips_on_every_rank():
+    """ZB-V and DualPipeV: the last stage (with the LM head) is on rank 0 beside the first; an overflow there
+    makes both ranks skip, and nothing changes."""
+    reports = run_world(overflow_cases, 2, [(1, "zbv", 3), (1, "dualpipev", 4)], timeout_s=120)
+    for rank_reports in reports:
+        for first_skipped, second_skipped, unchanged, first_scale, scale_after in rank_reports:
+            assert not first_skipped and second_skipped and unchanged
+            assert first_scale == 1024.0 and scale_after == 512.0
 
 
 @pytest.mark.parametrize("hysteresis,expected_scale", [(1, 512.0), (2, 1024.0)])

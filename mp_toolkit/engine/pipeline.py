@@ -81,8 +81,10 @@ class PipelineEngine:
         ctx: this rank's ParallelContext.
         boundaries: partition ``[0, b1, ..., len(layer_list)]`` with ``ctx.pp * chunks`` stages.
         microbatches: m, micro-batches per global batch on each data-parallel replica.
-        schedule: schedule name ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain"), or the `Schedule`
-            itself (``microbatches`` and ``chunks`` must be its own).
+        schedule: schedule name ("gpipe", "1f1b", "interleaved", "zbh1", "zbdrain", "zbv", "dualpipev"), or the
+            `Schedule` itself (``microbatches`` and ``chunks`` must be its own). The schedule's ``stage_to_rank``
+            places the stages: this rank builds those on its pipeline rank, a neighbour on the same rank takes
+            its activations and gradients locally, the loss is reported from the last stage's rank.
         optimizer: callable([(name, param), ...]) -> torch.optim.Optimizer over this stage's
             (fp32 master) parameters, named as in the unsplit LayerList (LAMB / LARS built with
             ``tp_group=ctx.tp_group``, so their trust ratios use whole-tensor norms).
@@ -92,7 +94,8 @@ class PipelineEngine:
         precision: "fp32", "fp16" or "bf16": the dtype the stage computes and communicates in;
             the optimizer always holds fp32 masters.
         loss_scaler: scaler of the loss before backward (fp16); None means a scale of 1.
-        chunks: model chunks per rank (interleaved 1F1B); stage s runs on pipeline rank s % pp.
+        chunks: stages per rank (`mp_toolkit.names.stages_per_rank`; None: the schedule's default):
+            interleaved 1F1B's model chunks (stage s on pipeline rank s % pp), 2 for the V schedules.
         dp_bucket_bytes: size of the data-parallel gradient buckets (fp32 bytes).
         free_sent_outputs: free a stage output's storage once its send to the next stage's rank
             has completed, keeping its autograd graph for the backward (Megatron-LM's
@@ -108,7 +111,7 @@ class PipelineEngine:
     def __init__(self, layer_list: LayerList, ctx: ParallelContext, boundaries: Sequence[int],
                  microbatches: int, schedule: str | Schedule, optimizer: Callable, loss_fn: Callable,
                  clip_grad: float | None = None, precision: str = "fp32",
-                 loss_scaler: DynamicLossScaler | None = None, chunks: int = 1,
+                 loss_scaler: DynamicLossScaler | None = None, chunks: int | None = None,
                  dp_bucket_bytes: int = BUCKET_BYTES, free_sent_outputs: bool = True, zero: int = 0):
         if ctx.tp > 1 and not any(is_tensor_parallel(p) for p in layer_list.parameters()):
             raise ValueError(f"tp={ctx.tp} but no parameter of the layer list is tensor-parallel: "
@@ -119,7 +122,7 @@ class PipelineEngine:
         n_stages = self.schedule.num_stages
         if len(boundaries) != n_stages + 1:
             raise ValueError(f"partition {list(boundaries)} has {len(boundaries) - 1} stages, expected {n_stages}"
-                             f" (--pp {ctx.pp} x --chunks {chunks})")
+                             f" (--pp {ctx.pp} x {n_stages // ctx.pp} stages per rank)")
         self.ctx, self.boundaries, self.microbatches = ctx, list(boundaries), microbatches
         dtype = precision_dtype(precision)
         self.stages = {s: layer_list.slice(boundaries[s], boundaries[s + 1], s).to(ctx.device, dtype)
@@ -149,8 +152,12 @@ class PipelineEngine:
             self.optimizer = optimizer([(n, m) for (n, _), m in zip(named, self.masters.master)])
             self.dp_grads = (DataParallelGrads(self._dp_param_sets(), ctx.grad_group, dp_bucket_bytes)
                              if ctx.grad_group is not None else None)
+        stage_of: dict[int, int] = {}
+        for index in sorted(self.stages):  # a parameter of two local stages (a tie) counts at the first
+            for _, p in self.stages[index].named_layer_parameters():
+                stage_of.setdefault(id(p), index)
         self.step = OptimizerStep(ctx, self.masters, self.optimizer, self.ties, clip_grad, loss_scaler,
-                                  self.dp_grads)
+                                  self.dp_grads, stage_of)
         self.free_sent_outputs = free_sent_outputs
         # what each stage receives, agreed per shape of the first stage's inputs (micro-batches may
         # differ in length, within a run and across runs: `mp_toolkit.engine.shapes`)

@@ -76,14 +76,19 @@ class OptimizerStep:
 
     ``dp_grads`` averages the model gradients over the data-parallel group (None when dp == 1);
     under ZeRO-1 ``masters`` are `ShardedMasters` and ``dp_grads`` their `ShardedGrads`.
+    ``stage_of``: per model parameter (by ``id``) the stage it first appears in, so that the global
+    norm reduces the per-tensor norms in the unsplit model's order whatever the placement
+    (`optim.clip.global_grad_norm`'s keys); None: in rank order.
     """
 
     def __init__(self, ctx: ParallelContext, masters: MasterWeights | ShardedMasters, optimizer: torch.optim.Optimizer,
                  ties: TiedGradients, clip_grad: float | None, scaler: DynamicLossScaler | None,
-                 dp_grads: DataParallelGrads | ShardedGrads | None = None):
+                 dp_grads: DataParallelGrads | ShardedGrads | None = None, stage_of: dict[int, int] | None = None):
         self.ctx, self.masters, self.optimizer, self.ties = ctx, masters, optimizer, ties
         self.clip_grad, self.scaler, self.dp_grads = clip_grad, scaler, dp_grads
-        self.counted = [masters.of(p) for p in masters.model if ties.counted_in_norm(p)]
+        model = [p for p in masters.model if ties.counted_in_norm(p)]
+        self.counted = [masters.of(p) for p in model]
+        self.keys = None if stage_of is None else [stage_of[id(p)] for p in model]
         self.partial = [p for p in masters.model if is_sequence_parallel(p)]
 
     def _sum_partial_grads(self) -> None:
@@ -113,8 +118,9 @@ class OptimizerStep:
         if isinstance(self.masters, ShardedMasters):
             return partitioned_grad_norm([m for m in self.counted if m.grad is not None], counted,
                                          count_replicated=self.ctx.tp_rank == 0, device=self.ctx.device)
+        keys = None if self.keys is None else [k for m, k in zip(self.counted, self.keys) if m.grad is not None]
         return global_grad_norm(self.counted, group=self.ctx.model_group, device=self.ctx.device,
-                                tp_group=self.ctx.tp_group, norms=counted)
+                                tp_group=self.ctx.tp_group, norms=counted, keys=keys)
 
     @property
     def loss_scale(self) -> float:

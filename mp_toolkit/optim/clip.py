@@ -3,10 +3,11 @@ test (`has_inf_or_nan`) that reuses its per-tensor norms (DESIGN.md invariant 6)
 
 The arithmetic is `torch.nn.utils.clip_grad_norm_`'s, spread over ranks: each rank takes the
 2-norm of each of its gradients (`tensor_norms`, one multi-tensor pass that the step's inf/nan
-test reuses), the per-tensor norms of all ranks are gathered in rank order
-(= stage order, as the stages' parameters follow the unsplit model's order), and every rank
-reduces that same vector the same way, so all ranks hold the same norm and, for pipeline-only
-runs, the very bits `clip_grad_norm_` computes on the unsplit model. The coefficient is
+test reuses), the per-tensor norms of all ranks are gathered and put in stage order (each norm
+keyed by its stage; a rank's parameters follow the unsplit model's order within its stages, and a
+rank may hold stages far apart: interleaved chunks, the V schedules), and every rank reduces that
+same vector the same way, so all ranks hold the same norm and, for pipeline-only runs, the very
+bits `clip_grad_norm_` computes on the unsplit model. The coefficient is
 ``clamp(max_norm / (norm + 1e-6), max=1)`` in fp32, as torch's.
 
 Tensor parallelism (``tp_group`` given): a shard's norm becomes its whole tensor's norm,
@@ -23,7 +24,7 @@ is counted on one stage (`mp_toolkit.engine.ties`); every tp rank passes the sam
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,13 +71,15 @@ def tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def global_grad_norm(counted: Iterable[torch.Tensor], group=None, device=None, tp_group=None,
-                     norms: torch.Tensor | None = None) -> torch.Tensor:
+                     norms: torch.Tensor | None = None, keys: Sequence[int] | None = None) -> torch.Tensor:
     """The 2-norm of all counted gradients of every rank in ``group`` (None: this rank alone).
 
     ``group`` is the model-parallel group (pp x tp) of this replica; ``tp_group`` this rank's
     tensor-parallel group, or None without tensor parallelism (the pipeline-only path is bitwise
     `clip_grad_norm_`'s). ``norms``: the `tensor_norms` of the counted gradients (of the tensors
     that have one, in order) when the caller already took them, so no second pass reads them.
+    ``keys``: per counted gradient with a norm, its stage: the gathered norms are reduced in key order
+    (stable), the unsplit model's; None: in rank order.
     """
     params = [p for p in counted if p.grad is not None]
     device = device or (params[0].grad.device if params else torch.device("cpu"))
@@ -85,8 +88,12 @@ def global_grad_norm(counted: Iterable[torch.Tensor], group=None, device=None, t
     if len(norms) != len(params):
         raise ValueError(f"global_grad_norm: {len(norms)} norms for {len(params)} gradients")
     norms = whole_tensor_norms(norms.to(device), [is_tensor_parallel(p) for p in params], tp_group)
+    order = None if keys is None else torch.tensor(list(keys), dtype=torch.float64, device=device)[:len(norms)]
     if group is not None:
         norms = gather_ragged(norms, group)
+        order = None if order is None else gather_ragged(order, group)
+    if order is not None:
+        norms = norms[torch.argsort(order, stable=True)]
     return torch.linalg.vector_norm(norms, 2.0)
 
 
