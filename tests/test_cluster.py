@@ -236,17 +236,20 @@ def test_tp_stays_in_a_node_and_dp_leaves_it_past_the_node():
 
 def test_pipeline_hops_cross_nodes_at_the_node_boundaries():
     intra, inter = Link(**INTRA), Link(**INTER)
-    # tp=2, dp=1, pp=4 on nodes of 4: stages on ranks (0,1) (2,3) | (4,5) (6,7)
-    assert [place(2, 1, 4).hop_link(s) for s in range(4)] == [intra, inter, intra, inter]  # 3 -> 0 wraps
+    # tp=2, dp=1, pp=4 on nodes of 4: pipeline ranks on devices (0,1) (2,3) | (4,5) (6,7)
+    hops = [(r, (r + 1) % 4) for r in range(4)]  # interleaved chunks: 3 -> 0 wraps
+    assert [place(2, 1, 4).hop_link(*h) for h in hops] == [intra, inter, intra, inter]
+    # a V (ranks 0 1 2 3 3 2 1 0): the turn at rank 3 is no message; 3 -> 2 inside node 1, 2 -> 1 crosses back
+    assert [place(2, 1, 4).hop_link(3, 2), place(2, 1, 4).hop_link(2, 1)] == [intra, inter]
     # tp=2, dp=2, pp=2: one stage per node
-    assert [place(2, 2, 2).hop_link(s) for s in range(2)] == [inter, inter]
+    assert [place(2, 2, 2).hop_link(*h) for h in ((0, 1), (1, 0))] == [inter, inter]
     # tp=1, dp=1, pp=3: all on node 0, the wrap too
-    assert [place(1, 1, 3).hop_link(s) for s in range(3)] == [intra, intra, intra]
-    # the rule: hop s crosses exactly where tp x dp x (s + 1) is a multiple of the node's devices
+    assert [place(1, 1, 3).hop_link(r, (r + 1) % 3) for r in range(3)] == [intra, intra, intra]
+    # the rule: hop r -> r + 1 crosses exactly where tp x dp x (r + 1) is a multiple of the node's devices
     for tp, dp, pp, g in [(1, 1, 8, 4), (1, 2, 4, 4), (2, 1, 8, 8), (1, 1, 6, 2), (2, 2, 4, 8)]:
-        for s in range(pp):
-            crosses = tp * dp * (s + 1) % g == 0
-            assert place(tp, dp, pp, g).hop_link(s) == (inter if crosses else intra), (tp, dp, pp, g, s)
+        for r in range(pp):
+            crosses = tp * dp * (r + 1) % g == 0
+            assert place(tp, dp, pp, g).hop_link(r, (r + 1) % pp) == (inter if crosses else intra), (tp, dp, pp, g, r)
 
 
 def test_a_cpu_rank_gets_its_share_of_the_cores():

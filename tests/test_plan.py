@@ -118,7 +118,9 @@ def test_plan_json_has_exactly_the_documented_fields():
                       "max_stage_time_ms", "bubble_fraction", "step_time_ms", "tokens_per_s", "rank_memory_bytes",
                       "mfu", "profile"}
     assert set(p["layers"][0]) == {"name", "params", "flops_fwd", "activation_bytes"}
-    assert set(p["stages"][0]) == {"index", "first_layer", "last_layer", "params", "time_ms", "memory_bytes"}
+    assert set(p["stages"][0]) == {"index", "rank", "first_layer", "last_layer", "params", "time_ms",
+                                   "memory_bytes"}
+    assert [s["rank"] for s in p["stages"]] == [0, 1]
     names = [layer["name"] for layer in p["layers"]]
     assert names == ["embed", "h.0", "h.1", "h.2", "h.3", "ln_f", "lm_head"]
     first, last = p["stages"]

@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from mp_toolkit.names import stages_per_rank
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.auto_schedule import CANDIDATES, DEFAULT_CANDIDATES, fastest_schedule
 from mp_toolkit.partition.memory import MemoryCapError, StageMemory
@@ -167,7 +168,7 @@ def test_train_schedule_auto_resolves_alike_and_says_so():
     first, line = resolve_auto_schedule(cfg)
     again, _ = resolve_auto_schedule(cfg)
     assert first == again and first.parallel.schedule in CANDIDATES and line.startswith("--schedule auto: ")
-    assert (first.parallel.chunks == 2) == (first.parallel.schedule == "interleaved")
+    assert first.parallel.chunks == stages_per_rank(first.parallel.schedule)
 
 
 def cpu_profile(tmp_path, tflops: float) -> str:
@@ -181,23 +182,29 @@ def cpu_profile(tmp_path, tflops: float) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("tflops,microbatches,expected", [(0.05, 4, "zbdrain"), (0.05, 8, "zbdrain"),
-                                                          (1.0, 4, "zbh1"), (1.0, 8, "zbdrain"), (10.0, 8, "zbh1")])
+@pytest.mark.parametrize("tflops,microbatches,expected,one_per_rank", [
+    (0.05, 4, "zbv", "zbdrain"), (0.05, 8, "dualpipev", "zbdrain"), (1.0, 4, "zbv", "zbh1"),
+    (1.0, 8, "dualpipev", "zbdrain"), (10.0, 8, "zbv", "zbh1")])
 def test_a_run_naming_no_schedule_takes_the_planners_pick_at_its_device_rate(tmp_path, tflops, microbatches,
-                                                                             expected):
-    """Issues 23 and 36: without --schedule our engine at pp > 1 runs what the planner predicts fastest of 1F1B,
-    ZB-drain, ZB-H1 and interleaved on the run's own cut, at its device profile's rate: the split's cost and the
-    messages weigh differently against compute at 0.05, 1 and 10 TFLOP/s (at 8 micro-batches ZB-drain at 1,
-    ZB-H1 at 10); DeepSpeed's engine, one stage, or a named schedule keep theirs."""
+                                                                             expected, one_per_rank):
+    """Issues 23, 36 and 38: without --schedule our engine at pp > 1 runs what the planner predicts fastest of
+    1F1B, ZB-drain, ZB-H1, interleaved, ZB-V and DualPipeV on the run's own cut, at its device profile's rate:
+    the split's cost and the messages weigh differently against compute at 0.05, 1 and 10 TFLOP/s (at 8
+    micro-batches DualPipeV, which splits only its last backwards, at 1; ZB-V at 10). Where the run fixes the
+    cut (--partition boundaries) only one stage per rank is weighed: ZB-drain at 1, ZB-H1 at 10. DeepSpeed's
+    engine, one stage, or a named schedule keep theirs."""
     cfg = TrainConfig.of(model="gpt-small-cpu", pp=2, micro_batch=8, seq_len=128, microbatches=microbatches,
                          cluster=cpu_profile(tmp_path, tflops))
     picked, line = default_schedule(cfg)
     _, auto_line = resolve_auto_schedule(cfg, candidates=DEFAULT_CANDIDATES)
     times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) ms", auto_line)}
     assert set(times) == set(DEFAULT_CANDIDATES) and picked.parallel.schedule == min(times, key=times.get)
-    assert picked.parallel.schedule == expected and picked.parallel.chunks == 1
+    assert picked.parallel.schedule == expected and picked.parallel.chunks == stages_per_rank(expected)
     assert "--schedule 1f1b to keep 1F1B" in line
-    assert picked.replace(schedule="1f1b") == cfg  # nothing else changes: the cut is --partition's
+    assert picked.replace(schedule="1f1b", chunks=1) == cfg  # nothing else changes: the cut is --partition's
+    bounds = ",".join(map(str, validate(cfg).boundaries))  # 1F1B's cut named: the V schedules cannot take it
+    fixed = cfg.replace(partition=bounds)
+    assert default_schedule(fixed)[0].parallel.schedule == one_per_rank
     for kept in (cfg.replace(engine="deepspeed"), cfg.replace(pp=1), cfg.replace(schedule="gpipe")):
         assert default_schedule(kept) == (kept, None)
 
@@ -217,7 +224,7 @@ def test_without_memory_gb_the_device_capacity_rules_schedules_out(tmp_path):
 def test_a_run_naming_no_schedule_weighs_interleaved_where_the_cut_is_the_planners():
     """bert-base at pp 2 (its heads a light last chunk) gets interleaved x2 by default, re-cut into 4 stages
     by --partition; a run that fixes the cut, counts recomputed layers per stage or names --chunks keeps
-    the one-stage-per-rank candidates."""
+    the one-stage-per-rank candidates (the V schedules re-cut too)."""
     cfg = TrainConfig.of(model="bert-base", pp=2, micro_batch=8, seq_len=128, microbatches=8)
     picked, line = default_schedule(cfg)
     times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) ms", line)}
@@ -226,7 +233,7 @@ def test_a_run_naming_no_schedule_weighs_interleaved_where_the_cut_is_the_planne
     assert min(times, key=times.get) == "interleaved"
     # pp x chunks stages over bert-base's 14 layers
     assert validate(picked).boundaries[-1] == 14 and len(validate(picked).boundaries) == 5
-    one_per_rank = tuple(c for c in DEFAULT_CANDIDATES if c != "interleaved")
+    one_per_rank = tuple(c for c in DEFAULT_CANDIDATES if stages_per_rank(c) == 1)
     for fixed in (cfg.replace(partition="0,7,14"), cfg.replace(recompute="full", recompute_layers=(1, 2)),
                   cfg.replace(chunks=3)):
         assert default_candidates(fixed) == one_per_rank

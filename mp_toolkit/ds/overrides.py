@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from mp_toolkit.ds.config import read_ds_config
+from mp_toolkit.names import stages_per_rank
 from mp_toolkit.run.config import ConfigError, Parallel, TrainConfig
 
 _FLAG_NAMES = {"timeout_s": "--timeout", "hang_timeout_s": "--hang-timeout", "progress": "--no-progress",
@@ -46,7 +47,7 @@ def merge(given: dict, from_file: dict) -> TrainConfig:
     if "model" in given and "hf" in given:
         raise ConfigError(f"--model {given['model']} and --hf {given['hf']} both name the model: give one of them")
     merged = {**from_file, **given}
-    merged.setdefault("chunks", 2 if merged.get("schedule", Parallel.schedule) == "interleaved" else 1)
+    merged.setdefault("chunks", stages_per_rank(merged.get("schedule", Parallel.schedule)))
     return TrainConfig.of(**merged)
 
 

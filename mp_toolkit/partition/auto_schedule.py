@@ -1,29 +1,30 @@
-"""``--schedule auto``: the fastest predicted schedule among GPipe, 1F1B, interleaved 1F1B, ZB-drain and
-ZB-H1 that fits the memory cap.
+"""``--schedule auto``: the fastest predicted schedule among GPipe, 1F1B, interleaved 1F1B, ZB-drain,
+ZB-H1, ZB-V and DualPipeV that fits the memory cap.
 
 Each candidate is planned in full (`planner.make_plan`: its own cut, in-flight memory, simulated
 timeline with messages, optimizer step); a candidate fits when no rank is over ``memory_gb`` (and
 its cut exists: ``method`` memory raises when nothing fits); with a device profile and no cap, the
 device's capacity is the cap (`Plan.fits`). Interleaved runs with ``chunks`` model
 chunks per rank (2 unless the request names more) where the micro-batches are a multiple of pp and
-the layers suffice. Ties go to the earlier candidate in the order above (the simpler schedule):
+the layers suffice; ZB-V and DualPipeV with two stages per rank in a V (DualPipeV where there are at
+least 2 pp micro-batches). Ties go to the earlier candidate in the order above (the simpler schedule):
 `mp_toolkit.names.SCHEDULES`' order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mp_toolkit.names import SCHEDULES
+from mp_toolkit.names import SCHEDULES, stages_per_rank
 
 from .cost import CostModelError
 from .planner import GB, Plan, PlanRequest, make_plan
 from .solvers import PartitionError
 
 CANDIDATES = SCHEDULES
-DEFAULT_CANDIDATES = ("1f1b", "zbdrain", "zbh1", "interleaved")
-"""What `mpt train` weighs when no schedule is named (issue 23), 1F1B first so a tie keeps it and
-interleaved last (it re-cuts the model into pp x chunks stages: `run.recompute_plan.default_schedule`
-leaves it out where the run fixes the cut or per-stage counts)."""
+DEFAULT_CANDIDATES = ("1f1b", "zbdrain", "zbh1", "interleaved", "zbv", "dualpipev")
+"""What `mpt train` weighs when no schedule is named (issues 23, 38), 1F1B first so a tie keeps it and
+those of several stages per rank last (they re-cut the model into pp x 2 stages:
+`run.recompute_plan.default_schedule` leaves them out where the run fixes the cut or per-stage counts)."""
 
 
 @dataclass
@@ -44,7 +45,7 @@ def fastest_schedule(req: PlanRequest, candidates: tuple[str, ...] = CANDIDATES)
     (one line, each candidate's reason) when none does."""
     considered, best = {}, None
     for schedule in candidates:
-        chunks = max(req.chunks, 2) if schedule == "interleaved" else 1
+        chunks = max(req.chunks, 2) if schedule == "interleaved" else stages_per_rank(schedule)
         try:
             plan = make_plan(replace(req, schedule=schedule, chunks=chunks))
         except (PartitionError, CostModelError) as e:

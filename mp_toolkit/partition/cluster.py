@@ -194,13 +194,12 @@ class Placement:
     def dp_link(self) -> Link:
         return self._link(self.tp * self.dp > self.cluster.devices_per_node)
 
-    def hop_link(self, stage: int) -> Link:
-        """The link from pipeline stage ``stage``'s ranks to stage ``stage + 1``'s (stages past pp
-        wrap around, as interleaved chunks do)."""
+    def hop_link(self, rank: int, nxt: int) -> Link:
+        """The link from pipeline rank ``rank``'s devices to pipeline rank ``nxt``'s (the ranks of two
+        neighbouring stages: the schedule's ``stage_to_rank`` places them)."""
         g, span = self.cluster.devices_per_node, self.tp * self.dp
-        first = (stage % self.pp) * span
-        nxt = ((stage + 1) % self.pp) * span
-        return self._link(any((first + i) // g != (nxt + i) // g for i in range(span)))
+        first, second = rank * span, nxt * span
+        return self._link(any((first + i) // g != (second + i) // g for i in range(span)))
 
 
 def _positive(where: str, value, integer: bool = False, zero_ok: bool = False) -> float:

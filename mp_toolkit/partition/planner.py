@@ -19,6 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from mp_toolkit.names import V_SCHEDULES
 from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
 from mp_toolkit.schedule import SPLIT_SCHEDULES, get_schedule, simulate
 from mp_toolkit.schedule.simulator import prepare
@@ -39,6 +40,7 @@ from .rates import Rates, rates_of
 from .recompute import apply_to_plan, choose_recompute
 from .request import PLAN_METHODS, PlanRequest, check_request
 from .solvers import PartitionError, explicit, min_max, uniform
+from .vcut import min_max_v
 
 SPLIT_OVERHEAD = 0.10
 """What a backward run as ``I`` then ``W`` costs beyond the backward it replaces, as a share of it,
@@ -98,15 +100,17 @@ class Plan:
     def to_json(self) -> dict:
         """Exactly the fields ``mpt plan --json`` writes (issue 3, item 5)."""
         r = self.request
+        to_rank = self.timeline.schedule.stage_to_rank if self.timeline is not None else [
+            s.index % r.pp for s in self.stages]
         return {
             "pp": r.pp, "tp": r.tp, "dp": r.dp, "cp": r.cp, "sequence_parallel": r.sequence_parallel,
             "schedule": r.schedule,
             "method": r.method,
             "layers": [{"name": c.name, "params": c.params, "flops_fwd": c.flops_fwd,
                         "activation_bytes": c.activation_bytes} for c in self.layers],
-            "stages": [{"index": s.index, "first_layer": s.first_layer, "last_layer": s.last_layer,
-                        "params": s.params, "time_ms": s.time_ms, "memory_bytes": s.memory_bytes}
-                       for s in self.stages],
+            "stages": [{"index": s.index, "rank": to_rank[s.index], "first_layer": s.first_layer,
+                        "last_layer": s.last_layer, "params": s.params, "time_ms": s.time_ms,
+                        "memory_bytes": s.memory_bytes} for s in self.stages],
             "max_stage_time_ms": self.max_stage_time_ms, "bubble_fraction": self.bubble_fraction,
             "step_time_ms": self.step_time_ms, "tokens_per_s": self.tokens_per_s,
             "rank_memory_bytes": self.rank_bytes, "mfu": self.mfu,
@@ -209,19 +213,21 @@ def tp_seconds(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rate
 
 def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float]],
         memory: StageMemory | None, num_stages: int) -> list[int]:
-    """Boundaries by ``req.method`` (or ``req.boundaries`` when given)."""
+    """Boundaries by ``req.method`` (or ``req.boundaries`` when given). Under a V schedule the balancing
+    methods balance ranks, each the sum of its two stages (`solvers.min_max_v`); else stages."""
     n = len(costs)
     if req.boundaries is not None:
         return explicit(list(req.boundaries), n, num_stages)
     m = req.method
+    balance = (lambda w, k: min_max_v(w, req.pp)) if req.schedule in V_SCHEDULES else min_max
     if m == "uniform":
         return uniform(n, num_stages)
     if m == "parameters":
-        return min_max([c.params for c in costs], num_stages)
+        return balance([c.params for c in costs], num_stages)
     if m == "flops":
-        return min_max([c.flops_fwd + c.flops_bwd for c in costs], num_stages)
+        return balance([c.flops_fwd + c.flops_bwd for c in costs], num_stages)
     if m == "time":
-        return min_max([f + b for f, b in times], num_stages)
+        return balance([f + b for f, b in times], num_stages)
     if m.startswith("type:"):
         try:
             regex = re.compile(m[5:], re.IGNORECASE)  # DeepSpeed matches class names case-insensitively
@@ -231,7 +237,7 @@ def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float
         if not any(weights):
             kinds = sorted({c.kind for c in costs})
             raise PartitionError(f"--method {m} matches no layer class: the classes are {', '.join(kinds)}")
-        return min_max(weights, num_stages)
+        return balance(weights, num_stages)
     if m == "memory":
         if req.memory_gb is None:
             raise PartitionError("--method memory needs --memory-gb, the per-device cap")
@@ -330,7 +336,8 @@ def make_plan(req: PlanRequest) -> Plan:
     def message_bytes(action) -> float:  # F sends the stage's output, B the gradient of its input
         return out_bytes[action.stage] if action.kind.value == "SEND_F" else out_bytes[action.stage - 1]
 
-    hops = [rates.hop(s) for s in range(num_stages)]
+    to_rank = schedule.stage_to_rank
+    hops = [rates.hop(to_rank[s], to_rank[s + 1]) for s in range(num_stages - 1)]
 
     def transfer(action) -> tuple[float, float]:  # ms: the link between the two stages
         link = hops[min(action.stage, action.peer_stage)]

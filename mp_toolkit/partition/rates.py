@@ -84,9 +84,10 @@ class Rates:
     """What a step of several ranks adds beside its schedule and optimizer (the profile's
     ``step_overhead_us``; 0 at one rank)."""
 
-    def hop(self, stage: int) -> Link:
-        """The link a message between stage ``stage`` and ``stage + 1`` crosses."""
-        return self.tp if self.placement is None else self.placement.hop_link(stage)
+    def hop(self, rank: int, nxt: int) -> Link:
+        """The link a message between pipeline ranks ``rank`` and ``nxt`` crosses (two neighbouring stages'
+        ranks, by the schedule's placement)."""
+        return self.tp if self.placement is None else self.placement.hop_link(rank, nxt)
 
     @property
     def tensor_capacity(self) -> int | None:

@@ -232,7 +232,7 @@ def choose_recompute(req, shape: ModelShape, costs: Sequence[LayerCost], times: 
                              f"use --recompute full")
     rc = recompute_costs(shape, costs, times, req.micro_batch, req.seq_len // req.cp, ACT_BYTES[req.precision], req.tp)
     per_layer = [f + b for f, b in times]
-    split = [split_share(req.schedule, j, req.microbatches) for j in range(num_stages)]
+    split = [split_share(req.schedule, j, req.microbatches, req.pp) for j in range(num_stages)]
     if mode == "auto":
         if req.method != "memory" or req.memory_gb is None:
             raise PartitionError("--recompute auto chooses with the cut under a memory cap: use --method memory "
@@ -268,7 +268,7 @@ def apply_to_plan(req, shape: ModelShape, costs: Sequence[LayerCost], times: Seq
         if full:
             ws[i] = max(ws[i], rc.full_workspace[i])
         extra = rc.full_s[i] if full else rc.selective_s[i]
-        runs = 1 + split_share(req.schedule, stage_of[i], req.microbatches)
+        runs = 1 + split_share(req.schedule, stage_of[i], req.microbatches, req.pp)
         times[i] = (times[i][0], times[i][1] + runs * extra)
         if split is not None:
             split[i] = (split[i][0] + extra, split[i][1] + extra)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mp_toolkit.errors import PartitionError
-from mp_toolkit.names import PLAN_METHODS, PRECISIONS, SCHEDULES
+from mp_toolkit.names import PLAN_METHODS, PRECISIONS, SCHEDULES, V_SCHEDULES, stages_per_rank
 
 if TYPE_CHECKING:  # the argument's types only
     from .cluster import ClusterProfile
@@ -49,7 +49,8 @@ class PlanRequest:
     RMSprop make a decayed copy of the gradients in each step (4 bytes per parameter) unless it is 0."""
     schedule: str = "1f1b"
     chunks: int = 1
-    """Model chunks per rank (interleaved)."""
+    """Stages per rank: model chunks of the interleaved schedule, 2 for the V schedules, else 1
+    (`mp_toolkit.names.stages_per_rank`)."""
     tflops: float | None = None
     """Throughput turning FLOPs into time; None measures a GEMM on this machine."""
     measure: bool = False
@@ -133,8 +134,12 @@ def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: 
     if stages > layers:
         what = f"--pp {req.pp}" if req.chunks == 1 else f"--pp {req.pp} x --chunks {req.chunks} = {stages} stages"
         raise PartitionError(f"{what} exceeds the model's {layers} layers: use at most {layers}")
-    if req.chunks > 1 and req.schedule != "interleaved":
-        raise PartitionError(f"--chunks {req.chunks} needs --schedule interleaved")
+    if req.schedule != "interleaved" and req.chunks != stages_per_rank(req.schedule):
+        held = "two stages per rank in a V" if req.schedule in V_SCHEDULES else "one stage per rank"
+        raise PartitionError(f"--chunks {req.chunks} needs --schedule interleaved: {req.schedule} runs {held}")
+    if req.schedule == "dualpipev" and req.microbatches < 2 * req.pp:
+        raise PartitionError(f"--schedule dualpipev needs --microbatches >= 2 x --pp = {2 * req.pp}, "
+                             f"got {req.microbatches}")
     if req.schedule == "interleaved" and req.chunks > 1 and req.microbatches % req.pp:
         raise PartitionError(f"--schedule interleaved needs --microbatches a multiple of --pp {req.pp}, "
                              f"got {req.microbatches}")

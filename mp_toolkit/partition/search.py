@@ -42,8 +42,9 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from mp_toolkit.arch.architectures import ARCHITECTURES
+from mp_toolkit.names import V_SCHEDULES, stages_per_rank
 from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
-from mp_toolkit.schedule import SPLIT_SCHEDULES
+from mp_toolkit.schedule import SPLIT_SCHEDULES, placement
 
 from .cluster import ClusterProfile
 from .cost import ACT_BYTES, CostModelError, bytes_per_param, layer_costs, model_shape
@@ -52,10 +53,11 @@ from .rates import rates_of
 from .recompute import recompute_costs
 from .request import MAX_MICROBATCHES
 from .solvers import PartitionError, min_max
+from .vcut import min_max_v
 
 __all__ = ["Layout", "SearchRequest", "SearchResult", "enumerate_layouts", "search"]
 
-SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbdrain", "zbh1")
+SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbdrain", "zbh1", "zbv", "dualpipev")
 SEARCH_RECOMPUTE = ("none", "selective", "full", "auto")
 
 
@@ -201,10 +203,13 @@ def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: in
             yield None, f"more than {MAX_MICROBATCHES} micro-batches"
             continue
         for schedule in req.schedules if pp > 1 else ("1f1b",):
-            chunks = 2 if schedule == "interleaved" else 1
-            if chunks > 1 and (m % pp or pp * chunks > layers):
-                yield None, ("interleaved: micro-batches not a multiple of pp" if m % pp
-                             else "more stages than layers")
+            chunks = stages_per_rank(schedule)
+            why = ("more stages than layers" if pp * chunks > layers
+                   else "interleaved: micro-batches not a multiple of pp" if schedule == "interleaved" and m % pp
+                   else "dualpipev: fewer micro-batches than 2 x pp" if schedule == "dualpipev" and m < 2 * pp
+                   else None)
+            if why is not None:
+                yield None, why
                 continue
             for rec in req.recompute:
                 if rec == "selective" and not arch.selective:
@@ -230,11 +235,12 @@ class _Floors:
             self._costs[key] = layer_costs(shape, mb, self.req.seq_len, self.req.precision, tp, sp, cp)
         return self._costs[key]
 
-    def cut(self, tp: int, mb: int, stages: int, cp: int = 1) -> list[int]:
-        """`make_plan`'s flops cut."""
-        key = (tp, mb, stages, cp)
+    def cut(self, tp: int, mb: int, stages: int, cp: int = 1, v: bool = False) -> list[int]:
+        """`make_plan`'s flops cut (``v``: a V schedule's, which balances ranks of two stages)."""
+        key = (tp, mb, stages, cp, v)
         if key not in self._cuts:
-            self._cuts[key] = min_max([c.flops_fwd + c.flops_bwd for c in self.costs(tp, mb, cp)], stages)
+            flops = [c.flops_fwd + c.flops_bwd for c in self.costs(tp, mb, cp)]
+            self._cuts[key] = min_max_v(flops, stages // 2) if v else min_max(flops, stages)
         return self._cuts[key]
 
     def kept_full(self, tp: int, mb: int, cp: int = 1) -> list[int]:
@@ -254,8 +260,9 @@ class _Floors:
         if lay.recompute == "auto":  # any cut; every stage holds at least one micro-batch's layer inputs
             per_rank = (sum(static) + sum(self.kept_full(lay.tp, lay.micro_batch, lay.cp))) / lay.pp
         else:
-            bounds = self.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks, lay.cp)
-            per_rank = max(sum(sum(static[bounds[s]:bounds[s + 1]]) for s in range(r, len(bounds) - 1, lay.pp))
+            bounds = self.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks, lay.cp, lay.schedule in V_SCHEDULES)
+            to_rank = placement(lay.schedule, lay.pp, lay.chunks)
+            per_rank = max(sum(sum(static[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1) if to_rank[s] == r)
                            for r in range(lay.pp))
         return rates.device_bytes(int(per_rank))
 
@@ -264,7 +271,7 @@ class _Floors:
         the schedule (`planner.step_overhead_ms`) exactly as `make_plan` adds it."""
         costs, tflops = self.costs(lay.tp, lay.micro_batch, lay.cp), rates.tflops
         stages = lay.pp * lay.chunks
-        bounds = self.cut(lay.tp, lay.micro_batch, stages, lay.cp)
+        bounds = self.cut(lay.tp, lay.micro_batch, stages, lay.cp, lay.schedule in V_SCHEDULES)
         shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, lay.tp))
         # the tensor- and context-parallel collectives' waits, which `make_plan` adds to each layer's time
         comm = tp_seconds(plan_req, shape, costs, rates) if lay.tp > 1 or lay.cp > 1 else [(0.0, 0.0)] * len(costs)
@@ -274,8 +281,9 @@ class _Floors:
               for (a, b), x, y in zip(zip(bounds, bounds[1:]), cf, cb)]
         touched = bytes_per_param(self.req.precision, self.req.optimizer, momentum=self.req.momentum) + 8
         params = [sum(c.params for c in costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        to_rank = placement(lay.schedule, lay.pp, lay.chunks)
         overhead = step_overhead_ms(plan_req, rates, shape, [(p, 1e3 * p * touched / (rates.mem_gbps * GB))
-                                                              for p in params], [s % lay.pp for s in range(stages)])
+                                                              for p in params], to_rank)
         f = [sum(c.flops_fwd for c in costs[a:b]) / (tflops * 1e9) + x
              for (a, b), x in zip(zip(bounds, bounds[1:]), cf)]
         b = [x - y for x, y in zip(fb, f)]
@@ -295,7 +303,7 @@ class _Floors:
                 work = sum(fb) / lay.pp
             return max(work * lay.microbatches, sum(f) + (0.0 if split else sum(b))) + sum(overhead) / lay.pp
         tail = [0.0] * stages if split else b
-        return max(chain, *(sum(f[:r]) + lay.microbatches * sum(fb[s] for s in range(r, stages, lay.pp))
+        return max(chain, *(sum(f[:r]) + lay.microbatches * sum(fb[s] for s in range(stages) if to_rank[s] == r)
                             + sum(tail[:r]) for r in range(lay.pp))) + max(overhead)
 
 
@@ -335,7 +343,8 @@ def search(req: SearchRequest) -> SearchResult:
         planned += 1
         got, needed = _evaluate(plan_req)
         if lay.recompute == "auto" and isinstance(got, Plan) and not any(c.mode != "none" for c in got.recompute) \
-                and list(got.boundaries) == floors.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks, lay.cp):
+                and list(got.boundaries) == floors.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks, lay.cp,
+                                                       lay.schedule in V_SCHEDULES):
             same_as_none += 1  # recompute none's layout and plan: ranked once, as none
             continue
         if isinstance(got, str):

@@ -107,7 +107,8 @@ def cut_of(run: RunPlan, layers: LayerList, model: torch.nn.Module, ctx: Paralle
     if not run.measured_cut:
         return list(run.boundaries)
     par = run.cfg.parallel
-    return plan_boundaries(layers, par.pp, par.partition, par.chunks, CutWorkload.of(run.cfg, config_of(model), ctx))
+    return plan_boundaries(layers, par.pp, par.partition, par.chunks, CutWorkload.of(run.cfg, config_of(model), ctx),
+                           par.schedule)
 
 
 def own_layers(model: torch.nn.Module, layers: LayerList, keep: list[int], ctx: ParallelContext,

@@ -74,10 +74,12 @@ class Parallel:
     """ZeRO stage: 0 (off) or 1 (fp32 masters and optimizer state partitioned over each stage's
     data-parallel replicas; DeepSpeed's zero_optimization.stage 1; `mp_toolkit.engine.zero`)."""
     schedule: str = "1f1b"
-    """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks), zbh1 (zero bubble) or zbdrain
-    (1F1B whose drain runs deferred weight gradients, `mp_toolkit.schedule.zero_bubble`)."""
+    """Micro-batch schedule: gpipe, 1f1b, interleaved (1F1B with model chunks), zbh1 (zero bubble), zbdrain
+    (1F1B whose drain runs deferred weight gradients, `mp_toolkit.schedule.zero_bubble`), zbv or dualpipev
+    (two stages per rank in a V, `mp_toolkit.schedule.vshape`)."""
     chunks: int = 1
-    """Model chunks per rank for the interleaved schedule (its stages = pp x chunks)."""
+    """Stages per rank: model chunks of the interleaved schedule (its stages = pp x chunks), 2 for the V
+    schedules (`mp_toolkit.names.stages_per_rank`)."""
     partition: str = "flops"
     """Stage cut: flops (balance forward + backward FLOPs of the cost model, as ``mpt plan --method
     flops``), parameters, uniform, time (layers timed on rank 0, the cut broadcast), or explicit

@@ -20,11 +20,13 @@ import torch.distributed as dist
 from mp_toolkit.arch.shape import ModelShape
 from mp_toolkit.arch.zoo import zoo_family_of
 from mp_toolkit.layers import LayerList
+from mp_toolkit.names import V_SCHEDULES
 from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
 from mp_toolkit.partition.cost import CostModelError, layer_costs, shape_from_hf_config
 from mp_toolkit.partition.measure import TIMED_MICROBATCHES, measure_layers
 from mp_toolkit.partition.solvers import min_max
+from mp_toolkit.partition.vcut import min_max_v
 from mp_toolkit.run.config import Batch, ConfigError, TrainConfig, parse_boundaries
 
 
@@ -75,8 +77,14 @@ def _hf_config_dict(config) -> dict:
     return d
 
 
-def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_len: int) -> list[int]:
-    """The boundaries of ``mpt plan --method flops`` for the model of ``config``."""
+def balanced(weights, num_stages: int, v: bool) -> list[int]:
+    """The min-max cut of ``weights`` into ``num_stages`` stages; ``v``: under a V placement, balancing the
+    ranks (each two stages, `min_max_v`) as ``mpt plan`` does for the V schedules."""
+    return min_max_v(weights, num_stages // 2) if v else min_max(weights, num_stages)
+
+
+def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_len: int, v: bool = False) -> list[int]:
+    """The boundaries of ``mpt plan --method flops`` for the model of ``config`` (``v``: `balanced`)."""
     try:
         costs = layer_costs(cost_shape(config), micro_batch, seq_len)
     except CostModelError as e:
@@ -84,23 +92,23 @@ def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_le
     if len(costs) != num_layers:
         raise PartitionError(f"the cost model describes {len(costs)} layers but the model has {num_layers}: "
                              f"use parameters or uniform")
-    return min_max([c.flops_fwd + c.flops_bwd for c in costs], num_stages)
+    return balanced([c.flops_fwd + c.flops_bwd for c in costs], num_stages, v)
 
 
-def time_cut(layer_list, num_stages: int, work: CutWorkload) -> list[int]:
-    """Boundaries minimising the slowest stage's measured forward + backward; measured on global
-    rank 0 and broadcast (see the module docstring)."""
+def time_cut(layer_list, num_stages: int, work: CutWorkload, v: bool = False) -> list[int]:
+    """Boundaries minimising the slowest stage's (``v``: rank's, `balanced`) measured forward + backward;
+    measured on global rank 0 and broadcast (see the module docstring)."""
     zoo = zoo_family_of(work.config)
     if zoo is None:
         _hf_config_dict(work.config)  # a config the cost model cannot read says so first
         raise PartitionError("time measures model_zoo GPT and BERT models so far: use flops or parameters")
     ctx = work.ctx
     if ctx is None:  # a check before the ranks start: the layers are shapes only
-        return flops_cut(work.config, len(layer_list), num_stages, work.batch.micro_batch, work.batch.seq_len)
+        return flops_cut(work.config, len(layer_list), num_stages, work.batch.micro_batch, work.batch.seq_len, v)
     shared = dist.is_initialized() and dist.get_world_size() > 1
     bounds = None
     if not shared or dist.get_rank() == 0:
-        bounds = min_max(_measured_layer_times(layer_list, zoo.measure_batch, work), num_stages)
+        bounds = balanced(_measured_layer_times(layer_list, zoo.measure_batch, work), num_stages, v)
         print(f"--partition time: layers measured on this machine, cut {bounds}", flush=True)
     if shared:
         box = [bounds]
@@ -133,10 +141,12 @@ def _measured_layer_times(layer_list, measure_batch, work: CutWorkload) -> list[
 
 
 def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int = 1,
-                    workload: CutWorkload | None = None) -> list[int]:
+                    workload: CutWorkload | None = None, schedule: str | None = None) -> list[int]:
     """Boundaries of ``pp * chunks`` stages by method name or explicit ``0,3,7`` text. ``flops`` and
     ``time`` need ``workload`` (the model's config and batch; for ``time`` the context whose rank 0
-    measures and broadcasts the cut, `time_cut`)."""
+    measures and broadcasts the cut, `time_cut`). ``schedule`` a V one (`V_SCHEDULES`): ``flops``,
+    ``time`` and ``parameters`` balance ranks of two stages (`balanced`)."""
+    v = schedule in V_SCHEDULES
     n = len(layer_list)
     if pp * chunks > n:
         what = f"--pp {pp}" if chunks == 1 else f"--pp {pp} x --chunks {chunks} = {pp * chunks} stages"
@@ -152,8 +162,10 @@ def plan_boundaries(layer_list: LayerList, pp: int, partition: str, chunks: int 
             if workload is None:
                 raise PartitionError("needs the model's config and batch (a CutWorkload)")
             if partition == "flops":
-                return flops_cut(workload.config, n, pp, workload.batch.micro_batch, workload.batch.seq_len)
-            return time_cut(layer_list, pp, workload)
+                return flops_cut(workload.config, n, pp, workload.batch.micro_batch, workload.batch.seq_len, v)
+            return time_cut(layer_list, pp, workload, v)
+        if v:
+            return balanced(layer_list.layer_parameter_counts(), pp, v)
         return by_parameters(layer_list.layer_parameter_counts(), pp)
     except PartitionError as e:
         raise ConfigError(f"--partition {partition}: {e}") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from mp_toolkit.layers import LayerList
+from mp_toolkit.names import stages_per_rank
 from mp_toolkit.partition import PartitionError
 from mp_toolkit.partition.auto_schedule import DEFAULT_CANDIDATES, ScheduleChoice, fastest_schedule
 from mp_toolkit.partition.cost import CostModelError
@@ -35,7 +36,8 @@ def cut_and_recompute(cfg: TrainConfig, layers: LayerList, config, ctx=None,
     candidate `choose_schedule` kept), taken instead of planning it again."""
     rec, par = cfg.recomputation, cfg.parallel
     if rec.recompute != "auto":
-        bounds = plan_boundaries(layers, par.pp, par.partition, par.chunks, CutWorkload.of(cfg, config, ctx))
+        bounds = plan_boundaries(layers, par.pp, par.partition, par.chunks, CutWorkload.of(cfg, config, ctx),
+                                 par.schedule)
         try:
             return bounds, stage_choices(rec.recompute, rec.recompute_layers, len(bounds) - 1)
         except RecomputeError as e:
@@ -141,10 +143,11 @@ def default_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
 
 
 def default_candidates(cfg: TrainConfig) -> tuple[str, ...]:
-    """`DEFAULT_CANDIDATES`, less interleaved where the run fixes what it would change: boundaries named
-    by ``--partition`` (pp + 1 of them), ``--recompute-layers`` counted per stage (pp of them), or
-    ``--chunks`` (given without ``--schedule interleaved``: the check that refuses it stays)."""
+    """`DEFAULT_CANDIDATES`, less those of several stages per rank (interleaved, the V schedules) where the
+    run fixes what they would change: boundaries named by ``--partition`` (pp + 1 of them),
+    ``--recompute-layers`` counted per stage (pp of them), or ``--chunks`` (given without a schedule
+    that takes it: the check that refuses it stays)."""
     layer_counts = cfg.recomputation.recompute_layers
     fixed = (parse_boundaries(cfg.parallel.partition) is not None or cfg.parallel.chunks != 1
              or (layer_counts is not None and len(layer_counts) > 1))
-    return tuple(c for c in DEFAULT_CANDIDATES if not (fixed and c == "interleaved"))
+    return tuple(c for c in DEFAULT_CANDIDATES if not (fixed and stages_per_rank(c) > 1))
