@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from model_zoo.gpt import GPT, PRESETS, lm_loss
 from mp_toolkit.layers import LayerList
+from mp_toolkit.names import stages_per_rank
 from mp_toolkit.optim.factory import build_optimizer
 from mp_toolkit.optim.groups import is_tensor_parallel
 from mp_toolkit.optim.settings import Optim
@@ -152,7 +153,7 @@ def run_case(ctx, pp, tp, dp, schedule, m, tied, bucket_mb, recompute="none", le
     train_cfg = TrainConfig.of(model="gpt-tiny", seq_len=64, pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=m,
                                partition="uniform", optimizer="lamb", lr=LR, weight_decay=WD, clip_grad=CLIP,
                                precision="fp32", dp_bucket_mb=bucket_mb,
-                               chunks=2 if schedule == "interleaved" else 1, recompute=recompute,
+                               chunks=stages_per_rank(schedule), recompute=recompute,
                                sequence_parallel=sp, zero=zero, cp=ctx.cp, cp_attention=cp_attention)
     torch.manual_seed(0)
     with torch.device("meta"):  # as mpt train builds it: each rank draws only its own layers and shards

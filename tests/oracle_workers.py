@@ -84,7 +84,8 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3, lengths=None):
     pipeline losses, reference losses, this rank's tied weight if any, and -- for tied cases, which
     agree to rounding only -- {name: (err, floor)} of the parameters and "losses" against a float64
     single process, tests/floor.py's pair; None for untied cases, which must be bitwise), then the
-    engine's shape passes, receive buffers allocated and reused, and receives posted ahead).
+    engine's shape passes, receive buffers allocated and reused, receives posted ahead, and the tie groups
+    this rank joined (a tie whose members share a rank is local: none).
     """
     report = []
     for schedule, m, tied, *rest in cases:
@@ -107,7 +108,8 @@ def oracle_cases(rank: int, world: int, cases, steps: int = 3, lengths=None):
                       for name, p in engine.named_parameters()}
             floors["losses"] = pair(losses, ref64_losses, ref_losses)
         pool = engine.p2p.recv_buffers
-        comms = (engine.shapes.passes, pool.allocated, pool.reused, engine.executor.posted_ahead)
+        comms = (engine.shapes.passes, pool.allocated, pool.reused, engine.executor.posted_ahead,
+                 len(engine.ties.groups))
         report.append((n, unequal, max_diff, losses, ref_losses, tied_copy, floors, *comms))
     return report
 
@@ -140,3 +142,28 @@ def mixed_lengths(rank, world, cases):
 
 def _all_named(model: LayerList):
     return [(f"{n}.{path}", p) for n, layer in zip(model.names, model.layers) for path, p in layer.named_parameters()]
+
+
+def messages_sent(rank, world, cases):
+    """Per (schedule, m, chunks): the messages this rank's engine posted in one training step, by peer rank,
+    and the SEND actions its schedule list holds (each send is one message)."""
+    out = []
+    for schedule, m, chunks in cases:
+        cfg = GPTConfig(**TINY, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        layers = LayerList.from_model(GPT(cfg))
+        engine = PipelineEngine(layers, build_context(world), uniform(len(layers), world * chunks), m, schedule,
+                                optimizer=OPTIMIZERS["adamw"], loss_fn=lm_loss, chunks=chunks)
+        sent: dict[int, int] = {}
+        post = engine.p2p.post
+
+        def counting(sends, recvs, keys=None, post=post, sent=sent):
+            for peer, _ in sends:
+                sent[peer] = sent.get(peer, 0) + 1
+            return post(sends, recvs, keys)
+
+        engine.p2p.post = counting
+        engine.train_batch(iter(make_batches(1, m, cfg.vocab_size)[0]))
+        actions = engine.schedule.rank_actions(rank)
+        out.append((sent, sum(a.kind.is_send for a in actions)))
+    return out

@@ -13,19 +13,23 @@ near-zero gradients on one CPU's kernels more than another's, so no fixed consta
 import pytest
 import torch
 
+from mp_toolkit.names import stages_per_rank
 from tests.dist_harness import run_world
 from tests.floor import assert_all_within
-from tests.oracle_workers import MIXED_LENGTHS, eval_matches, mixed_lengths, oracle_cases
+from tests.oracle_workers import MIXED_LENGTHS, eval_matches, messages_sent, mixed_lengths, oracle_cases
 
 CASES = [(schedule, m, False) for schedule in ("gpipe", "1f1b", "zbh1", "zbdrain") for m in (1, 3, 8)]
 # Interleaved 1F1B: two model chunks per rank, micro-batches a multiple of pp (7 layers -> 4 stages);
 # m = 8 runs the whole steady phase after the 2(p-r-1) + (v-1)p warm-up forwards.
 INTERLEAVED = [("interleaved", m, False, "adamw", 2) for m in (2, 4, 8)]
+# The V schedules (issue 38): two stages per rank, rank 0 holding the first and the last (4 stages of 7 layers);
+# ZB-V below 2p - 1 micro-batches too, DualPipeV from 2p.
+V_SHAPED = [("zbv", m, False, "adamw", 2) for m in (1, 3, 8)] + [("dualpipev", m, False, "adamw", 2) for m in (4, 8)]
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_bitwise_equals_single_process(pp):
-    cases = CASES + (INTERLEAVED if pp == 2 else [])
+    cases = CASES + (INTERLEAVED + V_SHAPED if pp == 2 else [])
     reports = run_world(oracle_cases, pp, cases, timeout_s=300)
     for case_index, case in enumerate(cases):
         compared = sum(r[case_index][0] for r in reports)
@@ -42,18 +46,49 @@ def test_tied_embedding_across_stages_matches_and_copies_stay_equal():
     ratios = []
     for i, case in enumerate(cases):
         first, last = reports[0][i], reports[1][i]
-        assert first[5] is not None and last[5] is not None
+        assert first[5] is not None and last[5] is not None and first[-1] == last[-1] == 1
         assert torch.equal(first[5], last[5]), f"{case}: tied copies diverged"
         for r in (first, last):
             ratios.append(assert_all_within(r[6], f"{case}"))
     print(f"\nworst err / floor: {max(ratios):.2f}")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbh1", "zbdrain"])
+def test_tied_embedding_under_a_v_is_one_local_weight():
+    """Under ZB-V and DualPipeV rank 0 holds the embedding and the LM head: the tie is one parameter there,
+    no tie group, no all-reduce; rank 1 holds no member. The weight takes both stages' gradients in the
+    schedule's order, so it agrees with one process to fp32 rounding (within `tests.floor.K` x the floor)."""
+    cases = [("zbv", 3, True, "sgd", 2), ("dualpipev", 4, True, "adamw", 2)]
+    reports = run_world(oracle_cases, 2, cases, timeout_s=180)
+    ratios = []
+    for i, case in enumerate(cases):
+        first, last = reports[0][i], reports[1][i]
+        assert first[5] is not None and last[5] is None, case
+        assert first[-1] == last[-1] == 0, f"{case}: a tie group was made"
+        ratios += [assert_all_within(r[6], f"{case}") for r in (first, last)]
+    print(f"\nworst err / floor: {max(ratios):.2f}")
+
+
+def test_a_same_rank_hand_over_sends_no_message():
+    """Placement as data (issue 38): under a V rank 1 holds stages 1 and 2 and hands stage 1's output to
+    stage 2 (and stage 2's input gradient back) locally. Counted at the transport: each rank posts one message
+    per SEND action of its list, 2 per micro-batch under ZB-V and DualPipeV (rank 0: stage 0's output and
+    stage 3's input gradient, both to rank 1), against 3 under interleaved 1F1B over the same 4 stages
+    (whose turn from stage 1 to 2 crosses ranks), and none to itself."""
+    m = 4
+    cases = [("zbv", m, 2), ("dualpipev", m, 2), ("interleaved", m, 2)]
+    reports = run_world(messages_sent, 2, cases, timeout_s=120)
+    for rank, rank_reports in enumerate(reports):
+        for (schedule, *_), (sent, sends) in zip(cases, rank_reports):
+            assert rank not in sent and sum(sent.values()) == sends, (schedule, rank, sent)
+            assert sends == (3 * m if schedule == "interleaved" else 2 * m), (schedule, rank, sends)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbh1", "zbdrain", "zbv", "dualpipev"])
 def test_eval_batch_equals_single_process_and_changes_nothing(schedule):
-    """Forward only through every schedule (interleaved: 2 chunks per rank): bitwise the unsplit model's
-    loss (`mpt train --eval-every`'s validation; tp x dp: tests/test_oracle_tp_dp.py's eval_batch)."""
-    chunks = 2 if schedule == "interleaved" else 1
+    """Forward only through every schedule (interleaved and the V ones: 2 stages per rank): bitwise the
+    unsplit model's loss (`mpt train --eval-every`'s validation; tp x dp: tests/test_oracle_tp_dp.py's
+    eval_batch); under a V the loss is computed on rank 0 and reported by every rank."""
+    chunks = stages_per_rank(schedule)
     for loss, expected, unchanged, _ in run_world(eval_matches, 2, schedule, chunks, timeout_s=120):
         assert loss == expected and unchanged
 
@@ -65,7 +100,8 @@ def test_mixed_lengths_bitwise_equal_single_process():
     Receive buffers are reused across steps and shapes and receives posted a batch ahead (issue 23
     item 3) in every case here and in the fixed-length cases above, all bitwise. Then eval_batch over
     mixed lengths, after training on mixed lengths: the unsplit model's loss, bitwise."""
-    cases = [("1f1b", 4, False), ("zbh1", 4, False), ("zbdrain", 4, False), ("interleaved", 4, False, "adamw", 2)]
+    cases = [("1f1b", 4, False), ("zbh1", 4, False), ("zbdrain", 4, False), ("interleaved", 4, False, "adamw", 2),
+             ("dualpipev", 4, False, "adamw", 2)]
     results = run_world(mixed_lengths, 2, cases, timeout_s=300)
     reports = [r[0] for r in results]
     lengths = {n for step in MIXED_LENGTHS for n in step}

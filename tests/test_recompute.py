@@ -38,6 +38,8 @@ PIPELINE_CASES = [  # (schedule, m, chunks, mode, counts)
     ("zbh1", 3, 1, "full", None), ("zbh1", 3, 1, "selective", None), ("zbh1", 3, 1, "full", (1, 2)),
     ("zbdrain", 3, 1, "full", None), ("zbdrain", 3, 1, "selective", None),
     ("interleaved", 4, 2, "full", None), ("interleaved", 4, 2, "selective", (1, 0, 1, 0)),
+    ("zbv", 3, 2, "full", None), ("zbv", 3, 2, "selective", (1, 0, 1, 0)),
+    ("dualpipev", 4, 2, "full", None), ("dualpipev", 4, 2, "selective", None),
 ]
 
 

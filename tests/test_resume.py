@@ -130,6 +130,20 @@ def reference(tmp_path_factory):
     return out
 
 
+def assert_resumed_within(root, rows, reference, source, source_rows):
+    """The resumed run (its checkpoint ``root``, its metrics ``rows``) against the uninterrupted single rank
+    (``reference``: rows and step-6 tensors) within `floor.K` times the saved layout's own run (``source``,
+    ``source_rows``) to step 6: losses of steps 4-6 and every tensor."""
+    ref_rows, ref_tensors = reference
+    steps = [4, 5, 6]
+    worst = assert_within(*pair(losses(rows, steps), losses(ref_rows, steps), losses(source_rows, steps)), "losses")
+    got, floor_run = tensors(root, 6), tensors(source, 6)
+    assert got.keys() == ref_tensors.keys() == floor_run.keys()
+    worst = max(worst, assert_all_within({k: pair(got[k], ref, floor_run[k]) for k, ref in ref_tensors.items()},
+                                         "step 6"))
+    print(f"\nworst err / floor: {worst:.2f}")
+
+
 @pytest.mark.parametrize("saved,m", [(None, (3, 3)), (["--pp", "1", "--tp", "2"], (3, 3)),
                                      (["--pp", "1", "--dp", "2"], (3, 6))],  # dp: the same 12 sequences a step
                          ids=["pp2-to-pp1", "tp2-to-tp1", "dp2-to-dp1"])
@@ -150,14 +164,24 @@ def test_resume_on_another_layout(tmp_path, lamb_pp2, reference, saved, m):
     rows, out = train(tmp_path, "second", *LAMB, "--pp", "1", "--save-dir", str(tmp_path / "b"),
                       "--resume", str(source / "step-00000003"), microbatches=m[1])
     assert "layout changed" in out and "reseeded" in out, out
-    ref_rows, ref_tensors = reference[m[1]]
-    steps = [4, 5, 6]
-    worst = assert_within(*pair(losses(rows, steps), losses(ref_rows, steps), losses(source_rows, steps)), "losses")
-    got, floor_run = tensors(tmp_path / "b", 6), tensors(source, 6)
-    assert got.keys() == ref_tensors.keys() == floor_run.keys()
-    worst = max(worst, assert_all_within({k: pair(got[k], ref, floor_run[k]) for k, ref in ref_tensors.items()},
-                                         "step 6"))
-    print(f"\nworst err / floor: {worst:.2f}")
+    assert_resumed_within(tmp_path / "b", rows, reference[m[1]], source, source_rows)
+
+
+@pytest.mark.parametrize("first,second,m", [("1f1b", "zbv", 3), ("dualpipev", "1f1b", 6)])
+def test_resume_from_and_to_a_v_schedule(tmp_path, lamb_pp2, reference, first, second, m):
+    """Issue 38: a checkpoint is the unsplit model's, whatever placed its stages: saved under 1F1B (stage s on
+    rank s) and resumed under ZB-V (rank 0: stages 0 and 3), saved under DualPipeV and resumed under 1F1B,
+    at pp 2. The losses and every tensor agree with the uninterrupted single rank within `floor.K` times
+    the saved layout's own distance (the tied embedding's gradient sums in another order under each)."""
+    source, source_rows = lamb_pp2[1], lamb_pp2[0]
+    if first != "1f1b":
+        source_rows, _ = train(tmp_path, "first", *LAMB, "--pp", "2", "--schedule", first, "--save-dir",
+                               str(tmp_path / "a"), "--save-every", "3", microbatches=m)
+        source = tmp_path / "a"
+    rows, out = train(tmp_path, "second", *LAMB, "--pp", "2", "--schedule", second, "--save-dir",
+                      str(tmp_path / "b"), "--resume", str(source / "step-00000003"), microbatches=m)
+    assert "resumed from" in out and "at step 3" in out, out
+    assert_resumed_within(tmp_path / "b", rows, reference[m], source, source_rows)
 
 
 # -- (c) damaged shards ------------------------------------------------------------------------------
