@@ -1,4 +1,5 @@
-"""Per-rank peak memory of GPipe, 1F1B, ZB-H1 and interleaved 1F1B in our PipelineEngine, beside the
+"""Per-rank peak memory of GPipe, 1F1B, ZB-H1, ZB-drain, interleaved 1F1B, ZB-V and DualPipeV in our
+PipelineEngine, beside the
 planner's prediction (issue 8, item 2); DeepSpeed's and torch.distributed.pipelining's 1F1B on the
 same cut for comparison.
 
@@ -11,7 +12,8 @@ trains that very cut on 2 gloo ranks, and each rank reports its peak resident me
 with `mp_toolkit.partition.memstats`: large blocks mapped on their own (``map_large_blocks``), torch's
 one-time costs paid (``warm_runtime``), the baseline ``rss_bytes()`` taken before the model is
 built, ``reset_peak()`` after the first step, ``peak_rss_bytes()`` after the last. A rank that
-holds two stages (interleaved) is compared with the sum of their predictions.
+holds two stages (interleaved; the V schedules, rank r: stages r and 2p-1-r) is compared with the
+planner's prediction of the rank (its stages at once, placed by the schedule).
 
     python -m tools.bench_memory                # ~3 minutes on 2 quiet cores
     python -m tools.bench_memory --precision bf16 --no-measure --ours-only
@@ -50,7 +52,7 @@ from tools.report import header, json_line
 
 MB = 1e6
 SCHEDULES = [("GPipe", "gpipe", 1), ("1F1B", "1f1b", 1), ("ZBH1", "zbh1", 1), ("ZBDrain", "zbdrain", 1),
-             ("Interleaved1F1B x2", "interleaved", 2)]
+             ("Interleaved1F1B x2", "interleaved", 2), ("ZBVZeroBubble", "zbv", 2), ("DualPipeV", "dualpipev", 2)]
 
 
 def plan_of(w: Workload, folder: Path, schedule: str, chunks: int, measure: bool, **request):
@@ -119,7 +121,8 @@ def main() -> None:
             for r in got:
                 rank = r["rank"]
                 rows.append({"peer": f"mpt {label}", "rank": rank, "cut": cut,
-                             "stages": [s.index for s in formula.stages if s.index % w.pp == rank],
+                             "stages": [s.index for s in formula.stages
+                                        if formula.timeline.schedule.stage_to_rank[s.index] == rank],
                              "pred_formula_bytes": pf[rank], "pred_measured_bytes": pm[rank],
                              "measured_bytes": r["peak_bytes"]})
             print(f"mpt {label:20s} cut {cut}: measured " +

@@ -11,8 +11,9 @@ compute, fp32 master weights in every peer).
 Peers (each the real library, `tools.peers`):
 
 * mp_toolkit: 1F1B, GPipe, ZB-H1, interleaved 1F1B with 2 chunks on our default "parameters"
-  cut (`mp_toolkit.run.cut.plan_boundaries`); 1F1B, ZB-H1 and ZB-drain on the planner's "flops" cut
-  as ``mpt train`` runs them; 1F1B on the planner's "time" cut
+  cut (`mp_toolkit.run.cut.plan_boundaries`); 1F1B, ZB-H1 and ZB-drain on the planner's "flops" cut,
+  interleaved, ZB-V and DualPipeV on its "flops" cut into 2 stages per rank, as ``mpt train`` runs them;
+  ZB-V and DualPipeV on the V cut torch's V schedules run (`v_cut`); 1F1B on the planner's "time" cut
   (`make_plan(method="time")`, layers measured here first, ~20 s; ``--no-time-cut`` skips it),
   and interleaved on the planner's "flops" cut (deterministic; the time cut of 4 chunks moves
   with machine noise);
@@ -153,6 +154,12 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
              {"peer": "mpt", "schedule": "zbdrain", "boundaries": fcut, **AS_TRAIN}, w.pp),
             ("mpt Interleaved1F1B x2 flops cut, as mpt train",
              {"peer": "mpt", "schedule": "interleaved", "chunks": 2, "boundaries": fcut2, **AS_TRAIN}, w.pp),
+            ("mpt ZBVZeroBubble flops cut, as mpt train",
+             {"peer": "mpt", "schedule": "zbv", "chunks": 2, "boundaries": fcut2, **AS_TRAIN}, w.pp),
+            ("mpt DualPipeV flops cut, as mpt train",
+             {"peer": "mpt", "schedule": "dualpipev", "chunks": 2, "boundaries": fcut2, **AS_TRAIN}, w.pp),
+            ("mpt ZBVZeroBubble V cut", {"peer": "mpt", "schedule": "zbv", "chunks": 2, "boundaries": vcut}, w.pp),
+            ("mpt DualPipeV V cut", {"peer": "mpt", "schedule": "dualpipev", "chunks": 2, "boundaries": vcut}, w.pp),
             ("mpt 1F1B", {"peer": "mpt", "schedule": "1f1b"}, w.pp),
             ("mpt GPipe", {"peer": "mpt", "schedule": "gpipe"}, w.pp),
             ("mpt ZBH1", {"peer": "mpt", "schedule": "zbh1"}, w.pp),

@@ -24,6 +24,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from mp_toolkit.names import stages_per_rank
 from tools.predict import model_file
 from tools.ranks import mpt
 from tools.report import header, json_line
@@ -51,7 +52,7 @@ ACCURACY = [
 def common(model: str, schedule: str, mb: int, m: int, seq: int) -> list[str]:
     out = ["--model", model, "--pp", "2", "--schedule", schedule, "--micro-batch", str(mb),
            "--microbatches", str(m), "--seq-len", str(seq)]
-    return out + (["--chunks", "2"] if schedule == "interleaved" else [])
+    return out + (["--chunks", str(stages_per_rank(schedule))] if stages_per_rank(schedule) > 1 else [])
 
 
 def predict(tmp: Path, args: list[str], method: str = "time") -> dict:
@@ -86,10 +87,10 @@ def boundaries_of(plan: dict) -> list[int]:
 
 
 def rank_memory(plan: dict, pp: int = 2) -> list[int]:
-    """Per rank: the sum of its stages (stage s runs on rank s % pp)."""
+    """Per rank: the sum of its stages (the plan's ``rank`` of each: the schedule's placement)."""
     out = [0] * pp
     for s in plan["stages"]:
-        out[s["index"] % pp] += s["memory_bytes"]
+        out[s["rank"]] += s["memory_bytes"]
     return out
 
 

@@ -46,11 +46,12 @@ def predict(cfg: TrainConfig, **fields) -> Plan:
 
 def rank_bytes(plan: Plan, pp: int, tp: int = 1) -> list[int]:
     """Predicted bytes of each global rank (pipeline rank major, as the grid orders ranks): the sum of
-    its stages (stage s runs on pipeline rank s % pp), shared by its tp ranks (each stage's
-    ``memory_bytes`` is already one tp rank's)."""
+    its stages (placed by the plan's schedule), shared by its tp ranks (each stage's ``memory_bytes`` is
+    already one tp rank's)."""
     stage = [0] * pp
+    to_rank = plan.timeline.schedule.stage_to_rank
     for s in plan.stages:
-        stage[s.index % pp] += s.memory_bytes
+        stage[to_rank[s.index]] += s.memory_bytes
     return [stage[r // tp] for r in range(pp * tp)]
 
 

@@ -18,10 +18,17 @@ from tools.peers import Workload
 DEEPSPEED_GOAL, TORCH_GOAL, ONE_F_ONE_B_GOAL = 1.25, 1.1, 0.95
 """Issue 23 item 4: the defaults over DeepSpeed's defaults and over the best torch schedule, and 1F1B
 as ``mpt train`` runs it against its bound, in each run."""
-SIDE_BY_SIDE = ("^(mpt defaults|mpt 1F1B flops cut, as mpt train|mpt ZBH1 flops cut, as mpt train|"
-                "mpt Interleaved1F1B x2 flops cut, as mpt train|deepspeed parameters|torch |single process, heap kept)")
+SIDE_BY_SIDE = ("^(mpt defaults|mpt [^ ]+ (x2 )?flops cut, as mpt train|mpt (ZBVZeroBubble|DualPipeV) V cut|"
+                "deepspeed parameters|torch |single process, heap kept)")
 """Issue 23's rows: our defaults, 1F1B, ZB-H1 and interleaved as mpt train runs them, DeepSpeed's defaults,
-every torch schedule (`peers.TORCH_SCHEDULES`, the several-stages-per-rank ones on our chunk cut or `v_cut`)."""
+every torch schedule (`peers.TORCH_SCHEDULES`, the several-stages-per-rank ones on our chunk cut or `v_cut`);
+issue 38's: every candidate of the planner's default as mpt train runs it (ZB-drain, ZB-V and DualPipeV too),
+and our ZB-V and DualPipeV on torch's V cut with the peers' optimizer and heap."""
+V_PAIRS = (("mpt ZBVZeroBubble V cut", "torch ScheduleZBVZeroBubble V cut"),
+           ("mpt DualPipeV V cut", "torch ScheduleDualPipeV V cut"))
+"""Issue 38: our V schedule over torch's, the same cut, optimizer and heap: at least 1.0 in every run."""
+DEFAULT_WITHIN = 0.03
+"""Issue 38: the planner's default at most 3% slower than the fastest candidate as mpt train runs it."""
 CONTROL = "mpt control"
 """The control row's label: our defaults' run (schedule, chunks, cut) stepping the peers' torch AdamW
 (foreach) on glibc's default heap, where our other rows run as ``mpt train`` does."""
@@ -48,6 +55,19 @@ def ceiling_ratios(r: dict, w: Workload, ours: dict, ds: dict, torch_best: dict)
             "deepspeed_of_ceiling": ds["tokens_per_s"] / ceiling,
             "ceiling_vs_deepspeed": ceiling / ds["tokens_per_s"],
             "ceiling_vs_torch_best": ceiling / torch_best["tokens_per_s"]}
+
+
+def v_ratios(rows: dict[str, dict], ours: dict) -> dict:
+    """Issue 38's figures of one run: each of our V schedules over torch's on the same cut (`V_PAIRS`), and
+    our defaults over the fastest candidate of the planner's default as mpt train runs it."""
+    out = {"v_vs_torch": {a: rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
+                          for a, b in V_PAIRS if a in rows and b in rows}}
+    candidates = [row for label, row in rows.items() if label.endswith("flops cut, as mpt train")]
+    if candidates:
+        fastest = max(candidates, key=lambda row: row["tokens_per_s"])
+        out.update(fastest_candidate=fastest["label"],
+                   defaults_vs_fastest=ours["tokens_per_s"] / fastest["tokens_per_s"])
+    return out
 
 
 def control_ratios(rows: dict[str, dict], ds: dict, torch_best: dict) -> dict:
@@ -83,7 +103,8 @@ def side_by_side(args, w: Workload, n: int, bench: Callable[..., dict]) -> dict:
                      "vs_torch_best": ours["tokens_per_s"] / torch_best["tokens_per_s"],
                      "one_f_one_b_efficiency": rows["mpt 1F1B flops cut, as mpt train"]["efficiency"],
                      "defaults_efficiency": ours["efficiency"], "load_avg": os.getloadavg()[0], "bench": r,
-                     **ceiling_ratios(r, w, ours, ds, torch_best), **control_ratios(rows, ds, torch_best)})
+                     **ceiling_ratios(r, w, ours, ds, torch_best), **control_ratios(rows, ds, torch_best),
+                     **v_ratios(rows, ours)})
     print_runs(runs)
     checks = [r["bench"]["check"] for r in runs if r["bench"]["check"] is not None]
     return {"side_by_side": runs, "check": {"ok": all(c["ok"] for c in checks)} if checks else None}
@@ -110,6 +131,14 @@ def print_runs(runs: list[dict]) -> None:
               f"{TORCH_GOAL}x "
               f"{r['torch_best']} one of {r['torch_goal_step_ms']:,.0f} ms; the least busy busiest rank of any "
               f"row works {r['least_busiest_rank_ms']:,.0f} ms a step ({r['least_busiest_rank_row']})")
+    print(f"\nissue 38: our V schedules over torch's on the same cut (goal >= 1.0), our defaults over the fastest "
+          f"candidate as mpt train runs it (goal >= {1 - DEFAULT_WITHIN:.2f})")
+    print("| run | " + " | ".join(a for a, _ in V_PAIRS) + " | defaults | fastest candidate | defaults / fastest |\n"
+          "|---|" + "---:|" * len(V_PAIRS) + "---|---|---:|")
+    for i, r in enumerate(runs, 1):
+        cells = " | ".join(f"{r['v_vs_torch'][a]:.3f}x" if a in r["v_vs_torch"] else "-" for a, _ in V_PAIRS)
+        print(f"| {i} | {cells} | {r['defaults']} | {r.get('fastest_candidate', '-')} | "
+              f"{r.get('defaults_vs_fastest', float('nan')):.3f} |")
     if any("control" in r for r in runs):
         print("\ncontrol row: our defaults with the peers' optimizer and heap (torch's AdamW foreach, glibc's default "
               "heap), beside the same run as mpt train runs it (fused AdamW, kept heap)")
