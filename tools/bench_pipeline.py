@@ -12,8 +12,9 @@ Peers (each the real library, `tools.peers`):
 
 * mp_toolkit: 1F1B, GPipe, ZB-H1, interleaved 1F1B with 2 chunks on our default "parameters"
   cut (`mp_toolkit.run.cut.plan_boundaries`); 1F1B, ZB-H1 and ZB-drain on the planner's "flops" cut,
-  interleaved, ZB-V and DualPipeV on its "flops" cut into 2 stages per rank, as ``mpt train`` runs them;
-  ZB-V and DualPipeV on the V cut torch's V schedules run (`v_cut`); 1F1B on the planner's "time" cut
+  interleaved on its "flops" cut into 2 stages per rank, ZB-V and DualPipeV on its V cut (the "flops" cut
+  that balances ranks of two stages), as ``mpt train`` runs them, and ZB-V and DualPipeV on the same V cut
+  with the peers' optimizer and heap; 1F1B on the planner's "time" cut
   (`make_plan(method="time")`, layers measured here first, ~20 s; ``--no-time-cut`` skips it),
   and interleaved on the planner's "flops" cut (deterministic; the time cut of 4 chunks moves
   with machine noise);
@@ -23,7 +24,7 @@ Peers (each the real library, `tools.peers`):
   ``ScheduleGPipe`` on our "parameters" cut, ``Schedule1F1B`` on the "flops" and "time" cuts,
   ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` on the planner's "flops" cut into
   2 chunks per rank, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (rank r holds stages r and
-  2p-1-r) on the V cut that balances ranks (`v_cut`);
+  2p-1-r) on the planner's V cut;
 * one process, plain gradient accumulation (T1, for the bound).
 
 Rows "as mpt train" (and "mpt defaults") run our engine as ``mpt train`` does on CPU: fused
@@ -68,13 +69,11 @@ import statistics
 import sys
 import tempfile
 import time
-from itertools import combinations
 from pathlib import Path
 
 import torch
 
 from mp_toolkit.layers import LayerList
-from mp_toolkit.partition.cost import layer_costs, model_shape
 from mp_toolkit.run.cut import plan_boundaries
 from tools import pipeline_profile
 from tools.peers import Workload, build_gpt, run_peer
@@ -89,13 +88,15 @@ AS_TRAIN = {"optimizer": "mpt", "keep_freed_memory": True}
 freed pages (`peers.train`); a spec without them steps torch's AdamW (foreach) on glibc's default heap."""
 
 
-def planner_cut(w: Workload, method: str, chunks: int = 1) -> list[int]:
+def planner_cut(w: Workload, method: str, chunks: int = 1, schedule: str | None = None) -> list[int]:
     """The planner's cut into ``pp * chunks`` stages: ``method="time"`` measures each layer here
     with ``w.threads`` threads (~20 s); ``"flops"`` counts matrix FLOPs (only their ratios matter,
-    so no GEMM is timed)."""
+    so no GEMM is timed). ``schedule`` a V one: the cut that balances ranks of two stages
+    (`mp_toolkit.partition.vcut.min_max_v`), as ``mpt train --schedule zbv`` cuts."""
     torch.set_num_threads(w.threads)
+    schedule = schedule or ("interleaved" if chunks > 1 else "1f1b")
     with tempfile.TemporaryDirectory() as d:
-        cfg = workload_config(w, Path(d), schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks)
+        cfg = workload_config(w, Path(d), schedule=schedule, chunks=chunks)
         plan = predict(cfg, method=method, tflops=1.0 if method == "flops" else None, load=True)
     return list(plan.boundaries)
 
@@ -114,28 +115,11 @@ def default_cut(w: Workload, chunks: int = 1) -> list[int]:
     return plan_boundaries(layers, w.pp, "parameters", chunks)
 
 
-def v_cut(w: Workload) -> list[int]:
-    """A cut into ``2 * pp`` stages for a V placement (rank r holds stages r and 2p-1-r, torch's ZBV and
-    DualPipeV): the one whose busiest rank has the fewest FLOPs (`mp_toolkit.partition.cost.layer_costs`),
-    then the smallest largest stage; the chunk min-max cut (`planner_cut(w, "flops", 2)`) balances stages,
-    not ranks, and under a V leaves the middle ranks the heaviest."""
-    with tempfile.TemporaryDirectory() as d:
-        shape = model_shape(workload_config(w, Path(d)).model)
-        costs = [c.flops_fwd + c.flops_bwd for c in layer_costs(shape, w.micro_batch, w.seq_len)]
-    n, k = len(costs), 2 * w.pp
-
-    def score(cut: tuple[int, ...]) -> tuple[float, float]:
-        stage = [sum(costs[a:b]) for a, b in zip(cut, cut[1:])]
-        return max(stage[r] + stage[k - 1 - r] for r in range(w.pp)), max(stage)
-
-    return list(min(((0, *inner, n) for inner in combinations(range(1, n), k - 1)), key=score))
-
-
 def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[int],
               vcut: list[int]) -> list[tuple[str, dict, int]]:
     """(label, spec, processes) of every run, in the order a round visits them. ``tcut``: the
     planner's time cut (None: no time-cut runs); ``fcut``: its FLOPs cut (``mpt train``'s default
-    partition), ``fcut2`` into 2 chunks per rank, ``vcut`` for a V placement (`v_cut`). Rows "as mpt
+    partition), ``fcut2`` into 2 chunks per rank, ``vcut`` for a V placement (`planner_cut`). Rows "as mpt
     train" (and "mpt defaults") run as ``mpt train`` does (`AS_TRAIN`); every other row, the control
     row (`CONTROL`: our defaults' run) among them, steps the same torch AdamW (foreach) on glibc's
     default heap, so those compare engines alone. "deepspeed uniform, heap kept" and "single
@@ -154,10 +138,10 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
              {"peer": "mpt", "schedule": "zbdrain", "boundaries": fcut, **AS_TRAIN}, w.pp),
             ("mpt Interleaved1F1B x2 flops cut, as mpt train",
              {"peer": "mpt", "schedule": "interleaved", "chunks": 2, "boundaries": fcut2, **AS_TRAIN}, w.pp),
-            ("mpt ZBVZeroBubble flops cut, as mpt train",
-             {"peer": "mpt", "schedule": "zbv", "chunks": 2, "boundaries": fcut2, **AS_TRAIN}, w.pp),
-            ("mpt DualPipeV flops cut, as mpt train",
-             {"peer": "mpt", "schedule": "dualpipev", "chunks": 2, "boundaries": fcut2, **AS_TRAIN}, w.pp),
+            ("mpt ZBVZeroBubble V cut, as mpt train",
+             {"peer": "mpt", "schedule": "zbv", "chunks": 2, "boundaries": vcut, **AS_TRAIN}, w.pp),
+            ("mpt DualPipeV V cut, as mpt train",
+             {"peer": "mpt", "schedule": "dualpipev", "chunks": 2, "boundaries": vcut, **AS_TRAIN}, w.pp),
             ("mpt ZBVZeroBubble V cut", {"peer": "mpt", "schedule": "zbv", "chunks": 2, "boundaries": vcut}, w.pp),
             ("mpt DualPipeV V cut", {"peer": "mpt", "schedule": "dualpipev", "chunks": 2, "boundaries": vcut}, w.pp),
             ("mpt 1F1B", {"peer": "mpt", "schedule": "1f1b"}, w.pp),
@@ -246,7 +230,7 @@ def print_table(table: list[dict], w: Workload, t1: float, bound: float) -> None
 
 def bench(args, w: Workload) -> dict:
     tcut = None if args.no_time_cut else planner_cut(w, "time")
-    fcut, fcut2, vcut = planner_cut(w, "flops"), planner_cut(w, "flops", 2), v_cut(w)
+    fcut, fcut2, vcut = planner_cut(w, "flops"), planner_cut(w, "flops", 2), planner_cut(w, "flops", 2, "zbv")
     runs = [r for r in peer_runs(w, tcut, fcut, fcut2, vcut) if re.search(args.only, r[0]) or r[2] == 1]
     print(f"planned cuts: parameters {default_cut(w)} (x2 chunks {default_cut(w, 2)}), time {tcut}, "
           f"flops {fcut} (x2 chunks {fcut2}), V {vcut}; {len(runs)} runs x {args.rounds} rounds", flush=True)

@@ -18,10 +18,10 @@ from tools.peers import Workload
 DEEPSPEED_GOAL, TORCH_GOAL, ONE_F_ONE_B_GOAL = 1.25, 1.1, 0.95
 """Issue 23 item 4: the defaults over DeepSpeed's defaults and over the best torch schedule, and 1F1B
 as ``mpt train`` runs it against its bound, in each run."""
-SIDE_BY_SIDE = ("^(mpt defaults|mpt [^ ]+ (x2 )?flops cut, as mpt train|mpt (ZBVZeroBubble|DualPipeV) V cut|"
+SIDE_BY_SIDE = ("^(mpt defaults|mpt [^ ]+ (x2 )?(flops|V) cut, as mpt train|mpt (ZBVZeroBubble|DualPipeV) V cut|"
                 "deepspeed parameters|torch |single process, heap kept)")
 """Issue 23's rows: our defaults, 1F1B, ZB-H1 and interleaved as mpt train runs them, DeepSpeed's defaults,
-every torch schedule (`peers.TORCH_SCHEDULES`, the several-stages-per-rank ones on our chunk cut or `v_cut`);
+every torch schedule (`peers.TORCH_SCHEDULES`, the several-stages-per-rank ones on our chunk cut or V cut);
 issue 38's: every candidate of the planner's default as mpt train runs it (ZB-drain, ZB-V and DualPipeV too),
 and our ZB-V and DualPipeV on torch's V cut with the peers' optimizer and heap."""
 V_PAIRS = (("mpt ZBVZeroBubble V cut", "torch ScheduleZBVZeroBubble V cut"),
@@ -62,7 +62,7 @@ def v_ratios(rows: dict[str, dict], ours: dict) -> dict:
     our defaults over the fastest candidate of the planner's default as mpt train runs it."""
     out = {"v_vs_torch": {a: rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
                           for a, b in V_PAIRS if a in rows and b in rows}}
-    candidates = [row for label, row in rows.items() if label.endswith("flops cut, as mpt train")]
+    candidates = [row for label, row in rows.items() if label.endswith(" cut, as mpt train")]
     if candidates:
         fastest = max(candidates, key=lambda row: row["tokens_per_s"])
         out.update(fastest_candidate=fastest["label"],
