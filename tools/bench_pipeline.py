@@ -128,7 +128,7 @@ def peer_runs(w: Workload, tcut: list[int] | None, fcut: list[int], fcut2: list[
     schedule, chunks, cut = defaults_of(w)  # as `mpt train` without --schedule runs it
     defaults = {"peer": "mpt", "schedule": schedule, "chunks": chunks, "boundaries": cut}
     named = f"{schedule}{f' x{chunks}' if chunks > 1 else ''}"
-    runs = [(f"mpt defaults ({named}, flops cut, fused AdamW)", {**defaults, **AS_TRAIN}, w.pp),
+    runs = [(f"mpt defaults ({named}, the planner's cut, fused AdamW)", {**defaults, **AS_TRAIN}, w.pp),
             (f"{CONTROL} ({named}, foreach AdamW, glibc heap)", defaults, w.pp),
             ("mpt 1F1B flops cut, as mpt train", {"peer": "mpt", "schedule": "1f1b", "boundaries": fcut, **AS_TRAIN},
              w.pp),
