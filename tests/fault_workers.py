@@ -25,7 +25,7 @@ from mp_toolkit.run.spawn import rank_of
 MARK = "MPT_FAULT_TEST_JOB"
 TRAIN = ["train", "--model", "gpt-tiny", "--data", "synthetic", "--micro-batch", "2", "--seq-len", "16",
          "--microbatches", "3", "--threads", "1", "--no-progress", "--lr", "1e-2", "--pp", "2", "--steps", "8"]
-"""Eight AdamW steps of gpt-tiny on two pipeline stages (1F1B), fp32."""
+"""Eight AdamW steps of gpt-tiny on two pipeline stages (the planner's default schedule: ZB-V here), fp32."""
 
 
 def processes_with(mark: str) -> list[int]:

@@ -339,11 +339,14 @@ TRAIN_ONE_RANK = ["train", "--model", "gpt-tiny", "--data", "synthetic", "--micr
 def test_nonfinite_steps_are_skipped_by_every_rank_and_a_streak_stops_the_run(tmp_path):
     """fp32, saving every step, --max-skips 3: rank 0's gradients are inf at step 2 (one skip, the run
     goes on), rank 1's loss is inf at steps 4-7. Every rank skips those steps, nothing is saved at a
-    skipped step, the third skip in a row stops the run (exit 3, one line) with `latest` on step 3."""
+    skipped step, the third skip in a row stops the run (exit 3, one line) with `latest` on step 3.
+    1F1B named: the loss is the last stage's, on rank 1 there (a V schedule, the planner's pick for this
+    run otherwise, computes it on rank 0, and the fault is refused as named for the wrong rank)."""
     root, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     faults = {"nonfinite": [{"rank": 0, "steps": [2], "kind": "grad"},
                             {"rank": 1, "steps": [4, 5, 6, 7], "kind": "loss"}]}
-    job = mpt_job(tmp_path, "--save-dir", str(root), "--save-every", "1", "--keep", "0", "--max-skips", "3",
+    job = mpt_job(tmp_path, "--schedule", "1f1b", "--save-dir", str(root), "--save-every", "1", "--keep", "0",
+                  "--max-skips", "3",
                   "--metrics", str(metrics), faults=faults)
     assert finish(job, 90) == 3, job.stderr
     got = rows(metrics)
