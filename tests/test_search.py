@@ -21,11 +21,11 @@ from mp_toolkit.partition.search import (
     SEARCH_SCHEDULES,
     Layout,
     SearchRequest,
-    _Floors,
     enumerate_layouts,
     search,
     with_devices,
 )
+from mp_toolkit.partition.search_floors import Floors
 from tests.cli_helpers import assert_one_line_exit_2
 
 SLOW = {"p2p_gbps": 5, "p2p_latency_us": 20, "collective_gbps": 4, "collective_latency_us": 30}
@@ -95,7 +95,7 @@ def layouts(req: SearchRequest) -> tuple[list[Layout], Counter]:
     return valid, refused
 
 
-def floors_of(req: SearchRequest, lay: Layout, floors: _Floors) -> tuple[int, float, int]:
+def floors_of(req: SearchRequest, lay: Layout, floors: Floors) -> tuple[int, float, int]:
     """(static floor, time floor, capacity) of one layout, as the search computes them."""
     plan_req = lay.request(req)
     rates = rates_of(plan_req, timed=False)
@@ -106,7 +106,7 @@ def tight_cap_gb(space: Space) -> float:
     """A capacity that a quarter of the fixed-recomputation layouts' static floors exceed: those are
     ruled out before planning, and activations rule out more of the rest."""
     req = space.request(LOOSE_GB)
-    floors = _Floors(req, model_shape(req.model))
+    floors = Floors(req, model_shape(req.model))
     static = sorted(floors_of(req, lay, floors)[0] for lay in layouts(req)[0] if lay.recompute != "auto")
     return static[3 * len(static) // 4] / GB
 
@@ -192,7 +192,7 @@ def test_the_search_finds_the_k_fastest_layouts_that_fit(space, top):
 @pytest.mark.parametrize("space", SPACES, ids=str)
 def test_nothing_that_fits_is_ruled_out_by_a_floor(space):
     req, plans, refused = brute_force(space)
-    floors = _Floors(req, model_shape(req.model))
+    floors = Floors(req, model_shape(req.model))
     over = []
     for lay in plans:
         static, _, capacity = floors_of(req, lay, floors)
@@ -221,7 +221,7 @@ BOUND_SPACES = [s for s in SPACES if s.devices >= 4] + [
 @pytest.mark.parametrize("space", BOUND_SPACES, ids=str)
 def test_the_floors_are_below_every_plan(space):
     req, plans, _ = brute_force(space)
-    floors = _Floors(req, model_shape(req.model))
+    floors = Floors(req, model_shape(req.model))
     seen, crossing = set(), False
     for lay, plan in plans.items():
         if plan is None:

@@ -290,8 +290,8 @@ class Executor:
         remote_sends = []
         for peer_stage, tensors in sends:
             if self.stage_to_rank[peer_stage] == self.rank:  # `schedule.validate` refuses such a schedule
-                raise ValueError(f"a send from stage {peer_stage + (1 if a.kind is Kind.SEND_B else -1)} to stage "
-                                 f"{peer_stage} on this rank: neighbours on one rank hand over locally")
+                raise ValueError(f"a send to stage {peer_stage}, which is on this rank: neighbours on one rank "
+                                 "hand over locally")
             remote_sends.append((self.stage_to_rank[peer_stage], tensors))
         remote_recvs = [(self.stage_to_rank[peer], specs) for _, peer, specs in recvs]
         received = self.p2p.post(remote_sends, remote_recvs, send_keys)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from mp_toolkit.names import V_SCHEDULES
 from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
-from mp_toolkit.schedule import SPLIT_SCHEDULES, get_schedule, simulate
+from mp_toolkit.schedule import SPLIT_SCHEDULES, get_schedule, placement, simulate
 from mp_toolkit.schedule.simulator import prepare
 
 from .build import measure_model
@@ -39,8 +39,8 @@ from .memory import MemoryCapError, StageMemory, min_max_memory
 from .rates import Rates, rates_of
 from .recompute import apply_to_plan, choose_recompute
 from .request import PLAN_METHODS, PlanRequest, check_request
-from .solvers import PartitionError, explicit, min_max, uniform
-from .vcut import min_max_v
+from .solvers import PartitionError, explicit, uniform
+from .vcut import balanced
 
 SPLIT_OVERHEAD = 0.10
 """What a backward run as ``I`` then ``W`` costs beyond the backward it replaces, as a share of it,
@@ -100,8 +100,8 @@ class Plan:
     def to_json(self) -> dict:
         """Exactly the fields ``mpt plan --json`` writes (issue 3, item 5)."""
         r = self.request
-        to_rank = self.timeline.schedule.stage_to_rank if self.timeline is not None else [
-            s.index % r.pp for s in self.stages]
+        to_rank = (self.timeline.schedule.stage_to_rank if self.timeline is not None
+                   else placement(r.schedule, r.pp, r.chunks))
         return {
             "pp": r.pp, "tp": r.tp, "dp": r.dp, "cp": r.cp, "sequence_parallel": r.sequence_parallel,
             "schedule": r.schedule,
@@ -214,20 +214,20 @@ def tp_seconds(req: PlanRequest, shape: ModelShape, costs: list[LayerCost], rate
 def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float]],
         memory: StageMemory | None, num_stages: int) -> list[int]:
     """Boundaries by ``req.method`` (or ``req.boundaries`` when given). Under a V schedule the balancing
-    methods balance ranks, each the sum of its two stages (`solvers.min_max_v`); else stages."""
+    methods balance ranks, each the sum of its two stages (`vcut.balanced`); else stages."""
     n = len(costs)
     if req.boundaries is not None:
         return explicit(list(req.boundaries), n, num_stages)
     m = req.method
-    balance = (lambda w, k: min_max_v(w, req.pp)) if req.schedule in V_SCHEDULES else min_max
+    v = req.schedule in V_SCHEDULES
     if m == "uniform":
         return uniform(n, num_stages)
     if m == "parameters":
-        return balance([c.params for c in costs], num_stages)
+        return balanced([c.params for c in costs], num_stages, v)
     if m == "flops":
-        return balance([c.flops_fwd + c.flops_bwd for c in costs], num_stages)
+        return balanced([c.flops_fwd + c.flops_bwd for c in costs], num_stages, v)
     if m == "time":
-        return balance([f + b for f, b in times], num_stages)
+        return balanced([f + b for f, b in times], num_stages, v)
     if m.startswith("type:"):
         try:
             regex = re.compile(m[5:], re.IGNORECASE)  # DeepSpeed matches class names case-insensitively
@@ -237,7 +237,7 @@ def cut(req: PlanRequest, costs: list[LayerCost], times: list[tuple[float, float
         if not any(weights):
             kinds = sorted({c.kind for c in costs})
             raise PartitionError(f"--method {m} matches no layer class: the classes are {', '.join(kinds)}")
-        return balance(weights, num_stages)
+        return balanced(weights, num_stages, v)
     if m == "memory":
         if req.memory_gb is None:
             raise PartitionError("--method memory needs --memory-gb, the per-device cap")

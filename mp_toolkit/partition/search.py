@@ -20,13 +20,13 @@ How it prunes, exactly (nothing feasible that could be in the top k is dropped):
 1. **Structure** (`enumerate_layouts`): a layout the run would refuse (tp not dividing the heads,
    more stages than layers, B not divisible by dp, interleaved micro-batches not a multiple of pp)
    is counted under its first reason and never planned.
-2. **Static memory** (`static_floor`): a rank's weights, gradients and optimizer state on the flops
+2. **Static memory** (`search_floors.Floors.static_floor`): a rank's weights, gradients and optimizer state on the flops
    cut (`cost.bytes_per_param`), with the process's runtime, through the allocator model; a layout
    whose floor exceeds the capacity cannot fit whatever its schedule or recomputation, since these
    only add activations to that floor. (Recomputation ``auto`` re-cuts by memory: its floor is the
    leanest stage's, the total over pp.)
-3. **Time bound** (`time_floor`): a lower bound on the step time of any schedule of the layout: some
-   rank must run all its stages' forwards and backwards of m micro-batches (FLOPs at the profile's
+3. **Time bound** (`search_floors.Floors.time_floor`): a lower bound on the step time of any schedule of
+   the layout: some rank must run all its stages' forwards and backwards of m micro-batches (FLOPs at the profile's
    rate, recomputation not counted), not before micro-batch 0 has passed the stages before its first.
    Layouts are planned in the order of their bound, and the search stops when the next bound is above
    the k-th best step time found: those left are slower than all k.
@@ -43,17 +43,14 @@ from dataclasses import dataclass, field, replace
 
 from mp_toolkit.arch.architectures import ARCHITECTURES
 from mp_toolkit.names import V_SCHEDULES, stages_per_rank
-from mp_toolkit.parallel.vocab_parallel import padded_vocab_size
-from mp_toolkit.schedule import SPLIT_SCHEDULES, placement
 
 from .cluster import ClusterProfile
-from .cost import ACT_BYTES, CostModelError, bytes_per_param, layer_costs, model_shape
-from .planner import GB, Plan, PlanRequest, make_plan, step_overhead_ms, tp_seconds
+from .cost import CostModelError, layer_costs, model_shape
+from .planner import GB, Plan, PlanRequest, make_plan
 from .rates import rates_of
-from .recompute import recompute_costs
 from .request import MAX_MICROBATCHES
-from .solvers import PartitionError, min_max
-from .vcut import min_max_v
+from .search_floors import Floors, splits_sequence
+from .solvers import PartitionError
 
 __all__ = ["Layout", "SearchRequest", "SearchResult", "enumerate_layouts", "search"]
 
@@ -174,11 +171,6 @@ def enumerate_layouts(req: SearchRequest, shape, layers: int):
                 yield from _per_replica(req, arch, layers, pp, tp, dp, cp)
 
 
-def _sequence_parallel(req: SearchRequest, tp: int) -> bool:
-    """Whether the layouts of this tp are sequence parallel (module docstring): tp > 1 and it splits the sequence."""
-    return req.sequence_parallel and tp > 1 and req.seq_len % tp == 0
-
-
 def _context_degrees(req: SearchRequest, shape, tp: int) -> list[int]:
     """The cp degrees a tp group of ``tp`` may take: 1, and with ``context_parallel`` every divisor of the
     devices left whose tp x cp fits a node and whose 2 cp (x tp under sequence parallelism) divides the
@@ -187,14 +179,14 @@ def _context_degrees(req: SearchRequest, shape, tp: int) -> list[int]:
     ring = shape.family == "llama" or (shape.family == "gpt2" and not shape.hf_modules)  # HF GPT-2: not built
     if not req.context_parallel or not ring or shape.attn_dropout > 0:
         return [1]
-    sp = _sequence_parallel(req, tp)
+    sp = splits_sequence(req, tp)
     return [cp for cp in _divisors(req.devices // tp) if cp == 1 or (
         tp * cp <= req.cluster.devices_per_node and req.seq_len % (2 * cp * (tp if sp else 1)) == 0)]
 
 
 def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: int, cp: int = 1):
     per_replica = req.global_batch // dp
-    sp = _sequence_parallel(req, tp)
+    sp = splits_sequence(req, tp)
     for mb in _divisors(per_replica):
         if req.max_micro_batch is not None and mb > req.max_micro_batch:
             continue
@@ -218,102 +210,13 @@ def _per_replica(req: SearchRequest, arch, layers: int, pp: int, tp: int, dp: in
                     yield Layout(pp, tp, dp, mb, m, schedule, chunks, rec, zero, sp, cp), None
 
 
-class _Floors:
-    """The static-memory and step-time floors of layouts, with costs and cuts shared between them."""
-
-    def __init__(self, req: SearchRequest, shape):
-        self.req, self.shape = req, shape
-        self._costs, self._cuts = {}, {}
-
-    def costs(self, tp: int, mb: int, cp: int = 1):
-        """The layer costs `make_plan` takes: the vocabulary padded for tp, sequence parallel as the
-        layouts of that tp are (`_per_replica`), a rank's seq / cp tokens."""
-        key = (tp, mb, cp)
-        if key not in self._costs:
-            shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, tp))
-            sp = _sequence_parallel(self.req, tp)
-            self._costs[key] = layer_costs(shape, mb, self.req.seq_len, self.req.precision, tp, sp, cp)
-        return self._costs[key]
-
-    def cut(self, tp: int, mb: int, stages: int, cp: int = 1, v: bool = False) -> list[int]:
-        """`make_plan`'s flops cut (``v``: a V schedule's, which balances ranks of two stages)."""
-        key = (tp, mb, stages, cp, v)
-        if key not in self._cuts:
-            flops = [c.flops_fwd + c.flops_bwd for c in self.costs(tp, mb, cp)]
-            self._cuts[key] = min_max_v(flops, stages // 2) if v else min_max(flops, stages)
-        return self._cuts[key]
-
-    def kept_full(self, tp: int, mb: int, cp: int = 1) -> list[int]:
-        """Per layer, the activation bytes it keeps per micro-batch with every block recomputed in full
-        (its input; `recompute.recompute_costs`)."""
-        costs = self.costs(tp, mb, cp)
-        rc = recompute_costs(self.shape, costs, [(0.0, 0.0)] * len(costs), mb, self.req.seq_len // cp,
-                             ACT_BYTES[self.req.precision], tp)
-        return [c.activation_bytes - saved for c, saved in zip(costs, rc.full_saved)]
-
-    def static_floor(self, lay: Layout, plan_req: PlanRequest, rates) -> int:
-        """The least bytes some rank holds on its device (module docstring, 2)."""
-        costs = self.costs(lay.tp, lay.micro_batch, lay.cp)
-        bpp = bytes_per_param(self.req.precision, self.req.optimizer, zero_dp=lay.dp * lay.cp if lay.zero else 1,
-                              momentum=self.req.momentum)
-        static = [c.params * bpp for c in costs]
-        if lay.recompute == "auto":  # any cut; every stage holds at least one micro-batch's layer inputs
-            per_rank = (sum(static) + sum(self.kept_full(lay.tp, lay.micro_batch, lay.cp))) / lay.pp
-        else:
-            bounds = self.cut(lay.tp, lay.micro_batch, lay.pp * lay.chunks, lay.cp, lay.schedule in V_SCHEDULES)
-            to_rank = placement(lay.schedule, lay.pp, lay.chunks)
-            per_rank = max(sum(sum(static[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1) if to_rank[s] == r)
-                           for r in range(lay.pp))
-        return rates.device_bytes(int(per_rank))
-
-    def time_floor(self, lay: Layout, plan_req: PlanRequest, rates) -> float:
-        """A lower bound on the step time in ms (module docstring, 3), with the step's overhead after
-        the schedule (`planner.step_overhead_ms`) exactly as `make_plan` adds it."""
-        costs, tflops = self.costs(lay.tp, lay.micro_batch, lay.cp), rates.tflops
-        stages = lay.pp * lay.chunks
-        bounds = self.cut(lay.tp, lay.micro_batch, stages, lay.cp, lay.schedule in V_SCHEDULES)
-        shape = replace(self.shape, vocab_size=padded_vocab_size(self.shape.vocab_size, lay.tp))
-        # the tensor- and context-parallel collectives' waits, which `make_plan` adds to each layer's time
-        comm = tp_seconds(plan_req, shape, costs, rates) if lay.tp > 1 or lay.cp > 1 else [(0.0, 0.0)] * len(costs)
-        cf = [1e3 * sum(t[0] for t in comm[a:b]) for a, b in zip(bounds, bounds[1:])]
-        cb = [1e3 * sum(t[1] for t in comm[a:b]) for a, b in zip(bounds, bounds[1:])]
-        fb = [sum(c.flops_fwd + c.flops_bwd for c in costs[a:b]) / (tflops * 1e9) + x + y
-              for (a, b), x, y in zip(zip(bounds, bounds[1:]), cf, cb)]
-        touched = bytes_per_param(self.req.precision, self.req.optimizer, momentum=self.req.momentum) + 8
-        params = [sum(c.params for c in costs[a:b]) for a, b in zip(bounds, bounds[1:])]
-        to_rank = placement(lay.schedule, lay.pp, lay.chunks)
-        overhead = step_overhead_ms(plan_req, rates, shape, [(p, 1e3 * p * touched / (rates.mem_gbps * GB))
-                                                              for p in params], to_rank)
-        f = [sum(c.flops_fwd for c in costs[a:b]) / (tflops * 1e9) + x
-             for (a, b), x in zip(zip(bounds, bounds[1:]), cf)]
-        b = [x - y for x, y in zip(fb, f)]
-        split = lay.schedule in SPLIT_SCHEDULES
-        # One micro-batch goes forward through every stage and back: a split backward's I (half of B
-        # unmeasured) on every stage but the first, whose whole backward is W. Without a split, the last
-        # backward a rank runs is followed by the backwards of every stage before its first; with a split
-        # its W's may come last, so the per-rank bound keeps only what precedes its first action.
-        chain = sum(f) + (sum(b[1:]) / 2 + b[0] if split else sum(b))
-        if lay.recompute == "auto":  # cut by memory: no rank beats the balanced cut's slowest stage
-            if lay.chunks == 1:  # balanced over each layer's FLOP time with its collectives' waits
-                per_layer = [(c.flops_fwd + c.flops_bwd) / (tflops * 1e9) + 1e3 * (t[0] + t[1])
-                             for c, t in zip(costs, comm)]
-                cut = min_max(per_layer, stages)
-                work = max(sum(per_layer[a:z]) for a, z in zip(cut, cut[1:]))
-            else:
-                work = sum(fb) / lay.pp
-            return max(work * lay.microbatches, sum(f) + (0.0 if split else sum(b))) + sum(overhead) / lay.pp
-        tail = [0.0] * stages if split else b
-        return max(chain, *(sum(f[:r]) + lay.microbatches * sum(fb[s] for s in range(stages) if to_rank[s] == r)
-                            + sum(tail[:r]) for r in range(lay.pp))) + max(overhead)
-
-
 def search(req: SearchRequest) -> SearchResult:
     """The top ``req.top`` layouts by predicted step time among those that fit (module docstring)."""
     t0 = time.perf_counter()
     _check(req)
     shape = model_shape(req.model, hf_modules=req.hf)
     layers = len(layer_costs(shape, 1, 1))
-    floors = _Floors(req, shape)
+    floors = Floors(req, shape)
     rejected: Counter = Counter()
     queue, over = [], []  # (bound, order, layout, request); (floor, layout, request) of those over the floor
     for lay, reason in enumerate_layouts(req, shape, layers):

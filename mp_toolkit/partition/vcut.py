@@ -12,9 +12,16 @@ from typing import Sequence
 
 import numpy as np
 
-from .solvers import check_num_stages, exact_weights
+from .solvers import check_num_stages, exact_weights, min_max
 
-__all__ = ["min_max_v"]
+__all__ = ["min_max_v", "balanced"]
+
+
+def balanced(weights: Sequence[Real], num_stages: int, v: bool) -> list[int]:
+    """The min-max cut of ``weights`` into ``num_stages`` stages: of the stages (`solvers.min_max`), or with
+    ``v`` (a V schedule's placement) of the ranks, each two stages (`min_max_v`). The planner's balancing
+    methods, the search's floors and `mpt train`'s cut all cut through here."""
+    return min_max_v(weights, num_stages // 2) if v else min_max(weights, num_stages)
 
 
 def min_max_v(weights: Sequence[Real], num_ranks: int) -> list[int]:

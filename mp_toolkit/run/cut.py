@@ -25,8 +25,7 @@ from mp_toolkit.optim.master import PRECISIONS
 from mp_toolkit.partition import PartitionError, by_parameters, explicit, uniform
 from mp_toolkit.partition.cost import CostModelError, layer_costs, shape_from_hf_config
 from mp_toolkit.partition.measure import TIMED_MICROBATCHES, measure_layers
-from mp_toolkit.partition.solvers import min_max
-from mp_toolkit.partition.vcut import min_max_v
+from mp_toolkit.partition.vcut import balanced
 from mp_toolkit.run.config import Batch, ConfigError, TrainConfig, parse_boundaries
 
 
@@ -75,12 +74,6 @@ def _hf_config_dict(config) -> dict:
     if not isinstance(d, dict):
         raise PartitionError(f"the cost model cannot read a {type(config).__name__}: use parameters or uniform")
     return d
-
-
-def balanced(weights, num_stages: int, v: bool) -> list[int]:
-    """The min-max cut of ``weights`` into ``num_stages`` stages; ``v``: under a V placement, balancing the
-    ranks (each two stages, `min_max_v`) as ``mpt plan`` does for the V schedules."""
-    return min_max_v(weights, num_stages // 2) if v else min_max(weights, num_stages)
 
 
 def flops_cut(config, num_layers: int, num_stages: int, micro_batch: int, seq_len: int, v: bool = False) -> list[int]:
