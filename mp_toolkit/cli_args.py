@@ -15,7 +15,16 @@ import re
 import sys
 from pathlib import Path
 
-from mp_toolkit.flag_values import BucketError, RecomputeError, parse_buckets, parse_layer_counts
+from mp_toolkit.flag_values import (
+    BucketError,
+    ElasticError,
+    RecomputeError,
+    SpikeRewindError,
+    parse_buckets,
+    parse_elastic,
+    parse_layer_counts,
+    parse_spike_rewind,
+)
 from mp_toolkit.names import LAMB_RULES, PLAN_METHODS, RECOMPUTE_MODES
 from mp_toolkit.names import PRECISIONS as COMPUTE_PRECISIONS
 from mp_toolkit.partition.request import PlanRequest
@@ -147,6 +156,7 @@ def _add_train_parser(sub) -> None:
     field("--cp", type=int)
     field("--cp-attention", type=str.lower, choices=("ring", "ulysses"))
     field("--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
+    field("--elastic", type=_elastic, metavar="MIN:MAX")
     field("--dp-bucket-mb", type=float)
     field("--zero", type=int)
     field("--schedule", type=str.lower, choices=(*SCHEDULES, "auto"),
@@ -208,6 +218,9 @@ def _add_train_parser(sub) -> None:
     field("--resume", nargs="?", const="latest", metavar="DIR|latest|auto", extra="Without a value: latest.")
     field("--restarts", type=int)
     field("--max-skips", type=int, show_default=True)
+    field("--check-replicas", type=int, metavar="N")
+    field("--spike-rewind", type=_spike_rewind, metavar="Z,K[,R]")
+    field("--async-save", action="store_const", const=True)
     field("--recompute", type=str.lower, choices=RECOMPUTE_CHOICES)
     field("--recompute-layers", type=_layer_counts, metavar="N[,N...]")
     field("--memory-gb", type=float)
@@ -300,6 +313,20 @@ def _layer_counts(text: str) -> tuple[int, ...]:
     try:
         return parse_layer_counts(text)
     except RecomputeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _elastic(text: str) -> tuple[int, int]:
+    try:
+        return parse_elastic(text)
+    except ElasticError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _spike_rewind(text: str) -> tuple[float, int, int] | None:
+    try:
+        return parse_spike_rewind(text)
+    except SpikeRewindError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 

@@ -127,3 +127,16 @@ def test_resolving_a_run_leaves_torchs_random_state_alone():
     before = torch.random.get_rng_state()
     _plan()
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_async_save_adds_each_writers_copy_to_its_prediction():
+    """--async-save: 4 + 8 bytes per parameter with AdamW (fp32 tensor and two moments) per stage, carried
+    to the ranks; without it, nothing."""
+    assert _plan().stage_copy_bytes is None and _plan().copy_bytes(0) == 0
+    run = _plan("--async-save", "--save-dir", "unused")
+    assert run.stage_copy_bytes == tuple(12 * s.params for s in run.prediction.stages)
+    given = TrainConfig.of(model="gpt-tiny", seq_len=64, pp=2, microbatches=4, data="synthetic", async_save=True,
+                           save_dir="unused")
+    received = RunPlan.received(given, json.loads(json.dumps(run.to_json())))
+    assert [received.copy_bytes(r) for r in range(2)] == [run.copy_bytes(r) for r in range(2)]
+    assert sum(run.copy_bytes(r) for r in range(2)) == 12 * sum(s.params for s in run.prediction.stages)

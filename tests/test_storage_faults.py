@@ -132,8 +132,8 @@ TRAIN = ["train", "--model", "gpt-tiny", "--pp", "1", "--data", "synthetic", "--
          "--microbatches", "1", "--threads", "1", "--no-progress", "--steps", "2", "--save-every", "1"]
 
 
-def test_a_full_disk_during_a_run_stops_it_in_one_line_and_keeps_latest(tmp_path, monkeypatch, capsys):
-    root = tmp_path / "run"
+def full_disk_at_step_2(monkeypatch) -> None:
+    """Every safetensors file of step 2's save fails as safetensors reports ENOSPC."""
     real = safetensors.torch.save_file
 
     def save_file(tensors, filename, metadata=None):
@@ -142,6 +142,11 @@ def test_a_full_disk_during_a_run_stops_it_in_one_line_and_keeps_latest(tmp_path
                                               "No space left on device (os error 28)")
         return real(tensors, filename, metadata=metadata)
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+def test_a_full_disk_during_a_run_stops_it_in_one_line_and_keeps_latest(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "run"
+    full_disk_at_step_2(monkeypatch)
     line = assert_one_line_exit_2(capsys, TRAIN + ["--save-dir", root])
     assert ("saving step 2 failed" in line and "No space left on device" in line
             and "latest still names step-00000001" in line)

@@ -17,9 +17,11 @@ from mp_toolkit.ds.overrides import blame, ds_overrides, merge
 from mp_toolkit.errors import ConfigError
 from mp_toolkit.parallel.context import GridError, check_grid
 from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.run.elastic import elastic_layout
 from mp_toolkit.run.launch import (
     EXIT_DIVERGED,
     EXIT_PREEMPTED,
+    EXIT_REPLICAS,
     LaunchEnv,
     PeerLost,
     device_and_backend,
@@ -29,6 +31,7 @@ from mp_toolkit.run.launch import (
 from mp_toolkit.run.loop import Preempted, run_training
 from mp_toolkit.run.plan import RunPlan, resolve_run
 from mp_toolkit.run.predict import dry_run_report
+from mp_toolkit.run.replicas import ReplicasDiffer
 from mp_toolkit.run.skips import Diverged
 from mp_toolkit.run.spawn import can_fork_ranks, spawn_local
 
@@ -61,6 +64,8 @@ def plan_run(args: argparse.Namespace, env: LaunchEnv | None = None) -> RunPlan:
     try:
         if env is not None and env.run_plan is not None:
             return RunPlan.received(cfg, json.loads(env.run_plan))
+        cfg, line = elastic_layout(cfg, env.world_size if env is not None else None, "dp" in given)
+        notes = [*notes, line] if line else notes
         device = None if env is None else device_and_backend(env.local_rank, env.local_world_size,
                                                              torch.cuda.device_count())[0]
         return resolve_run(cfg, schedule_named="schedule" in given or "schedule" in from_file,
@@ -109,7 +114,8 @@ def run(args: argparse.Namespace, argv: list[str], main: Callable | None = None)
 
 
 def _run(plan: RunPlan, env: LaunchEnv) -> int:
-    """Train this rank; a lost peer (exit 1) and a diverged run (exit 3, said once by rank 0) end in one line."""
+    """Train this rank; a lost peer (exit 1), a diverged run (exit 3, said once by rank 0) and replicas that
+    differ (exit 6, said by the rank that saw it) end in one line."""
     try:
         run_training(plan, env)
     except Diverged as e:
@@ -120,6 +126,10 @@ def _run(plan: RunPlan, env: LaunchEnv) -> int:
         if env.rank == 0:
             sys.stderr.write(f"mpt train: {e}\n")
         return EXIT_PREEMPTED
+    except ReplicasDiffer as e:
+        if str(e):
+            sys.stderr.write(f"mpt train: error: {e}\n")
+        return EXIT_REPLICAS
     except PeerLost as e:
         sys.stderr.write(f"mpt train: error: {e}\n")
         _exit_without_finalizing(1)

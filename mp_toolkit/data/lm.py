@@ -172,6 +172,12 @@ class MicroBatches:
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
+    def skip(self, n: int) -> None:
+        """Pass over the next ``n`` micro-batches without reading them (into later epochs as needed)."""
+        position = self.position + n
+        epoch = max(self.epoch, -(-position // self.batches_per_epoch) - 1)
+        self.load_state_dict({"epoch": epoch, "position": position})
+
     def load_state_dict(self, state: dict[str, int]) -> None:
         epoch, position = int(state["epoch"]), int(state["position"])
         offset = position - epoch * self.batches_per_epoch

@@ -59,8 +59,9 @@ def _validate_numbers(cfg: TrainConfig) -> None:
     if clip is not None and not (clip > 0 and math.isfinite(clip)):
         raise ConfigError(f"--clip-grad {clip} must be a positive finite number (or none)")
     for name in ("warmup_steps", "loss_scale_window", "hysteresis", "initial_scale_power", "save_every", "restarts",
-                 "max_skips"):
-        if flat[name] < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts") else 1):
+                 "max_skips", "check_replicas"):
+        if flat[name] < (0 if name in ("warmup_steps", "initial_scale_power", "save_every", "restarts",
+                                       "check_replicas") else 1):
             raise ConfigError(f"--{name.replace('_', '-')} {flat[name]} is out of range")
     try:
         cfg.batch.bucket_lengths  # noqa: B018 -- each bucket at most --seq-len
@@ -145,6 +146,11 @@ def _validate_paths(cfg: TrainConfig) -> None:
     if cfg.faults.restarts and (ck.save_dir is None or not ck.save_every):
         raise ConfigError(f"--restarts {cfg.faults.restarts} needs --save-dir and --save-every N: a restart resumes "
                           "from the latest checkpoint, and without one it would start over")
+    if cfg.faults.spike_rewind is not None and (ck.save_dir is None or not ck.save_every):
+        raise ConfigError("--spike-rewind needs --save-dir and --save-every N: a rewind goes back to the latest "
+                          "checkpoint")
+    if ck.async_save and ck.save_dir is None:
+        raise ConfigError("--async-save needs --save-dir (it writes checkpoints in the background)")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,10 @@ class Parallel:
     model's heads, hidden size, MLP size and vocabulary. The world is pp x tp x dp ranks."""
     dp: int = 1
     """Data-parallel replicas: each trains on its own micro-batches, gradients are averaged."""
+    elastic: tuple[int, int] | None = None
+    """(MIN, MAX) data-parallel replicas: under a launcher (torchrun ``--nnodes MIN:MAX``) dp is what pp x
+    tp x cp leave of the world, within these bounds, and the micro-batches per replica follow from
+    global_batch (`mp_toolkit.run.elastic`); None: dp as given."""
     cp: int = 1
     """Context-parallel degree: ranks that split every sequence (zig-zag, ring attention,
     `mp_toolkit.parallel.context_parallel`; model_zoo's GPT, HF's Llama family). The world is
@@ -115,7 +119,8 @@ class Batch:
     """Tokens per sequence; at most the model's n_positions. A resumed run may change it (the model's
     positions allowing): the pipeline agrees the new shapes (`mp_toolkit.engine.shapes`)."""
     global_batch: int | None = None
-    """Sequences per step over all replicas that ``--layout auto`` searches a layout for."""
+    """Sequences per step over all replicas that ``--layout auto`` searches a layout for, or that
+    ``--elastic`` keeps whatever dp the launcher's world makes."""
     length_buckets: tuple[int, ...] = ()
     """Sequence lengths micro-batches are cut to, each at most seq_len (seq_len is always one):
     padded data (BERT) to the smallest bucket holding the longest pair, packed data (GPT) to a
@@ -160,6 +165,11 @@ class Checkpoint:
     """Resume from a checkpoint: "latest" or "auto" (save_dir's latest, or a fresh start when it holds
     none: "auto" is the spelling for restart loops such as torchrun --max-restarts), a checkpoint
     root (its latest) or one step directory."""
+    async_save: bool = False
+    """Write checkpoints in the background: the step after a save starts once this rank's share is
+    copied to host memory (`mp_toolkit.run.async_save`); the files, the manifest and ``latest`` follow
+    as in a synchronous save, a second save waits for the first, and a failed background write stops
+    the run at the next save or at the end."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +190,14 @@ class Faults:
     """Stop (exit 3) after this many consecutive skipped steps whose gradients or loss were not finite
     (fp32 / bf16; fp16 once the loss scale is at min_loss_scale or static). No checkpoint is written
     at such a step, so the last good one stays the latest."""
+    check_replicas: int = 0
+    """Every this many steps the data-parallel replicas (and cp slices) of each stage compare a hash of
+    every parameter, fp32 master and optimizer-state tensor (`mp_toolkit.run.replicas`); a mismatch names
+    the step, stage, tensor and replica, saves nothing and stops every rank (exit 6). 0: off."""
+    spike_rewind: tuple[float, int, int] | None = None
+    """(Z, K, R): a step whose loss is more than Z standard deviations above the last steps' (or a run of
+    max_skips non-finite steps) rewinds to the latest checkpoint and skips the next K global batches,
+    at most R times (`mp_toolkit.run.spikes`); None: off."""
 
 
 @dataclass(frozen=True)

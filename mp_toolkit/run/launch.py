@@ -51,6 +51,11 @@ EXIT_HUNG = 4
 """A rank was found hung by the heartbeats (`run.watchdog`) and named; restarted like a dead rank."""
 EXIT_PREEMPTED = 5
 """SIGTERM / SIGUSR1: every rank finished the step in flight and the job saved it (`run.preempt`)."""
+EXIT_REPLICAS = 6
+"""--check-replicas found data-parallel replicas that differ (one line named the tensor); nothing was saved.
+Restarted by --restarts / --max-restarts: the latest checkpoint was checked before it was written."""
+QUIET_EXITS = (EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_REPLICAS, 130)
+"""Exits whose rank already said why in one line: the mpt launcher adds nothing."""
 NOT_RESTARTED = (EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, 130)
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Signals that ask a run to stop after the step in flight (schedulers' preemption; SLURM --signal)."""
@@ -225,13 +230,15 @@ def _running(pid: int) -> bool:
 
 
 def heartbeat_store(env: LaunchEnv, timeout_s: float) -> tuple[dist.Store, bool]:
-    """(a connection of this rank's own to the rendezvous store, keyed per attempt, whether rank 0
-    serves that store): the heartbeats' side channel (`run.watchdog`). Under torchrun its agent
-    serves the store; under mpt, the deepspeed launcher and bare ranks rank 0 does."""
+    """(a connection of this rank's own to the rendezvous store, whether rank 0 serves that store): the
+    heartbeats' side channel (`run.watchdog`). Under torchrun its agent serves the store, which outlives
+    a restart, so the keys are per attempt; under mpt, the deepspeed launcher, bare ranks and torchrun
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0 serves a store of this start's own (the agents of an
+    elastic job count their restarts apart, so no attempt number is in the keys)."""
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=timedelta(seconds=max(timeout_s, 1.0)), wait_for_workers=False)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return dist.PrefixStore(f"mpt/heartbeat/attempt_{env.attempt}", client), not agent
+    return dist.PrefixStore(f"mpt/heartbeat/attempt_{env.attempt}" if agent else "mpt/heartbeat", client), not agent
 
 
 def is_comm_failure(e: BaseException) -> bool:

@@ -26,9 +26,10 @@ def apply_layout(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     """``cfg`` with its ``--layout`` applied, and the line saying so (None without ``--layout``)."""
     par = cfg.parallel
     if par.layout is None:
-        if cfg.batch.global_batch is not None:
+        if cfg.batch.global_batch is not None and par.elastic is None:
             raise ConfigError(f"--global-batch {cfg.batch.global_batch} is what --layout auto searches a layout "
-                              "for: add --layout auto (or give --dp, --microbatches and --micro-batch)")
+                              "for: add --layout auto or --elastic MIN:MAX (or give --dp, --microbatches and "
+                              "--micro-batch)")
         return cfg, None
     if par.layout == "auto":
         entry, how = _searched(cfg)

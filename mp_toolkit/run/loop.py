@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.checkpoint import CheckpointError
+from mp_toolkit.checkpoint import CheckpointError, latest_step
 from mp_toolkit.engine.interface import TrainEngine
 from mp_toolkit.optim.lr import WarmupDecay, set_lr
 from mp_toolkit.parallel.context import ParallelContext, build_context
@@ -49,10 +49,13 @@ from mp_toolkit.run.metrics import DrawnTokens, MetricsLog, gather_ints, global_
 from mp_toolkit.run.plan import RunPlan
 from mp_toolkit.run.predict import run_plan
 from mp_toolkit.run.preempt import Preempted, PreemptSignals
+from mp_toolkit.run.replicas import flip_bit
 from mp_toolkit.run.save_dir import SaveDirLock, new_run_id
 from mp_toolkit.run.save_dir import prepare as prepare_save_dir
+from mp_toolkit.run.saving import RunCheckpoints
 from mp_toolkit.run.skips import Diverged, SaveSchedule, SkipStreak, injected_nonfinite
-from mp_toolkit.run.state import ModelNames, Progress, agree, find_checkpoint, load_state, manifest, save_state
+from mp_toolkit.run.spikes import SpikeGuard
+from mp_toolkit.run.state import ModelNames, Progress, agree, find_checkpoint, load_state
 from mp_toolkit.run.validation import bert_metrics, evaluates_at, validation_row
 from mp_toolkit.run.watchdog import Heartbeat
 
@@ -109,20 +112,21 @@ def predicted_bytes(run: RunPlan, boundaries: list[int], pp_rank: int) -> int | 
     return None if plan is None else sum(plan.stages[s].memory_bytes for s in run.stages_of(pp_rank))
 
 
-def _resume(cfg: TrainConfig, path, engine, ctx, names, data, spec, log_rank0: bool) -> tuple[Progress, str]:
-    """(Progress after restoring ``path``, ``--resume``'s checkpoint, the run's id): a fresh
-    Progress and a new id when None; a resumed run keeps the id its checkpoint records."""
+def _resume(cfg: TrainConfig, path, engine, ctx, names, data, spec, log_rank0: bool
+            ) -> tuple[Progress, str, SpikeGuard | None]:
+    """(Progress after restoring ``path``, ``--resume``'s checkpoint, the run's id, its --spike-rewind
+    guard): a fresh Progress and a new id when None; a resumed run keeps the id its checkpoint records."""
     if path is None:
         ck = cfg.checkpoint
         if ck.resume and log_rank0:
             print(f"--resume {ck.resume}: {ck.save_dir} holds no committed checkpoint yet, starting from step 0")
-        return Progress(), new_run_id()
+        return Progress(), new_run_id(), SpikeGuard.of(cfg.faults.spike_rewind)
     resumed = load_state(path, cfg, engine, ctx, names, data, spec)
     if log_rank0:
         print(f"resumed from {resumed.path} at step {resumed.progress.step}")
         for note in resumed.notes:
             print(f"  {note}")
-    return resumed.progress, resumed.run or new_run_id()
+    return resumed.progress, resumed.run or new_run_id(), SpikeGuard.of(cfg.faults.spike_rewind, resumed.spikes)
 
 
 def _one_step(cfg: TrainConfig, env: LaunchEnv, ctx: ParallelContext, engine: TrainEngine, data,
@@ -134,7 +138,8 @@ def _one_step(cfg: TrainConfig, env: LaunchEnv, ctx: ParallelContext, engine: Tr
     set_lr(engine.optimizer, lr)
     drawn = DrawnTokens(data) if cfg.batch.length_buckets else None
     t0 = time.perf_counter()
-    with injected_nonfinite(engine, env.faults.nonfinite_at(env.rank, step)):
+    batch = data.position // cfg.batch.microbatches + 1  # the global batch this step reads (1-based)
+    with injected_nonfinite(engine, env.faults.nonfinite_at(env.rank, step, batch)):
         stats = engine.train_batch(data if drawn is None else drawn)
     dt = time.perf_counter() - t0
     tokens = cfg.tokens_per_step if drawn is None else global_batch_tokens(drawn.tokens, ctx)
@@ -198,7 +203,9 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
     engine = make_engine(run, ctx, model, values=resume_from is None)  # resuming: the checkpoint fills them
     del model
     planned = predicted_bytes(run, engine.boundaries, ctx.pp_rank)  # mpt plan's figure for this rank
-    progress, run_id = _resume(cfg, resume_from, engine, ctx, names, data, spec, rank0)
+    if planned is not None and ctx.grad_rank == 0 and ctx.tp_rank == 0:  # the --async-save copy's writer
+        planned += run.copy_bytes(ctx.pp_rank)
+    progress, run_id, spikes = _resume(cfg, resume_from, engine, ctx, names, data, spec, rank0)
     if progress.step >= cfg.steps:
         if rank0:
             print(f"the checkpoint is at step {progress.step}, --steps is {cfg.steps}: nothing to train")
@@ -212,19 +219,17 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
     # BERT pre-training: MLM and NSP losses and MLM accuracy beside the validation loss (our engine)
     metrics = bert_metrics(spec.family_record.mlm, getattr(spec.config, "architecture", None), engine, ctx.tp_group)
     scaler, streak, saves = engine.scaler, SkipStreak(cfg.faults.max_skips), SaveSchedule(cfg)
+    checkpoints = RunCheckpoints(cfg, env, ctx, engine, names, data, spec, status, log, run_id)
+    flips = lambda step: env.faults.flips_at(env, step)  # noqa: E731 -- the test hook (MPT_FAULTS)
 
-    def save(step: int, row: dict) -> None:
-        status.set(f"while saving step {step}")
-        meta = manifest(cfg, engine, ctx, data, progress, spec, row["lr"], run_id) if rank0 else None
-        save_state(cfg.checkpoint.save_dir, meta, engine, ctx, names, step, cfg.checkpoint.keep,
-                   after_shards=lambda: env.faults.kill_here(env, step, "save"))
-        log.note(f"saved step {step} to {cfg.checkpoint.save_dir}")
-
-    first = progress.step + 1
-    for step in range(first, cfg.steps + 1):
+    first = step = progress.step + 1
+    while step <= cfg.steps:
         status.set(f"during step {step}", step)
         env.faults.kill_here(env, step, "step")
         stats, row = _one_step(cfg, env, ctx, engine, data, progress, step)
+        for tensor, element, bit in flips(step):
+            log_flip = flip_bit(engine, tensor, element, bit)
+            print(f"MPT_FAULTS: rank {env.rank} flipped {log_flip} after step {step}", flush=True)
         if step == cfg.steps:
             row["peak_memory_bytes"] = gather_ints(memory.peak_bytes() - base, ctx.device)
             row["peak_rss_bytes"] = gather_ints(max(peak_since_start, peak_rss_bytes()), ctx.device)
@@ -241,18 +246,35 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
         counted = streak.update(step, stats, scaler)
         if stats.skipped:
             log.note(streak.line(step, stats, cfg, scaler))
+        if spikes is not None:
+            spike = spikes.judge(step, stats.loss, stats.skipped)
+            why = spike or (streak.stop_reason(cfg) if streak.count >= cfg.faults.max_skips else None)
+            where = latest_step(cfg.checkpoint.save_dir) if why else None
+            if why and spikes.left > 0 and where is not None:
+                step = checkpoints.rewind(step, why, progress, spikes, streak, saves)
+                continue
+            if spike:
+                log.note(f"step {step}: {spike}; not rewound: " + ("no checkpoint yet" if where is None else
+                         f"the {spikes.limit} rewinds of --spike-rewind are spent"))
+                spikes.accept(step, stats.loss)
         saved = saves.now(step, counted, log)
+        if checkpoints.check.due(step):
+            checkpoints.check_replicas(step)
         if saved:
-            save(step, row)
+            checkpoints.save(step, row, progress, spikes)
         if streak.count >= cfg.faults.max_skips:
+            checkpoints.finish()
             log.close()
             raise Diverged(streak.stop_message(step, stats, cfg))
         stop = signals.agreed(ctx.device) if step < cfg.steps else None  # every rank, the same step
         if stop is not None:
             if cfg.checkpoint.save_dir is not None and not saved and not counted:
-                save(step, row)
+                checkpoints.save(step, row, progress, spikes)
+            checkpoints.finish()
             log.close()
             raise Preempted(_preempted_line(cfg, stop.name, step, saved or not counted))
+        step += 1
+    checkpoints.finish()
     if saves.deferred:
         log.note(f"the run ended on a skipped step: no checkpoint of step {cfg.steps}, `latest` stays where it was")
     log.close()

@@ -30,10 +30,7 @@ class MetricsLog:
         metrics = cfg.logging.metrics
         if enabled and metrics:
             if start_step > 0 and Path(metrics).is_file():
-                kept = [(line, row) for line in Path(metrics).read_text().splitlines()
-                        if (row := _row(line)) is not None and row["step"] <= start_step]
-                self.earlier = [row for _, row in kept]
-                Path(metrics).write_text("".join(line + "\n" for line, _ in kept))
+                self.earlier = _keep_rows(Path(metrics), start_step)
             self.file = open(metrics, "a" if start_step > 0 else "w")
         self.scalars = ScalarLogs(cfg, start_step) if enabled else None  # TensorBoard, CSV, wandb
         self.bar = None
@@ -66,6 +63,21 @@ class MetricsLog:
             self.bar.update(1)
         elif "val_loss" in row:  # no bar (--no-progress): a line per evaluation
             print(f"step {row['step']}: loss {row['loss']:.4f}, {validation_text(row)}", flush=True)
+
+    def rewind(self, step: int) -> None:
+        """The rows after ``step`` are dropped (the run went back to its checkpoint, `run.spikes`)."""
+        if not self.enabled:
+            return
+        self.rows = [r for r in self.rows if r["step"] <= step]
+        if self.file:
+            self.file.close()
+            _keep_rows(Path(self.cfg.logging.metrics), step)
+            self.file = open(self.cfg.logging.metrics, "a")
+        self.scalars.close()
+        self.scalars = ScalarLogs(self.cfg, step)
+        if self.bar:
+            self.bar.n = step
+            self.bar.refresh()
 
     def close(self) -> None:
         if not self.enabled:
@@ -116,6 +128,14 @@ def validation_text(row: dict) -> str:
     parts = [f"{label} {row[key]:.4f}" for key, label in (("val_mlm_loss", "MLM loss"), ("val_nsp_loss", "NSP loss"),
                                                          ("val_mlm_accuracy", "MLM accuracy")) if key in row]
     return f"validation loss {row['val_loss']:.4f} (perplexity {row['val_ppl']:.2f})" + "".join(f", {p}" for p in parts)
+
+
+def _keep_rows(path: Path, step: int) -> list[dict]:
+    """Rewrite the metrics file ``path`` with its rows up to ``step``; returns them."""
+    kept = [(line, row) for line in path.read_text().splitlines() if (row := _row(line)) is not None
+            and row["step"] <= step]
+    path.write_text("".join(line + "\n" for line, _ in kept))
+    return [row for _, row in kept]
 
 
 def _row(line: str) -> dict | None:

@@ -31,6 +31,7 @@ import torch
 
 from mp_toolkit.errors import ConfigError
 from mp_toolkit.optim.master import resolve_precision
+from mp_toolkit.partition.cost import optimizer_bytes
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.checks import Checked, check_received, find_model, validate
 from mp_toolkit.run.config import TrainConfig
@@ -72,6 +73,11 @@ class RunPlan:
     """``mpt plan``'s whole `Plan` for the cut (what ``--dry-run`` prints); None in a rank that received
     the plan, and where ``stage_bytes`` is None."""
 
+    stage_copy_bytes: tuple[int, ...] | None = None
+    """``--async-save``: the host copy a save holds per stage on the rank that writes it (tp rank 0 of
+    data-parallel replica 0): its fp32 tensors, whole across tp, and their optimizer state. None
+    without --async-save or a cost model."""
+
     @property
     def measured_cut(self) -> bool:
         """Whether rank 0 measures the cut when the ranks start (``--partition time``): ``boundaries``
@@ -90,6 +96,12 @@ class RunPlan:
             return None
         return sum(self.stage_bytes[s] for s in self.stages_of(pp_rank))
 
+    def copy_bytes(self, pp_rank: int) -> int:
+        """The --async-save copy pipeline rank ``pp_rank``'s writer holds (0: none, or not predicted)."""
+        if self.stage_copy_bytes is None:
+            return 0
+        return sum(self.stage_copy_bytes[s] for s in self.stages_of(pp_rank))
+
     def to_json(self) -> dict:
         """The decisions a rank cannot repeat without planning: what `received` takes back."""
         cfg = self.cfg
@@ -97,6 +109,7 @@ class RunPlan:
                 "schedule": cfg.parallel.schedule, "chunks": cfg.parallel.chunks, "boundaries": list(self.boundaries),
                 "recompute": [[c.mode, c.layers] for c in self.recompute],
                 "stage_bytes": None if self.stage_bytes is None else list(self.stage_bytes),
+                "stage_copy_bytes": None if self.stage_copy_bytes is None else list(self.stage_copy_bytes),
                 "layout": {k: cfg.flat()[k] for k in LAID_OUT}}
 
     @classmethod
@@ -110,9 +123,10 @@ class RunPlan:
                           chunks=doc["chunks"], **doc["layout"])
         recompute = tuple(StageRecompute(mode, layers) for mode, layers in doc["recompute"])
         checked = check_received(cfg, tuple(doc["boundaries"]), recompute)
-        stage_bytes = doc["stage_bytes"]
+        stage_bytes, copy = doc["stage_bytes"], doc.get("stage_copy_bytes")
         return cls(cfg, checked.spec, checked.boundaries, checked.recompute, checked.schedule,
-                   None if stage_bytes is None else tuple(stage_bytes))
+                   None if stage_bytes is None else tuple(stage_bytes),
+                   stage_copy_bytes=None if copy is None else tuple(copy))
 
 
 def resolve_run(cfg: TrainConfig, *, schedule_named: bool = True, chunks_given: bool = False,
@@ -144,8 +158,12 @@ def resolve_run(cfg: TrainConfig, *, schedule_named: bool = True, chunks_given: 
     else:
         prediction = run_plan(cfg, list(checked.boundaries))
     stage_bytes = None if prediction is None else tuple(s.memory_bytes for s in prediction.stages)
+    copy = None
+    if cfg.checkpoint.async_save and prediction is not None:
+        per_param = 4 + optimizer_bytes(cfg.optim.optimizer).state_bytes(cfg.optim.momentum)
+        copy = tuple(s.params * per_param for s in prediction.stages)
     return RunPlan(cfg, checked.spec, checked.boundaries, checked.recompute, checked.schedule, stage_bytes,
-                   notes, prediction)
+                   notes, prediction, copy)
 
 
 def _plans_cut(plan, checked: Checked) -> bool:

@@ -27,14 +27,15 @@ def injected_nonfinite(engine: PipelineEngine, kind: str | None):
     handle = None
     if kind == "grad":
         handle = engine.named_parameters()[0][1].register_hook(lambda g: torch.full_like(g, float("inf")))
-    elif kind == "loss":
+    elif kind in ("loss", "spike"):
         last = engine.schedule.num_stages - 1
         if last not in engine.stages:
-            raise ConfigError(f"MPT_FAULTS: a non-finite loss needs the rank of the last stage ({last}), "
+            raise ConfigError(f"MPT_FAULTS: a non-finite or spiking loss needs the rank of the last stage ({last}), "
                               f"this one holds stages {sorted(engine.stages)}")
-        times_inf = lambda t: t * float("inf") if t.is_floating_point() else t
+        factor = float("inf") if kind == "loss" else 30.0
+        scaled = lambda t: t * factor if t.is_floating_point() else t
         handle = engine.stages[last].register_forward_hook(
-            lambda module, args, out: tuple(map(times_inf, out)) if isinstance(out, tuple) else times_inf(out))
+            lambda module, args, out: tuple(map(scaled, out)) if isinstance(out, tuple) else scaled(out))
     try:
         yield
     finally:
@@ -65,6 +66,10 @@ class SkipStreak:
                     f"state unchanged ({self.count} in a row, --max-skips {self.limit})")
         return (f"step {step} skipped on every rank: fp16 overflow ({what}), "
                 f"loss scale {stats.loss_scale:g} -> {scaler.scale:g}")
+
+    def stop_reason(self, cfg: TrainConfig) -> str:
+        """Why a --spike-rewind rewinds instead of stopping."""
+        return f"{self.count} consecutive steps skipped (--max-skips {self.limit}) in {cfg.numerics.precision}"
 
     def stop_message(self, step: int, stats, cfg: TrainConfig) -> str:
         save_dir = cfg.checkpoint.save_dir

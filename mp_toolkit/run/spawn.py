@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from mp_toolkit.checkpoint import CheckpointError, latest_step
-from mp_toolkit.run.launch import EXIT_CONFIG, EXIT_HUNG, FORWARDED_SIGNALS, NOT_RESTARTED, proc_state
+from mp_toolkit.run.launch import EXIT_CONFIG, EXIT_HUNG, FORWARDED_SIGNALS, NOT_RESTARTED, QUIET_EXITS, proc_state
 
 Entry = Callable[[list[str]], int]
 """The CLI's ``main``: what a forked rank runs."""
@@ -280,7 +280,7 @@ def _watch(ranks: list[_Rank], poll_s: float, grace_s: float) -> tuple[int, str 
     if rc < 0:
         name = signal.Signals(-rc).name if -rc in signal.valid_signals() else "?"
         return 128 - rc, f"rank {cause.rank} died (signal {-rc}, {name}) {cause.phase}{stopping}"
-    if rc in NOT_RESTARTED:
+    if rc in QUIET_EXITS:
         return rc, None  # the rank said why in its own line
     return rc, f"rank {cause.rank} failed (exit code {rc}) {cause.phase}{stopping}"
 

@@ -65,11 +65,12 @@ from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.data_position import check_same_data, data_position, data_state
 
 RUN_CONTROL = ("steps", "metrics", "plot", "progress", "threads", "timeout_s", "save_dir", "save_every", "keep",
-               "resume", "cache_dir", "restarts", "max_skips", "overwrite")
+               "resume", "cache_dir", "restarts", "max_skips", "overwrite", "check_replicas",
+               "spike_rewind", "async_save")
 """TrainConfig fields that steer the run rather than the training: not reported as changed on resume."""
 
 
-def _one_line(e: Exception, root) -> CheckpointError:
+def one_line(e: Exception, root) -> CheckpointError:
     if isinstance(e, OSError):
         return CheckpointError(f"{e.filename or root}: {e.strerror or ' '.join(str(e).split())}")
     return e if isinstance(e, CheckpointError) else CheckpointError(str(e))
@@ -174,18 +175,23 @@ def _state_template(states: dict, scalars: dict, group) -> tuple[dict, dict]:
     return next((t for t in every if t is not None), ({}, {}))
 
 
-def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: ModelNames) -> Exception | None:
+def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, sink=None
+                 ) -> Exception | None:
     """Phase 2 on this rank: its layers' model and optimizer shards (when it is their writer) and its
-    RNG shard. A failed write is returned, not raised, so the tp peers' gathers still pair up."""
+    RNG shard. A failed write is returned, not raised, so the tp peers' gathers still pair up.
+    ``sink(write, args)``: each write is handed to it instead of done (`run.async_save` copies the
+    tensors to host memory and writes them later); the gathers are done here either way."""
     error = None
 
     def attempt(write, *args):
         nonlocal error
-        if error is None:
+        if sink is not None:
+            sink(write, args)
+        elif error is None:
             try:
                 write(*args)
             except (CheckpointError, OSError) as e:
-                error = _one_line(e, tmp)
+                error = one_line(e, tmp)
 
     zero = getattr(engine, "zero", 0)
     if ctx.grad_rank == 0 or zero:  # every replica (and cp slice) holds the same weights: replica 0 saves them
@@ -218,13 +224,15 @@ def write_shards(tmp: Path, engine: TrainEngine, ctx: ParallelContext, names: Mo
 
 
 def manifest(cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, data, progress: Progress, spec, lr: float,
-             run: str | None = None) -> dict:
+             run: str | None = None, spikes: dict | None = None) -> dict:
     """Rank 0's description of the run at this step (the store adds step, files and hashes); ``run``
-    is the run's id (`mp_toolkit.run.save_dir`): --keep prunes only checkpoints of that id."""
+    is the run's id (`mp_toolkit.run.save_dir`): --keep prunes only checkpoints of that id; ``spikes``
+    the loss window of --spike-rewind (`run.spikes.SpikeGuard.state`)."""
     named = [(n, engine.master_of(p)) for n, p in engine.named_parameters()]
     scaler, schedule = engine.scaler, cfg.optim.lr_schedule
     return {
         **({"run": run} if run is not None else {}),
+        **({"spikes": spikes} if spikes is not None else {}),
         "config": config_json(cfg), "model": spec.to_json(), "layout": layout_of(engine, ctx, cfg),
         "progress": dataclasses.asdict(progress), "data": data_state(data, ctx.dp),
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
@@ -251,7 +259,7 @@ def save_state(root: Path, meta: dict | None, engine: TrainEngine, ctx: Parallel
         try:
             tmp = begin(root, step, create=ctx.rank == 0)
         except (CheckpointError, OSError) as e:
-            error = _one_line(e, root)
+            error = one_line(e, root)
         agree(error, ctx)  # the directory exists before anyone writes into it
         error = write_shards(tmp, engine, ctx, names)
         if after_shards is not None:
@@ -262,17 +270,17 @@ def save_state(root: Path, meta: dict | None, engine: TrainEngine, ctx: Parallel
             try:
                 commit(root, step, tmp, meta, keep=keep)
             except (CheckpointError, OSError) as e:
-                error = _one_line(e, root)
+                error = one_line(e, root)
         agree(error, ctx)
     except (CheckpointError, PeerFailed) as e:
         if ctx.rank == 0 and tmp is not None:
             discard(tmp)
         if isinstance(e, CheckpointError):
-            raise CheckpointError(f"saving step {step} failed: {e}; {_still_latest(root)}") from None
+            raise CheckpointError(f"saving step {step} failed: {e}; {still_latest(root)}") from None
         raise
 
 
-def _still_latest(root: Path) -> str:
+def still_latest(root: Path) -> str:
     try:
         step = latest_step(root)
     except CheckpointError:
@@ -355,6 +363,8 @@ class Resumed:
     notes: tuple[str, ...]
     run: str | None = None
     """The id of the run that saved it (``meta.run``), None in checkpoints from before ids."""
+    spikes: dict | None = None
+    """The --spike-rewind state it was saved with (``meta.spikes``), None without."""
 
 
 def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, data, spec) -> Resumed:
@@ -389,7 +399,9 @@ def _load(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, nam
         notes.append(f"settings changed since the save: {', '.join(changed)}")
     progress = meta.get("progress", {})
     run = meta.get("run") if isinstance(meta.get("run"), str) else None
-    return Resumed(Progress(step=ck.step, applied=int(progress.get("applied", ck.step))), ck.path, tuple(notes), run)
+    spikes = meta.get("spikes") if isinstance(meta.get("spikes"), dict) else None
+    return Resumed(Progress(step=ck.step, applied=int(progress.get("applied", ck.step))), ck.path, tuple(notes), run,
+                   spikes)
 
 
 def load_state(path, cfg: TrainConfig, engine: TrainEngine, ctx: ParallelContext, names: ModelNames, data,
