@@ -132,3 +132,18 @@ def test_a_full_disk_in_the_background_stops_in_one_line_and_keeps_latest(tmp_pa
     assert "saving step 2 failed" in lines[0] and "No space left on device" in lines[0]
     assert lines[0].endswith("latest still names step-00000001")
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["latest", "step-00000001"]
+
+
+def test_background_saves_gather_tp_shards_and_zero_pieces_as_synchronous_ones(tmp_path):
+    """pp 1 x tp 2 x dp 2 with ZeRO-1: the gathers run in the training thread (the buffers' after step 1,
+    each save's), the files equal a synchronous save's bit for bit."""
+    layout = ("--pp", "1", "--tp", "2", "--dp", "2", "--zero", "1", "--steps", "4")
+    roots = {}
+    for mode in ("sync", "async"):
+        roots[mode] = tmp_path / mode / "ck"
+        (tmp_path / mode).mkdir()
+        job = mpt_job(tmp_path / mode, *layout, *SAVED, "--save-dir", str(roots[mode]),
+                      *(("--async-save",) if mode == "async" else ()))
+        assert finish(job, 240) == 0, job.stderr
+    for step in (2, 4):
+        assert differing(tensors(roots["async"], step), tensors(roots["sync"], step)) == [], step

@@ -17,8 +17,8 @@ checkpoint. A rank killed during the background write leaves the temp directory 
 which loaders ignore and the next start removes, and ``latest`` where it was.
 
 Memory: each writer holds its copy (its layers' fp32 tensors, whole across tp, and their optimizer
-state) from the first save to the end of the run: every save copies into the same buffers, so only
-the first pays for faulting the pages in.
+state) from the end of the first step to the end of the run: a thread makes the buffers after the first
+step (`AsyncSaver.prepare`), and every save copies into them, so no save pays for faulting pages in.
 The planner adds the copy to those ranks' prediction (`copy_bytes`) and rank 0 prints the largest
 copy at the first save.
 """
@@ -86,14 +86,35 @@ class AsyncSaver:
         self.root: Path | None = None
         self.copied = False  # the copy's size said once
         self.staging: list = []  # the last save's copies, reused by the next (its writer is done by then)
+        self.prefault: threading.Thread | None = None
+
+    def prepare(self, engine, names) -> None:
+        """After the first step (every rank alike: it runs the saves' gathers once): make the copy's buffers
+        in a thread of their own, so the first save copies into memory already faulted in (fresh pages cost
+        0.4 GB/s on the machine measured, against 13 GB/s for a copy into touched ones). The values the
+        thread copies are stale and overwritten at the save. Once per run (a rewind to the first checkpoint
+        brings the first step back)."""
+        if self.prefault is not None or self.staging:
+            return
+        shapes: list = []
+        write_shards(None, engine, self.ctx, names, sink=lambda write, args: shapes.append((write, args)))
+        self.prefault = threading.Thread(target=self._touch, args=(shapes,), name="mpt async save buffers",
+                                         daemon=True)
+        self.prefault.start()
+
+    def _touch(self, shapes: list) -> None:
+        self.staging = [(write, host_copy(args)) for write, args in shapes]
 
     def save(self, root: Path, meta: dict | None, engine, names, step: int, keep: int | None,
              after_shards=None, fail_at: int | None = None) -> None:
         """Start saving ``step`` (every rank calls it after the same step; rank 0 passes ``meta``).
-        Returns once this rank's share is copied; ``after_shards`` (a test's fault hook) runs in the
-        writer once its files are written, ``fail_at`` fails that write (0-based, modulo the writes this
-        rank makes) with ENOSPC."""
+        Returns once this rank's share is copied (into the buffers `prepare` made, when it ran);
+        ``after_shards`` (a test's fault hook) runs in the writer once its files are written, ``fail_at``
+        fails that write (0-based, modulo the writes this rank makes) with ENOSPC."""
         self.finish()
+        if self.prefault is not None:
+            self.prefault.join()
+            self.prefault = None
         ctx, error, tmp = self.ctx, None, None
         try:
             if ctx.rank == 0:

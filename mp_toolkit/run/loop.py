@@ -239,6 +239,7 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
             peak_since_start = max(peak_since_start, peak_rss_bytes())
             reset_peak()
             memory.reset_peak()
+            checkpoints.prepare()  # --async-save: its buffers, counted in the steady state's peak
         if evaluates_at(cfg, step):
             status.set(f"while evaluating after step {step}")
             row.update(validation_row(engine, data, cfg.logging.eval_batches, metrics))

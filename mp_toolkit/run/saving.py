@@ -50,6 +50,11 @@ class RunCheckpoints:
                             fail_at=env.faults.save_error_at(env, step))
             self.log.note(f"saving step {step} to {root} in the background")
 
+    def prepare(self) -> None:
+        """After the first step of a start: --async-save makes its copy's buffers in the background."""
+        if self.saver is not None:
+            self.saver.prepare(self.engine, self.names)
+
     def finish(self) -> None:
         """The background save in flight (--async-save) is committed, on every rank."""
         if self.saver is not None:
