@@ -134,3 +134,21 @@ def test_plan_config_file_that_is_empty_or_huge(tmp_path, capsys):
     huge = tmp_path / "huge.json"
     huge.write_text(json.dumps({"model_type": "gpt2", "n_embd": 10**12, "n_head": 7, "n_layer": 10**9}))
     one_line_exit_2(capsys, ["plan", "--model", str(huge), "--pp", "2", "--tflops", "1"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--microbatches", "1000000000", "--dry-run"], "--microbatches 1000000000 is more than a step schedules "
+                                                    "(at most 65536"),
+    (["--precision", "fp16", "--initial-scale-power", "100000"], "--initial-scale-power 100000 is out of range"),
+])
+def test_train_refuses_sizes_before_planning_or_building(capsys, args, words):
+    """Issue 40, class 1 and 6: mpt train bounds what mpt plan bounds, before the schedule is built."""
+    assert_one_line_exit_2(capsys, ["train", "--model", "gpt-tiny", "--data", "synthetic", *args], words)
+
+
+def test_a_ds_config_scale_power_out_of_range_is_refused_with_its_key(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                "fp16": {"enabled": True, "initial_scale_power": 100000}}))
+    line = assert_one_line_exit_2(capsys, ["train", "--model", "gpt-tiny", "--data", "synthetic", "--config", path])
+    assert "initial_scale_power" in line and "out of range" in line, line

@@ -18,6 +18,7 @@ from mp_toolkit.errors import DataError
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import check_optimizer_options
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
+from mp_toolkit.partition.request import MAX_MICROBATCHES
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.engines import check_engine
@@ -40,11 +41,22 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
     return spec
 
 
-def _validate_numbers(cfg: TrainConfig) -> None:
+MAX_SCALE_POWER = 64
+"""fp16's initial loss scale is 2**N: beyond 2**64 every gradient overflows fp16 (and 2**128 fp32)."""
+
+
+def validate_numbers(cfg: TrainConfig) -> None:
+    """Every number of ``cfg`` in its range, before anything is planned or built (one line each)."""
     flat = cfg.flat()  # the checks below name each value by its flag
     for name in ("pp", "tp", "dp", "cp", "chunks", "microbatches", "micro_batch", "seq_len", "steps"):
         if flat[name] < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {flat[name]} must be at least 1")
+    if flat["microbatches"] > MAX_MICROBATCHES:  # the schedule keeps every action of a step
+        raise ConfigError(f"--microbatches {flat['microbatches']} is more than a step schedules "
+                          f"(at most {MAX_MICROBATCHES}, as mpt plan)")
+    if flat["initial_scale_power"] > MAX_SCALE_POWER:
+        raise ConfigError(f"--initial-scale-power {flat['initial_scale_power']} is out of range (0..{MAX_SCALE_POWER}: "
+                          f"fp16's first loss scale is 2**N)")
     for name in ("lr", "min_lr", "weight_decay", "loss_scale", "min_loss_scale"):
         value = flat[name]
         if not (value >= 0 and math.isfinite(value)) or (name == "lr" and value == 0):
@@ -168,7 +180,7 @@ def validate(cfg: TrainConfig, planned=None, spec: ModelSpec | None = None) -> C
     decided (a ``--partition time`` cut is measured when the ranks start; here it is the FLOPs cut).
     ``planned``: the schedule candidate's plan (`run.recompute_plan.choose_schedule`), whose cut
     ``--recompute auto`` takes instead of planning it again; ``spec``: the model, already read (`find_model`)."""
-    _validate_numbers(cfg)
+    validate_numbers(cfg)
     _validate_paths(cfg)
     check_engine(cfg)  # --engine deepspeed's limits (imports no DeepSpeed)
     check_loggers(cfg)  # tensorboard / wandb installed when asked for

@@ -33,7 +33,7 @@ from mp_toolkit.errors import ConfigError
 from mp_toolkit.optim.master import resolve_precision
 from mp_toolkit.partition.cost import optimizer_bytes
 from mp_toolkit.recompute import StageRecompute
-from mp_toolkit.run.checks import Checked, check_received, find_model, validate
+from mp_toolkit.run.checks import Checked, check_received, find_model, validate, validate_numbers
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.families import ModelSpec
 from mp_toolkit.run.layout import apply_layout
@@ -141,6 +141,7 @@ def resolve_run(cfg: TrainConfig, *, schedule_named: bool = True, chunks_given: 
     the CPU). Raises `ConfigError` (one line) for a run that cannot work."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    validate_numbers(cfg)  # before the planner or a schedule sees a size
     spec = find_model(cfg)
     if not seq_len_given and 0 < spec.positions < cfg.batch.seq_len:
         notes = (*notes, f"--seq-len {spec.positions}: the model's positions (the default, {cfg.batch.seq_len}, "
