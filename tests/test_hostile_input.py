@@ -8,6 +8,8 @@ no training starts) and DeepSpeed JSON configs.
 import json
 
 import pytest
+import safetensors.torch
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -152,3 +154,25 @@ def test_a_ds_config_scale_power_out_of_range_is_refused_with_its_key(tmp_path, 
                                 "fp16": {"enabled": True, "initial_scale_power": 100000}}))
     line = assert_one_line_exit_2(capsys, ["train", "--model", "gpt-tiny", "--data", "synthetic", "--config", path])
     assert "initial_scale_power" in line and "out of range" in line, line
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("kind", ["ds-config", "jsonl-corpus", "plan-hf-config", "train-hf-config"])
+def test_json_nested_too_deeply_is_refused_in_one_line(tmp_path, capsys, kind):
+    """Issue 40, class 5: a DeepSpeed config, a JSON-lines corpus line or an HF config.json nested 10^5 deep."""
+    if kind == "ds-config":
+        (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 2, "x": ' + DEEP + "}")
+        argv = ["train", "--model", "gpt-tiny", "--config", tmp_path / "ds.json"]
+    elif kind == "jsonl-corpus":
+        (tmp_path / "c.jsonl").write_text('{"text": "hello world"}\n{"text": ' + DEEP + "}\n")
+        argv = ["train", "--model", "gpt-tiny", "--pp", "1", "--data", tmp_path / "c.jsonl", "--cache-dir",
+                tmp_path / "cache"]
+    else:
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "config.json").write_text('{"model_type": "gpt2", "x": ' + DEEP + "}")
+        safetensors.torch.save_file({"x": torch.zeros(1)}, str(tmp_path / "hf" / "model.safetensors"))
+        argv = (["plan", "--model", tmp_path / "hf" / "config.json"] if kind == "plan-hf-config"
+                else ["train", "--hf", tmp_path / "hf"])
+    assert_one_line_exit_2(capsys, argv, "nested too deeply")

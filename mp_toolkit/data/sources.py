@@ -229,6 +229,8 @@ def _json_document(path: Path, lineno: int, offset: int, line: bytes, key: str, 
         record = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{lineno} is not a JSON line ({e.msg}; one JSON object per line)") from None
+    except RecursionError:
+        raise DataError(f"{path}:{lineno} is not a JSON line (nested too deeply; one JSON object per line)") from None
     if not isinstance(record, dict) or not isinstance(record.get(key), str):
         raise DataError(f"{path}:{lineno} has no string {key!r} field (choose the field with --json-keys)")
     return record[key]

@@ -112,3 +112,5 @@ def load_json(source: str | Path | dict) -> tuple[str, Any]:
         return where, json.loads(text, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: not valid JSON (nested too deeply)") from None

@@ -56,7 +56,7 @@ def pipeline_stages(path: Path) -> int | None:
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
         stages = doc["pipeline"]["stages"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None  # read_ds_config reports what is wrong
     return stages if type(stages) is int and stages > 0 else None
 

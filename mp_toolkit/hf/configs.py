@@ -26,7 +26,10 @@ def load_config(config) -> PretrainedConfig:
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             raise ValueError(f"{path}: no HF config.json there")
-        config = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except RecursionError:
+            raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(config, Mapping) or "model_type" not in config:
         raise ValueError("config must be an HF PretrainedConfig, a config.json path or a dict with a model_type")
     d = dict(config)

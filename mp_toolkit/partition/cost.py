@@ -91,6 +91,8 @@ def model_shape(model: str, hf_modules: bool = False) -> ModelShape:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CostModelError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise CostModelError(f"cannot read {path}: not valid JSON (nested too deeply)") from None
     if not isinstance(d, dict):
         raise CostModelError(f"{path}: a config.json must hold a JSON object")
     if "model_type" not in d and "n_embd" in d:
