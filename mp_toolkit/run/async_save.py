@@ -206,13 +206,10 @@ class AsyncSaver:
     def _agree(self, error, root: Path, step: int, tmp: Path | None) -> None:
         try:
             agree(error, self.ctx)
-        except CheckpointError as e:
-            if self.ctx.rank == 0 and tmp is not None:
+        except (CheckpointError, PeerFailed) as e:
+            if self.ctx.rank == 0 and tmp is not None:  # a save that failed before its writers started
                 discard(tmp)
                 discard(markers_dir(root, step))
-            raise CheckpointError(f"saving step {step} failed: {e}; {still_latest(root)}") from None
-        except PeerFailed:
-            if self.ctx.rank == 0 and tmp is not None:
-                discard(tmp)
-                discard(markers_dir(root, step))
+            if isinstance(e, CheckpointError):
+                raise CheckpointError(f"saving step {step} failed: {e}; {still_latest(root)}") from None
             raise
