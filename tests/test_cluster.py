@@ -8,6 +8,7 @@ import math
 import os
 import socket
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ from mp_toolkit.partition.cost import layer_costs, model_shape
 from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.partition.profile_here import fit_link, measure_profile, write_profile
 from mp_toolkit.partition.rates import CUDA_ALLOCATOR_OVERHEAD
+from mp_toolkit.run.config import ConfigError
 
 INTRA = {"p2p_gbps": 450, "p2p_latency_us": 10, "collective_gbps": 400, "collective_latency_us": 15}
 INTER = {"p2p_gbps": 50, "p2p_latency_us": 15, "collective_gbps": 45, "collective_latency_us": 25}
@@ -178,7 +180,7 @@ def test_files_the_reader_refuses(tmp_path):
     bad.write_text("[1, 2]")
     read_refused(bad, "a mapping of fields, not list")
     bad.write_text(" " * (1 << 20) + "{}")
-    read_refused(bad, "bytes is not a cluster profile")
+    read_refused(bad, "bytes is more than a config holds")
     read_refused(tmp_path / "absent.json", "no such file .shipped profiles: .*h100-sxm")
     broken = tmp_path / "bad.yaml"
     broken.write_text("nodes: [1\ndevices_per_node: 4\n")
@@ -211,12 +213,16 @@ def test_shipped_profiles_round_trip():
 
 def test_a_profile_that_cannot_be_written_is_one_line(tmp_path):
     p = profile_from_dict(cpu_doc())
-    for where in (tmp_path / "no-such-dir" / "p.json", tmp_path):  # a missing directory; a directory itself
-        with pytest.raises(ClusterError, match="cannot write it .* choose a path in a directory you can write") as e:
+    for where, words in ((tmp_path, "is a directory"), (Path("/proc/self/p.json"), "cannot write it"),
+                         (tmp_path / "a-file" / "p.json", "cannot write it")):
+        (tmp_path / "a-file").write_text("")
+        with pytest.raises(ConfigError, match=words) as e:
             write_profile(p, where)
         assert "\n" not in str(e.value) and str(where) in str(e.value)
-    assert os.listdir(tmp_path) == []  # nothing half-written left, here or beside the directory
+    assert os.listdir(tmp_path) == ["a-file"]  # nothing half-written left, here or beside the directory
     assert not list(tmp_path.parent.glob(f".{tmp_path.name}.*"))
+    made = write_profile(p, tmp_path / "new-dir" / "p.json")  # a missing folder is made
+    assert read_profile(made) == p
 
 
 # --- placement and a rank's share -----------------------------------------------------------------

@@ -399,9 +399,9 @@ def test_bad_files(tmp_path, text, message):
 
 def test_unreadable_and_missing_files(tmp_path):
     fails(tmp_path / "missing.json", "missing.json: no such DeepSpeed config file")
-    fails(tmp_path, "cannot read the DeepSpeed config")  # a folder
+    fails(tmp_path, "is a directory, not a file")  # a folder
     (tmp_path / "latin1.json").write_bytes(b'{"x": "\xe9"}')
-    fails(tmp_path / "latin1.json", "latin1.json: cannot read the DeepSpeed config")
+    fails(tmp_path / "latin1.json", "latin1.json: not UTF-8 text")
     fails(42, "a DeepSpeed config is a file path or a dict, got int")
 
 

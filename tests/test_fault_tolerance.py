@@ -22,6 +22,7 @@ from mp_toolkit.checkpoint import open_checkpoint
 from mp_toolkit.cli import main
 from mp_toolkit.optim.loss_scaler import DynamicLossScaler
 from mp_toolkit.run.launch import Faults, LaunchEnv
+from mp_toolkit.run.preempt import DEBOUNCE_S
 from mp_toolkit.run.skips import SkipStreak
 from mp_toolkit.run.watchdog import Judge
 from tests.fault_workers import (
@@ -262,20 +263,35 @@ def test_a_preempted_run_saves_the_step_in_flight_and_resumes_bitwise(tmp_path, 
     assert_same_run(root, metrics, reference)
 
 
-def test_a_second_signal_stops_at_once():
-    """The first SIGTERM is a request (noted, the process goes on); a second one more than
-    DEBOUNCE_S later ends the process at once (128 + 15) even while its main thread is blocked."""
+def _signalled(steps: str, wait_s: float) -> subprocess.CompletedProcess:
+    """A process that installs `PreemptSignals`, runs ``steps`` (Python lines), gets SIGTERM ``wait_s``
+    seconds later from a timer and then blocks its main thread: its exit code and output."""
     script = ("import os, signal, threading, time\n"
               "from mp_toolkit.run.preempt import PreemptSignals, DEBOUNCE_S\n"
               "s = PreemptSignals().install()\n"
-              "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.3)\n"
-              "print('noted', s.received.name, flush=True)\n"
-              "threading.Timer(DEBOUNCE_S + 0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+              f"{steps}"
+              f"threading.Timer({wait_s}, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
               "threading.Event().wait(60)\n"
               "print('not stopped', flush=True)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
+    return done
+
+
+def test_a_second_signal_stops_at_once():
+    """The first SIGTERM is a request (noted, the process goes on); a second one more than
+    DEBOUNCE_S later ends the process at once (128 + 15) even while its main thread is blocked."""
+    done = _signalled("s.begin()\nos.kill(os.getpid(), signal.SIGTERM); time.sleep(0.3)\n"
+                      "print('noted', s.received.name, flush=True)\n", DEBOUNCE_S + 0.5)
     assert done.stdout == "noted SIGTERM\n" and done.stderr == "mpt train: SIGTERM again: stopping at once\n"
+
+
+def test_a_signal_before_the_first_step_stops_at_once():
+    """Issue 40: before the first step (building, loading) there is nothing to save: one signal ends the
+    process at once (128 + 15) with one line, even while its main thread is blocked."""
+    done = _signalled("", 0.2)
+    assert done.stdout == "" and done.stderr == ("mpt train: SIGTERM before the first step: stopping at once "
+                                                 "(nothing trained, nothing saved)\n")
 
 
 def test_a_two_kill_chaos_run_ends_bitwise(tmp_path):

@@ -38,7 +38,7 @@ SHARD_SUFFIX = ".safetensors"
 MAX_NAME = 200
 _STEP_RE = re.compile(r"step-(\d{8,})")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
-_MAX_HEADER = 100 << 20    # the limit safetensors itself puts on a header
+MAX_HEADER = 100 << 20    # the limit safetensors itself puts on a header
 MAX_MANIFEST = 64 << 20   # a manifest is config and counters: anything larger is not ours
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
              "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -208,59 +208,86 @@ def read_bounded(path: Path, limit: int, what: str, below: Path | None = None) -
 
 
 def read_verified(path: Path, record: Mapping, what: str, below: Path | None = None) -> bytes:
-    """The bytes of a manifest-listed file after its size and SHA-256 matched ``record``.
+    """The bytes of a manifest-listed shard after its size, its safetensors header and its SHA-256 matched.
 
-    The size is compared with the file's before anything is read, so an absurd ``bytes`` in a
-    crafted manifest is refused without allocating it."""
+    Nothing beyond the header is read until the file's size equals the manifest's ``bytes``, the header
+    parses (`parse_header`) with its tensors ending exactly at the end of the file, and the file fits in
+    this machine's memory: an absurd ``bytes`` in a crafted manifest, or a sparse file as large as it says,
+    allocates nothing. The bytes hashed are the bytes returned."""
     size = record["bytes"]
     with open_regular(path, what, below) as f:
         actual = os.fstat(f.fileno()).st_size
-        data = f.read(size + 1) if actual == size else b""
-    if actual != size or len(data) != size:
-        got = f"{actual} bytes" if actual != size else f"{len(data)} bytes read"
-        raise CheckpointError(f"{what}: {got}, {MANIFEST} says {size} (file truncated or modified)")
+        if actual != size:
+            raise CheckpointError(f"{what}: {actual} bytes, {MANIFEST} says {size} (file truncated or modified)")
+        head = f.read(8)
+        head += f.read(min(int.from_bytes(head, "little"), MAX_HEADER)) if len(head) == 8 else b""
+        _, end = _check_header(head, size, what)
+        if end != size:
+            raise CheckpointError(f"{what}: its safetensors header accounts for {end} bytes but the file has {size} "
+                                  "(file modified)")
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if size > memory:
+            raise CheckpointError(f"{what}: {size} bytes is more than this machine's memory ({memory} bytes): "
+                                  "it cannot be loaded here")
+        data = head + f.read(size - len(head))
+    if len(data) != size:
+        raise CheckpointError(f"{what}: {len(data)} bytes read, {MANIFEST} says {size} (file truncated or modified)")
     if hashlib.sha256(data).hexdigest() != record["sha256"]:
         raise CheckpointError(f"{what}: SHA-256 mismatch (file modified or truncated)")
     return data
 
 
-def _check_header(data: bytes, what: str) -> dict[str, str]:
-    """Validate a safetensors header before the library sees it; returns its ``__metadata__``.
-
-    Layout: 8-byte little-endian header length n, n bytes of JSON ``{name: {dtype, shape,
-    data_offsets: [begin, end]}, "__metadata__": {str: str}}``, then the tensor bytes.
-    """
-    if len(data) < 8:
-        raise CheckpointError(f"{what}: {len(data)} bytes is shorter than a safetensors header")
-    n = int.from_bytes(data[:8], "little")
-    if n > min(len(data) - 8, _MAX_HEADER):
-        raise CheckpointError(f"{what}: safetensors header length {n} exceeds the file ({len(data)} bytes)")
+def parse_header(head: bytes, size: int) -> tuple[int, dict[str, dict], dict[str, str]]:
+    """(header length n, ``{name: {dtype, shape, data_offsets}}``, ``__metadata__``) of a safetensors file
+    of ``size`` bytes whose first bytes are ``head`` (its 8-byte little-endian length and at least n bytes of
+    JSON); ValueError saying what is wrong. Each entry is checked: a known dtype, a shape of non-negative
+    integers and ``[begin, end)`` offsets that hold exactly that shape; where the data ends against the
+    file is the caller's to judge."""
+    if len(head) < 8:
+        raise ValueError(f"{size} bytes is shorter than a safetensors header")
+    n = int.from_bytes(head[:8], "little")
+    if n > min(size - 8, MAX_HEADER) or len(head) < 8 + n:
+        raise ValueError(f"its first 8 bytes give a header length ({n}) the file ({size} bytes) cannot hold")
     try:
-        header = from_json(data[8:8 + n])
+        header = from_json(head[8:8 + n])
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{what}: safetensors header is not valid JSON ({e})") from None
+        raise ValueError(f"the header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{what}: safetensors header is not a JSON object")
-    body = len(data) - 8 - n
+        raise ValueError(f"the header is a JSON {type(header).__name__}, not a JSON object")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError(f"{what}: safetensors __metadata__ must map strings to strings")
+        raise ValueError("its __metadata__ must map strings to strings")
     for name, info in header.items():
         if not isinstance(info, dict) or info.get("dtype") not in _ITEMSIZE:
-            raise CheckpointError(f"{what}: tensor {name!r} has no supported dtype")
+            raise ValueError(f"tensor {name!r} has no supported dtype")
         shape, offsets = info.get("shape"), info.get("data_offsets")
-        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-                or not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= body
+        if (not isinstance(shape, list) or not all(_count(d) for d in shape) or not isinstance(offsets, list)
+                or len(offsets) != 2 or not all(_count(o) for o in offsets) or offsets[0] > offsets[1]
                 or offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[info["dtype"]]):
-            raise CheckpointError(f"{what}: tensor {name!r} has an invalid shape or byte range")
-    return metadata
+            raise ValueError(f"tensor {name!r} has an invalid shape or byte range")
+    return n, header, metadata
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_header(data: bytes, size: int, what: str) -> tuple[dict[str, str], int]:
+    """(``__metadata__``, the byte where the last tensor's data ends) of a shard's safetensors header, checked
+    (`parse_header`) with every tensor inside the file; CheckpointError otherwise."""
+    try:
+        n, header, metadata = parse_header(data, size)
+    except ValueError as e:
+        raise CheckpointError(f"{what}: safetensors: {e}") from None
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{what}: a tensor's byte range lies outside the file")
+    return metadata, 8 + n + end
 
 
 def load_shard(data: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors on CPU, metadata) of verified safetensors bytes; malformed input -> CheckpointError."""
-    metadata = _check_header(data, what)
+    metadata, _ = _check_header(data, len(data), what)
     try:
         tensors = safetensors.torch.load(data)
     except (safetensors.SafetensorError, ValueError, RuntimeError, TypeError) as e:

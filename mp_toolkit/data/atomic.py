@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from tokenize import TokenError
 
 import numpy as np
 
@@ -56,8 +57,8 @@ def load_array(path: Path, length: int | None = None, columns: int | None = None
     when ``columns`` is given; None when missing or damaged (truncated, another dtype or shape): rebuild it."""
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
+    except (OSError, ValueError, EOFError, SyntaxError, TokenError, RecursionError):  # numpy parses the header
+        return None  # as Python source: a damaged one fails in its tokenizer or parser too
     shape_ok = array.ndim == 1 if columns is None else (array.ndim == 2 and array.shape[1] == columns)
     if array.dtype != np.int64 or not shape_ok or (length is not None and len(array) != length):
         return None

@@ -28,6 +28,7 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import json
@@ -42,6 +43,7 @@ import pyarrow.parquet
 
 from mp_toolkit.data.corpus import JSON_SUFFIXES, TEXT_SUFFIXES, stdlib_files
 from mp_toolkit.errors import DataError
+from mp_toolkit.user_files import link_note, special_kind
 
 COMPRESSIONS = (".gz", ".zst")
 TABLE_SUFFIXES = (".parquet", ".arrow")
@@ -136,6 +138,9 @@ def _source(path: Path) -> Source:
             splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
             raise DataError(f"input {path} is a DatasetDict: give one split's directory ({', '.join(splits)})")
         return Source(path, "saved", sum(p.stat().st_size for p in path.iterdir() if p.is_file()))
+    special = special_kind(path)  # before its name: a FIFO would be waited on, a device read forever
+    if special is not None:
+        raise DataError(f"input {path}{link_note(path)} is {special}: give a regular file")
     kind = _kind(path)
     if kind is None:
         raise DataError(f"input {path} has suffix {''.join(path.suffixes[-2:]) or '(none)'}: use one of "
@@ -194,21 +199,15 @@ def _stream_documents(source: Source, key: str) -> Iterator[tuple[str | None, in
     try:
         with stream:
             if source.kind == "text":
-                raw = stream.read()
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    if not source.skip_non_utf8:
-                        raise DataError(f"{source.path} is not UTF-8: byte {e.start}{where} is "
-                                        f"{raw[e.start]:#04x}") from None
-                    text = None
-                if text != "":
+                text = _decoded(stream, source, where)
+                if text != "":  # None: a skipped file, still counted
                     yield text, counted.count
                 return
             offset = 0  # of the current line in the (decompressed) stream
             for lineno, line in enumerate(stream, start=1):
-                text = _json_document(source.path, lineno, offset, line, key, where)
-                offset += len(line)
+                size, line = len(line), _utf8_line(source.path, lineno, offset, line, where)  # the bytes go: a
+                text = _json_document(source.path, lineno, line, key)  # long line is held twice, not three times
+                offset += size
                 if text:
                     yield text, counted.count
     except damaged as e:  # unreadable, or a damaged or truncated gzip / zstd stream
@@ -216,13 +215,39 @@ def _stream_documents(source: Source, key: str) -> Iterator[tuple[str | None, in
         raise DataError(f"cannot read {source.path}: {reason}") from None
 
 
-def _json_document(path: Path, lineno: int, offset: int, line: bytes, key: str, where: str) -> str | None:
-    """The ``key`` field of one JSON line (None for a blank line)."""
+TEXT_CHUNK = 16 << 20
+"""A text file is decoded this many bytes at a time: one that is not UTF-8 is refused having held one chunk."""
+
+
+def _decoded(stream, source: Source, where: str) -> str | None:
+    """The whole text of a UTF-8 stream, decoded chunk by chunk; None for a file that is not UTF-8 where
+    such files are skipped (``stdlib``), else a DataError naming the first bad byte."""
+    decoder, parts, offset = codecs.getincrementaldecoder("utf-8")(), [], 0
+    while True:
+        chunk = stream.read(TEXT_CHUNK)
+        pending = len(decoder.getstate()[0])  # the bytes of a character cut by the previous chunk
+        try:
+            parts.append(decoder.decode(chunk, final=not chunk))
+        except UnicodeDecodeError as e:
+            if source.skip_non_utf8:
+                return None
+            raise DataError(f"{source.path} is not UTF-8: byte {offset - pending + e.start}{where} is "
+                            f"{e.object[e.start]:#04x}") from None
+        if not chunk:
+            return "".join(parts)
+        offset += len(chunk)
+
+
+def _utf8_line(path: Path, lineno: int, offset: int, line: bytes, where: str) -> str:
     try:
-        text = line.decode("utf-8")
+        return line.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path}:{lineno} is not UTF-8: byte {offset + e.start}{where} is "
                         f"{line[e.start]:#04x}") from None
+
+
+def _json_document(path: Path, lineno: int, text: str, key: str) -> str | None:
+    """The ``key`` field of one JSON line (None for a blank line)."""
     if not text.strip():
         return None
     try:

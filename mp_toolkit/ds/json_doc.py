@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mp_toolkit.run.config import ConfigError
+from mp_toolkit.user_files import read_config_text
 
 
 def show(value: Any) -> str:
@@ -90,12 +91,9 @@ def load_json(source: str | Path | dict) -> tuple[str, Any]:
     if not isinstance(source, (str, Path)):
         raise ConfigError(f"a DeepSpeed config is a file path or a dict, got {type(source).__name__}")
     where = str(source)
-    try:
-        text = Path(source).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such DeepSpeed config file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: cannot read the DeepSpeed config: {getattr(e, 'strerror', None) or e}") from None
+    if not Path(source).exists() and not Path(source).is_symlink():
+        raise ConfigError(f"{where}: no such DeepSpeed config file")
+    text = read_config_text(source, "the DeepSpeed config")
     if not text.strip():
         raise ConfigError(f"{where}: the DeepSpeed config is empty: write a JSON object such as "
                           '{"train_batch_size": 32}')

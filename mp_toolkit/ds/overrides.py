@@ -9,12 +9,12 @@ coefficients, the scheduler block), and the file's key named when one of its val
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mp_toolkit.ds.config import read_ds_config
 from mp_toolkit.names import stages_per_rank
 from mp_toolkit.run.config import ConfigError, Parallel, TrainConfig
+from mp_toolkit.user_files import parse_json, read_config_text
 
 _FLAG_NAMES = {"timeout_s": "--timeout", "hang_timeout_s": "--hang-timeout", "progress": "--no-progress",
                "bias_correction": "--no-bias-correction"}
@@ -54,9 +54,9 @@ def merge(given: dict, from_file: dict) -> TrainConfig:
 def pipeline_stages(path: Path) -> int | None:
     """``pipeline.stages`` of a DeepSpeed config, peeked before the full read (which needs dp, and so pp)."""
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        doc = parse_json(read_config_text(path, "--config"))
         stages = doc["pipeline"]["stages"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    except (ValueError, KeyError, TypeError):  # ConfigError is a ValueError
         return None  # read_ds_config reports what is wrong
     return stages if type(stages) is int and stages > 0 else None
 

@@ -31,6 +31,7 @@ from mp_toolkit.export.safetensors_out import parse_size
 from mp_toolkit.export.tokenizer import write_tokenizer
 from mp_toolkit.export.zoo import zoo_model, zoo_target, zoo_tensors_as_hf
 from mp_toolkit.hf.configs import architecture_for, load_config
+from mp_toolkit.user_files import link_note, writing
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,11 @@ class Exported:
 
 def check_out_dir(out: Path, checkpoint: Path, force: bool) -> None:
     """Refuse an ``--out`` that would lose data: a file, a non-empty directory without ``force``,
-    or (even with ``force``) a directory that holds the checkpoint being read."""
+    a symbolic link (the export replaces the directory itself, never what a link points at), or (even
+    with ``force``) a directory that holds the checkpoint being read."""
+    if out.is_symlink():
+        raise ValueError(f"--out {out}{link_note(out)} is a symbolic link: the export replaces its directory, so "
+                         "name the directory itself")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file: name a new or empty directory")
     if out.is_dir() and any(out.iterdir()):
@@ -74,15 +79,17 @@ def export_run(checkpoint, out_dir, config=None, tokenizer=None, force: bool = F
     except ValueError as e:
         raise ValueError(f"--max-shard-size: {e}") from None
     ck = open_checkpoint(checkpoint)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
+    with writing("--out", out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
     try:
-        parameters = export_layers(ck, scratch, config, where=checkpoint, max_shard_bytes=max_shard_bytes)
-        note = write_tokenizer(tokenizer, ck.manifest, scratch, cache_dir)
-        os.chmod(scratch, 0o755)  # mkdtemp makes it 0700; the export is shared like any model directory
-        if out.exists():
-            shutil.rmtree(out)  # empty, or --force (check_out_dir)
-        scratch.rename(out)
+        with writing("--out", out):  # a full device, a folder that went away: one line
+            parameters = export_layers(ck, scratch, config, where=checkpoint, max_shard_bytes=max_shard_bytes)
+            note = write_tokenizer(tokenizer, ck.manifest, scratch, cache_dir)
+            os.chmod(scratch, 0o755)  # mkdtemp makes it 0700; the export is shared like any model directory
+            if out.exists():
+                shutil.rmtree(out)  # empty, or --force (check_out_dir)
+            scratch.rename(out)
     finally:
         if scratch.exists():
             shutil.rmtree(scratch)

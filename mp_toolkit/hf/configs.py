@@ -11,29 +11,46 @@ from pathlib import Path
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
+from mp_toolkit.arch.architectures import BY_MODEL_TYPE
+from mp_toolkit.arch.hf_config import check_values, shape_from_hf_config
 from mp_toolkit.hf.adapters import ADAPTERS, unsupported
+from mp_toolkit.user_files import parse_json, read_config_text
 
 DEFAULT_ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                         "qwen2": "Qwen2ForCausalLM", "bert": "BertForPreTraining"}
 
 def load_config(config) -> PretrainedConfig:
     """A copy of an HF config given as a config object, a dict (with ``model_type``) or a path to a
-    config.json (or to the directory holding it)."""
+    config.json (or to the directory holding it). A dict or file of an architecture we plan has its
+    values checked before and after transformers fills its defaults (`mp_toolkit.arch.hf_config`:
+    CostModelError, a ValueError, naming the key); transformers' own refusal of a value is a ValueError."""
     if isinstance(config, PretrainedConfig):
         return copy.deepcopy(config)
+    source = "config"
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             raise ValueError(f"{path}: no HF config.json there")
+        source = str(path)
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except RecursionError:
-            raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
+            config = parse_json(read_config_text(path, "HF config"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, Mapping) or "model_type" not in config:
         raise ValueError("config must be an HF PretrainedConfig, a config.json path or a dict with a model_type")
     d = dict(config)
-    return AutoConfig.for_model(d.pop("model_type"), **d)
+    planned = isinstance(d["model_type"], str) and d["model_type"] in BY_MODEL_TYPE
+    if planned:
+        check_values(d, source)
+    try:
+        built = AutoConfig.for_model(d.pop("model_type"), **d)
+    except Exception as e:  # noqa: BLE001 -- transformers refuses a field's value with its own types (v5:
+        # huggingface_hub's StrictDataclassError; before, ValueError or TypeError): each is the config's fault
+        raise ValueError(f"{source}: {' '.join(str(e).split())}") from None
+    if planned:
+        shape_from_hf_config(built.to_dict(), source)
+    return built
 
 
 def architecture_for(config: PretrainedConfig, architecture: str | None = None, state: Mapping | None = None) -> type:

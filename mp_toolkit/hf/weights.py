@@ -20,7 +20,6 @@ tensor the file does not have.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -28,6 +27,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from mp_toolkit.checkpoint.files import MAX_HEADER, parse_header
+from mp_toolkit.user_files import link_note, parse_json, special_kind
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 AGAIN = "save the model again with save_pretrained (or download it again)"
@@ -68,7 +70,7 @@ class SafetensorsFiles:
             raise WeightsError(f"{self.directory} has neither {SINGLE} nor {INDEX}: "
                                "save the model with save_pretrained")
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = parse_json(index.read_text(encoding="utf-8"))["weight_map"]
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
                 raise ValueError("its names and files must be strings")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -123,19 +125,20 @@ class SafetensorsFiles:
             raise WeightsError(f"{self.directory / INDEX} places tensor {expected} in {file}, but {self.directory} "
                                f"has no such file: copy every shard the index names")
         holds = f" (it should hold {expected})" if expected else ""
+        kind = special_kind(path)
+        if kind is not None:
+            raise WeightsError(f"{path}{link_note(path)} is {kind}, not a safetensors file: {AGAIN}")
         size = path.stat().st_size
         try:
             with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little") if size >= 8 else None
-                if n is None or not 2 <= n <= size - 8:
-                    raise ValueError(f"{size} bytes" if n is None else f"a {n}-byte header in a {size}-byte file")
-                doc = json.loads(f.read(n))
-            entries = {name: (TensorEntry(path, tuple(int(d) for d in e["shape"]), str(e["dtype"])),
-                              int(e["data_offsets"][1]))
-                       for name, e in doc.items() if name != "__metadata__"}
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            raise WeightsError(f"{path}: no readable safetensors header ({e}){holds}; the file is truncated or is "
-                               f"not safetensors: {AGAIN}") from None
+                head = f.read(8)
+                head += f.read(min(int.from_bytes(head, "little"), MAX_HEADER)) if len(head) == 8 else b""
+            n, header, _ = parse_header(head, size)
+        except (OSError, ValueError) as e:
+            raise WeightsError(f"{path}{link_note(path)}: no readable safetensors header ({e}){holds}; the file is "
+                               f"truncated or is not safetensors: {AGAIN}") from None
+        entries = {name: (TensorEntry(path, tuple(e["shape"]), e["dtype"]), e["data_offsets"][1])
+                   for name, e in header.items()}
         data = size - 8 - n
         short = sorted((end, name) for name, (_, end) in entries.items() if end > data)
         if short:
@@ -150,3 +153,4 @@ class SafetensorsFiles:
         if "file_of" not in self.__dict__:  # the single file, read to build file_of
             return None
         return next((name for name, f in self.file_of.items() if f == file), None)
+

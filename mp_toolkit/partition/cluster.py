@@ -27,15 +27,15 @@ them (`Placement`).
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import yaml
 
-from mp_toolkit.errors import PartitionError
+from mp_toolkit.errors import ConfigError, PartitionError
 from mp_toolkit.names import PRECISIONS
+from mp_toolkit.user_files import parse_json, read_config_text
 
 __all__ = ["ALLOCATORS", "ClusterError", "ClusterProfile", "DeviceSpec", "Link", "Placement", "SHIPPED",
            "default_profile", "read_profile", "shipped_profile"]
@@ -331,16 +331,14 @@ def read_profile(path: str | Path) -> ClusterProfile:
     p = Path(path)
     if not p.exists() and str(path) in SHIPPED:
         p = SHIPPED_DIR / f"{path}.yaml"
+    if not p.exists() and not p.is_symlink():
+        raise ClusterError(f"--cluster {path}: no such file (shipped profiles: {', '.join(SHIPPED)})")
     try:
-        if not p.is_file():
-            raise ClusterError(f"--cluster {path}: no such file (shipped profiles: {', '.join(SHIPPED)})")
-        if p.stat().st_size > MAX_PROFILE_BYTES:
-            raise ClusterError(f"--cluster {path}: {p.stat().st_size} bytes is not a cluster profile")
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ClusterError(f"--cluster {path}: cannot read it: {e}") from None
+        text = read_config_text(p, "--cluster", MAX_PROFILE_BYTES)
+    except ConfigError as e:
+        raise ClusterError(str(e)) from None
     try:
-        doc = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
+        doc = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else parse_json(text)
     except (ValueError, yaml.YAMLError, RecursionError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ClusterError(f"--cluster {path}: not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'JSON'}: "

@@ -29,48 +29,22 @@ With tensor parallelism ``tp`` the sharded matrices (and their FLOPs and activat
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mp_toolkit.arch.architectures import ARCHITECTURES, BY_MODEL_TYPE
+from mp_toolkit.arch.architectures import ARCHITECTURES
 from mp_toolkit.arch.costs import dropout_mask_bytes
+from mp_toolkit.arch.hf_config import MAX_LAYERS, shape_from_hf_config
 from mp_toolkit.arch.shape import ModelShape
 from mp_toolkit.arch.zoo import preset_family, preset_names
 from mp_toolkit.errors import CostModelError
+from mp_toolkit.user_files import link_note, parse_json, read_config_text, special_kind
 
 __all__ = ["ACT_BYTES", "MAX_LAYERS", "OPTIMIZER_BYTES", "OPTIMIZER_STATE_BYTES", "CostModelError", "LayerCost",
            "ModelShape", "OptimizerBytes", "bytes_per_param", "dropout_mask_bytes", "layer_costs", "model_shape",
            "optimizer_bytes", "shape_from_hf_config", "step_bytes_per_param", "total_parameters"]
 
 ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-
-MAX_LAYERS = 10_000
-"""More blocks than any model trained so far; beyond it a plan would not fit in memory."""
-
-
-def shape_from_hf_config(d: dict, source: str = "config", hf_modules: bool = False) -> ModelShape:
-    """A `ModelShape` from a HuggingFace ``config.json`` dict of the GPT-2, BERT or Llama families
-    (read by its architecture's record, `mp_toolkit.arch.architectures`); ``hf_modules``: the model is
-    built from transformers' modules (`ModelShape.hf_modules`)."""
-    mt = d.get("model_type")
-    arch = BY_MODEL_TYPE.get(mt)
-    if arch is None:
-        raise CostModelError(f"{source}: model_type {mt!r} is not supported: choose a config of "
-                             f"{', '.join(sorted(BY_MODEL_TYPE))}")
-    try:
-        shape = arch.read(d, mt, hf_modules)
-    except KeyError as e:
-        raise CostModelError(f"{source}: a {mt} config needs the key {e.args[0]!r}") from None
-    if shape.num_layers > MAX_LAYERS:
-        raise CostModelError(f"{source}: {shape.num_layers} layers is more than the planner handles "
-                             f"(at most {MAX_LAYERS})")
-    if not shape.head_dim and shape.hidden % shape.heads:
-        raise CostModelError(f"{source}: hidden size {shape.hidden} is not divisible by {shape.heads} heads")
-    if shape.heads % shape.kvh:
-        raise CostModelError(f"{source}: {shape.heads} attention heads are not a multiple of {shape.kvh} "
-                             f"key/value heads")
-    return shape
 
 
 def model_shape(model: str, hf_modules: bool = False) -> ModelShape:
@@ -84,27 +58,21 @@ def model_shape(model: str, hf_modules: bool = False) -> ModelShape:
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
+    special = special_kind(path)
+    if special is not None:
+        raise CostModelError(f"--model {model}{link_note(path)} is {special}, not a config.json")
     if not path.is_file():
         raise CostModelError(f"unknown model {model!r}: choose one of {', '.join(preset_names())} "
                              "or a config.json path")
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = parse_json(read_config_text(path, "--model"))
+    except ValueError as e:
         raise CostModelError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-    except RecursionError:
-        raise CostModelError(f"cannot read {path}: not valid JSON (nested too deeply)") from None
     if not isinstance(d, dict):
         raise CostModelError(f"{path}: a config.json must hold a JSON object")
     if "model_type" not in d and "n_embd" in d:
         d = {"model_type": "gpt2", **d}  # our own GPTConfig.to_dict() files
-    bad = [k for k, v in d.items() if k in _INT_KEYS and (isinstance(v, bool) or not isinstance(v, int) or v <= 0)]
-    if bad:
-        raise CostModelError(f"{path}: {bad[0]}={d[bad[0]]!r} must be a positive integer")
     return shape_from_hf_config(d, str(path), hf_modules)
-
-
-_INT_KEYS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "hidden_size", "num_hidden_layers",
-             "num_attention_heads", "intermediate_size", "num_key_value_heads", "max_position_embeddings")
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import fields, replace
 from datetime import timedelta
@@ -107,6 +106,7 @@ import torch
 import torch.distributed as dist
 
 from mp_toolkit.optim.master import PRECISIONS
+from mp_toolkit.user_files import write_output
 
 from .calibrate import calibrate
 from .cluster import ClusterError, ClusterProfile, DeviceSpec, Link, profile_to_dict
@@ -286,22 +286,7 @@ def measure_profile(model: str = "gpt-small-cpu", ranks: int = 2, precisions=Non
 
 
 def write_profile(profile: ClusterProfile, path: str | Path) -> Path:
-    """Write ``profile`` as JSON (`profile_to_dict`) whole or not at all; a one-line `ClusterError`
-    when it cannot be written."""
-    p = Path(path)
-    text = json.dumps(profile_to_dict(profile), indent=2) + "\n"
-    tmp = None
-    try:
-        with tempfile.NamedTemporaryFile("w", dir=p.parent, prefix=f".{p.name}.", suffix=".tmp", delete=False,
-                                         encoding="utf-8") as f:
-            tmp = f.name
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except OSError as e:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        raise ClusterError(f"--profile-here {path}: cannot write it ({e.strerror or e}): "
-                           "choose a path in a directory you can write") from None
-    return p
+    """Write ``profile`` as JSON (`profile_to_dict`) whole or not at all (`write_output`); one line when it
+    cannot be written."""
+    write_output("--profile-here", path, json.dumps(profile_to_dict(profile), indent=2) + "\n")
+    return Path(path)

@@ -6,6 +6,7 @@ import os
 
 from mp_toolkit.recompute import stage_blocks
 from mp_toolkit.schedule import draw_gantt
+from mp_toolkit.user_files import write_output
 
 from .planner import GB, Plan
 
@@ -61,12 +62,8 @@ def recompute_lines(plan: Plan) -> list[str]:
 
 
 def write_json(obj: dict, path: str | os.PathLike) -> None:
-    parent = os.path.dirname(os.fspath(path))
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+    """``--json``: ``obj`` indented, written whole or not at all (`write_output`)."""
+    write_output("--json", path, json.dumps(obj, indent=2) + "\n")
 
 
 def draw_plan_gantt(plan: Plan, path: str | os.PathLike) -> None:

@@ -30,7 +30,7 @@ import torch
 from mp_toolkit.data.feed import Wanted, tokenizer_file
 from mp_toolkit.data.mlm import SPECIAL_TOKENS
 from mp_toolkit.data.tokens import MIN_VOCAB, load_tokenizer_file
-from mp_toolkit.errors import DataError
+from mp_toolkit.errors import CostModelError, DataError
 from mp_toolkit.hf.adapters import UnsupportedModelError, architecture_of_list
 from mp_toolkit.hf.configs import architecture_for, load_config
 from mp_toolkit.hf.losses import causal_lm_loss, masked_lm_loss, pretraining_loss
@@ -41,6 +41,7 @@ from mp_toolkit.layers import LayerList
 from mp_toolkit.parallel.context import ParallelContext
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.feeding import feed_batches
+from mp_toolkit.user_files import link_note, special_kind
 
 
 def read_source(directory: str) -> HFSource:
@@ -48,7 +49,12 @@ def read_source(directory: str) -> HFSource:
     path = Path(directory)
     what = "a HuggingFace save_pretrained directory (config.json + model.safetensors)"
     if not path.is_dir():
-        raise ConfigError(f"--hf {directory}: no such directory: give {what}")
+        kind = special_kind(path) or ("a file" if path.exists() else "no such directory")
+        raise ConfigError(f"--hf {directory}{link_note(path)}: {kind}: give {what}")
+    for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+        kind = special_kind(path / name)
+        if kind is not None:
+            raise ConfigError(f"--hf {directory}: {name}{link_note(path / name)} is {kind}, not a file: give {what}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"--hf {directory} has no config.json: give {what}")
     if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
@@ -57,7 +63,7 @@ def read_source(directory: str) -> HFSource:
     try:
         config = load_config(path)
         architecture = architecture_for(config).__name__
-    except UnsupportedModelError as e:
+    except (UnsupportedModelError, CostModelError) as e:
         raise ConfigError(f"--hf {directory}: {e}") from None
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ConfigError(f"--hf {directory}: cannot read config.json: {str(e).splitlines()[0]}") from None

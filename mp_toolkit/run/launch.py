@@ -54,10 +54,12 @@ EXIT_PREEMPTED = 5
 EXIT_REPLICAS = 6
 """--check-replicas found data-parallel replicas that differ (one line named the tensor); nothing was saved.
 Restarted by --restarts / --max-restarts: the latest checkpoint was checked before it was written."""
-QUIET_EXITS = (EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_REPLICAS, 130)
-"""Exits whose rank already said why in one line: the mpt launcher adds nothing."""
-NOT_RESTARTED = (EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, 130)
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_SIGNALLED = tuple(128 + sig for sig in FORWARDED_SIGNALS)
+"""A forwarded signal before the first step (`run.preempt`): the rank stopped at once, nothing to save."""
+QUIET_EXITS = (EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_REPLICAS, 130, *EXIT_SIGNALLED)
+"""Exits whose rank already said why in one line: the mpt launcher adds nothing."""
+NOT_RESTARTED = (EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, 130, *EXIT_SIGNALLED)
 """Signals that ask a run to stop after the step in flight (schedulers' preemption; SLURM --signal)."""
 
 

@@ -26,6 +26,7 @@ import importlib.util
 from pathlib import Path
 
 from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.user_files import check_output_file, special_kind, writing
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time_s", "skipped")
 VAL_KEYS = ("val_loss", "val_ppl", "val_mlm_loss", "val_nsp_loss", "val_mlm_accuracy")
@@ -43,10 +44,19 @@ def scalars_of(row: dict) -> dict[str, float]:
 
 
 def check_loggers(cfg: TrainConfig) -> None:
-    """Before any rank starts: the packages the asked-for loggers need are installed."""
+    """Before any rank starts: the packages the asked-for loggers need are installed, and no output is a
+    directory where a file goes (or a file where TensorBoard's directory goes)."""
     if cfg.logging.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(f"--tensorboard {cfg.logging.tensorboard} needs the tensorboard package: pip install "
                           "tensorboard (make setup installs it)")
+    log = cfg.logging
+    for flag, path in (("--metrics", log.metrics), ("--csv", log.csv), ("--plot", log.plot)):
+        if path is not None:
+            check_output_file(flag, path)
+    kind = special_kind(log.tensorboard) if log.tensorboard is not None else None
+    if kind not in (None, "a directory") or (log.tensorboard is not None and Path(log.tensorboard).is_file()):
+        raise ConfigError(f"--tensorboard {log.tensorboard} is {kind or 'a file'}: give a directory for its "
+                          "event files")
     if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
         raise ConfigError("wandb.enabled is true but the wandb package is not installed: pip install wandb "
                           "(it logs offline), or set wandb.enabled to false")
@@ -56,34 +66,41 @@ class TensorBoardLog:
     def __init__(self, directory: Path, start_step: int):
         from torch.utils.tensorboard import SummaryWriter  # optional dependency: only --tensorboard runs
 
-        self.writer = SummaryWriter(log_dir=str(directory), purge_step=start_step + 1 if start_step else None)
+        self.directory = directory
+        with writing("--tensorboard", directory):
+            self.writer = SummaryWriter(log_dir=str(directory), purge_step=start_step + 1 if start_step else None)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
-        self.writer.close()
+        with writing("--tensorboard", self.directory):
+            self.writer.close()
 
 
 class CsvLog:
     def __init__(self, path: Path, start_step: int):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if start_step > 0 and path.is_file():
-            with open(path, newline="") as f:
-                kept = [r for r in list(csv.reader(f))[1:]
-                        if len(r) == 3 and r[0].isdigit() and int(r[0]) <= start_step]
-        self.file = open(path, "w", newline="")
-        self.out = csv.writer(self.file)
-        self.out.writerows([("step", "tag", "value"), *kept])
+        self.path = path
+        with writing("--csv", path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept = []
+            if start_step > 0 and path.is_file():
+                with open(path, newline="") as f:
+                    kept = [r for r in list(csv.reader(f))[1:]
+                            if len(r) == 3 and r[0].isdigit() and int(r[0]) <= start_step]
+            self.file = open(path, "w", newline="")
+            self.out = csv.writer(self.file)
+            self.out.writerows([("step", "tag", "value"), *kept])
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        self.out.writerows((step, tag, repr(value)) for tag, value in scalars.items())
-        self.file.flush()
+        with writing("--csv", self.path):
+            self.out.writerows((step, tag, repr(value)) for tag, value in scalars.items())
+            self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        with writing("--csv", self.path):
+            self.file.close()
 
 
 class WandbLog:

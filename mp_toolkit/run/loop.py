@@ -79,7 +79,7 @@ def run_training(run: RunPlan, env: LaunchEnv) -> list[dict]:
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     status = RankStatus(env)  # under spawn_local: the watchdog hears each step
     peers, lost, lock, heartbeat = None, False, SaveDirLock(), None
-    signals = PreemptSignals().install()
+    signals = PreemptSignals(speak=env.rank == 0).install()
     try:
         device = init_distributed(env, cfg.faults.timeout_s)
         if env.world_size > 1:
@@ -223,6 +223,7 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
     flips = lambda step: env.faults.flips_at(env, step)  # noqa: E731 -- the test hook (MPT_FAULTS)
 
     first = step = progress.step + 1
+    signals.begin()
     while step <= cfg.steps:
         status.set(f"during step {step}", step)
         env.faults.kill_here(env, step, "step")

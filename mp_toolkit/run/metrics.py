@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from mp_toolkit.parallel.context import ParallelContext, grid_coords
 from mp_toolkit.run.config import TrainConfig
 from mp_toolkit.run.loggers import ScalarLogs
+from mp_toolkit.user_files import write_output, writing
 
 
 class MetricsLog:
@@ -29,9 +32,10 @@ class MetricsLog:
         self.file = None
         metrics = cfg.logging.metrics
         if enabled and metrics:
-            if start_step > 0 and Path(metrics).is_file():
-                self.earlier = _keep_rows(Path(metrics), start_step)
-            self.file = open(metrics, "a" if start_step > 0 else "w")
+            with writing("--metrics", metrics):
+                if start_step > 0 and Path(metrics).is_file():
+                    self.earlier = _keep_rows(Path(metrics), start_step)
+                self.file = open(metrics, "a" if start_step > 0 else "w")
         self.scalars = ScalarLogs(cfg, start_step) if enabled else None  # TensorBoard, CSV, wandb
         self.bar = None
         if enabled and cfg.logging.progress:
@@ -52,8 +56,9 @@ class MetricsLog:
             return
         self.rows.append(row)
         if self.file:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+            with writing("--metrics", self.cfg.logging.metrics):
+                self.file.write(json.dumps(row) + "\n")
+                self.file.flush()
         self.scalars.write(row)
         if "val_loss" in row:
             self.last_val = row
@@ -70,9 +75,10 @@ class MetricsLog:
             return
         self.rows = [r for r in self.rows if r["step"] <= step]
         if self.file:
-            self.file.close()
-            _keep_rows(Path(self.cfg.logging.metrics), step)
-            self.file = open(self.cfg.logging.metrics, "a")
+            with writing("--metrics", self.cfg.logging.metrics):
+                self.file.close()
+                _keep_rows(Path(self.cfg.logging.metrics), step)
+                self.file = open(self.cfg.logging.metrics, "a")
         self.scalars.close()
         self.scalars = ScalarLogs(self.cfg, step)
         if self.bar:
@@ -85,7 +91,8 @@ class MetricsLog:
         if self.bar:
             self.bar.close()
         if self.file:
-            self.file.close()
+            with writing("--metrics", self.cfg.logging.metrics):
+                self.file.close()
         self.scalars.close()
         if not self.rows:
             return
@@ -205,5 +212,9 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     handles = ax.get_legend_handles_labels()[0] + lr_ax.get_legend_handles_labels()[0]
     ax.legend(handles=handles, fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, dpi=120, format=os.path.splitext(os.fspath(path))[1][1:].lower() or "png")
+    finally:
+        plt.close(fig)
+    write_output("--plot", path, image.getvalue())

@@ -10,6 +10,8 @@ signal of the job's choosing (SLURM ``--signal=USR1@120``), then kill it after a
       -> rank 0 prints one line, every rank exits EXIT_PREEMPTED (5); `--resume auto` continues
          bitwise, as after a restart
     a second signal, more than DEBOUNCE_S after the first -> the rank exits at once (128 + signal)
+    a signal before the first step (building, loading, reading the data: nothing to save yet)
+      -> the rank exits at once (128 + signal), rank 0 saying so in one line
 
 The flag is set by a thread reading CPython's signal wakeup fd, not by the Python-level handler:
 that one runs only when the main thread is between bytecodes, so a second signal would wait for a
@@ -41,7 +43,11 @@ class Preempted(Exception):
 class PreemptSignals:
     """Catches FORWARDED_SIGNALS in this process from ``install`` to ``restore`` (main thread only)."""
 
-    def __init__(self):
+    def __init__(self, speak: bool = True):
+        self.speak = speak
+        """This rank says why it stops (rank 0)."""
+        self.training = False
+        """Set by `begin` before the first step; until then a signal stops the rank at once."""
         self.received: signal.Signals | None = None
         self.first_at = 0.0
         self.previous: dict = {}
@@ -74,12 +80,22 @@ class PreemptSignals:
 
     def _got(self, sig: signal.Signals) -> None:
         now = time.monotonic()
+        if not self.training:
+            self._exit(sig, "before the first step: stopping at once (nothing trained, nothing saved)")
         if self.received is None:
             self.received, self.first_at = sig, now
         elif now - self.first_at > DEBOUNCE_S:
-            sys.stderr.write(f"mpt train: {sig.name} again: stopping at once\n")
+            self._exit(sig, "again: stopping at once")
+
+    def _exit(self, sig: signal.Signals, why: str) -> None:
+        if self.speak:
+            sys.stderr.write(f"mpt train: {sig.name} {why}\n")
             sys.stderr.flush()
-            os._exit(128 + sig)
+        os._exit(128 + sig)
+
+    def begin(self) -> None:
+        """The first step starts: from here a signal stops every rank after the same step, saved."""
+        self.training = True
 
     def restore(self) -> None:
         if self.reader is None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from mp_toolkit.checkpoint import CheckpointError, clear_scratch, latest_step
 from mp_toolkit.partition.cost import OPTIMIZER_STATE_BYTES
 from mp_toolkit.run.config import ConfigError, TrainConfig
+from mp_toolkit.user_files import link_note, special_kind
 
 try:
     import fcntl
@@ -37,8 +38,14 @@ LOCK = ".lock"
 
 
 def check_fresh(cfg: TrainConfig) -> None:
-    """Refuse a fresh run into a root that holds a committed checkpoint, unless ``--overwrite``."""
+    """Refuse a ``--save-dir`` that is not a directory (a file, a FIFO, a device), and a fresh run into a root
+    that holds a committed checkpoint, unless ``--overwrite``."""
     ck = cfg.checkpoint
+    if ck.save_dir is not None:
+        kind = special_kind(ck.save_dir) or ("a file" if ck.save_dir.exists() else None)
+        if kind not in (None, "a directory"):
+            raise ConfigError(f"--save-dir {ck.save_dir}{link_note(ck.save_dir)} is {kind}: give a directory for "
+                              "the run's checkpoints")
     if ck.save_dir is None or ck.resume is not None or ck.overwrite:
         return
     try:
@@ -119,7 +126,9 @@ def prepare(cfg: TrainConfig, lock: SaveDirLock, n_params: int) -> None:
         clear_scratch(root)
         free = free_bytes(root)
     except OSError as e:
-        raise CheckpointError(f"--save-dir {e.filename or root}: {e.strerror or e}") from None
+        where = f" at {e.filename}" if e.filename and Path(e.filename).parent != root else ""
+        raise CheckpointError(f"--save-dir {root} cannot hold a run's checkpoints ({e.strerror or e}{where}): "
+                              "pick a directory you can write") from None
     need = checkpoint_bytes(n_params, cfg.optim.optimizer)
     if free < need:
         raise ConfigError(f"--save-dir {root}: {free / 2**20:.1f} MiB free on its file system, one checkpoint "

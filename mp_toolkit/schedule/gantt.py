@@ -8,7 +8,10 @@ cheap for the executor.
 """
 from __future__ import annotations
 
+import io
 import os
+
+from mp_toolkit.user_files import write_output
 
 from .simulator import Timeline
 
@@ -54,8 +57,12 @@ def draw_gantt(timeline: Timeline, path: str | os.PathLike, title: str | None = 
         f"step {timeline.step_time:.3g}, bubble {timeline.bubble_fraction:.1%}"
     ))
     fig.tight_layout()
-    fig.savefig(path, format=suffix[1:])
-    plt.close(fig)
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, format=suffix[1:])
+    finally:
+        plt.close(fig)
+    write_output("--gantt", path, image.getvalue())
 
 
 def _draw_box(ax, rank: int, event, stages: tuple[int, ...]) -> None:
