@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from mp_toolkit.cli import main
+from mp_toolkit.data.sources import MAX_JSON_LINE
 from tests.checkpoint_helpers import reseal
 from tests.hf_workers import tiny_hf
 
@@ -552,8 +553,9 @@ def _peak_rss_of(argv: list[str], cwd: Path) -> tuple[int, str, int]:
 
 
 def test_refusing_a_large_unusable_corpus_holds_at_most_its_size(tmp_path):
-    """Issue 40, class 10: refusing a 256 MiB corpus of random bytes (text, JSON lines) or one 128 MiB JSON
-    line of the wrong type holds at most max(the file's size, 512 MB) above what refusing a 1 KiB one holds."""
+    """Issue 40, class 10: refusing a 256 MiB corpus of random bytes (text, JSON lines), one 128 MiB JSON
+    line of the wrong type or one 256 MiB line (longer than a line may be) holds at most max(the file's size,
+    512 MB) above what refusing a 1 KiB one holds."""
     def corpus(name: str, data) -> Path:
         path = tmp_path / name
         with open(path, "wb") as f:
@@ -567,10 +569,11 @@ def test_refusing_a_large_unusable_corpus_holds_at_most_its_size(tmp_path):
             str(tmp_path / "cache")]
     code, err, floor = _peak_rss_of([*base, "--data", str(small)], tmp_path)
     assert code == 2 and "not UTF-8" in err, err
-    for name in ("random.txt", "random.jsonl", "one-line.jsonl"):
-        if name == "one-line.jsonl":  # a line is held whole, twice while it is read (RELIABILITY.md): half the size
+    for name in ("random.txt", "random.jsonl", "one-line.jsonl", "long-line.jsonl"):
+        if name.endswith("line.jsonl"):  # a line is held whole: 128 MiB, the longest taken; 256 MiB, refused
             path = tmp_path / name
-            path.write_bytes(b'{"text": 5, "pad": "' + b"x" * (LARGE // 2) + b'"}\n')
+            pad = b"x" * (MAX_JSON_LINE - 32 if name == "one-line.jsonl" else LARGE)
+            path.write_bytes(b'{"text": 5, "pad": "' + pad + b'"}\n')
         else:
             path = corpus(name, lambda: os.urandom(1 << 20))
         code, err, peak = _peak_rss_of([*base, "--data", str(path)], tmp_path)
@@ -604,3 +607,12 @@ def test_a_signal_during_start_up_stops_mpt_train_within_a_second(tmp_path):
     err = job.stderr.read()
     assert code in (128 + signal.SIGTERM, -signal.SIGTERM) and "Traceback" not in err, (code, err)
     assert len(err.strip().splitlines()) <= 1 and took < 1.0, (took, err)
+
+
+def test_plan_simulate_and_train_refuse_too_many_microbatches_in_the_same_words(capsys):
+    """One bound, one line: what `mpt plan` and `mpt simulate` say, `mpt train` says."""
+    said = set()
+    for argv in ([*PLAN, "--model", "gpt-tiny"], SIMULATE, [*ZOO, "--dry-run"]):
+        assert main([*argv, "--microbatches", str(10**9)]) == 2
+        said.add(capsys.readouterr().err.split("error: ", 1)[1])
+    assert len(said) == 1 and "at most 65536" in said.pop()

@@ -10,7 +10,7 @@ from pathlib import Path
 from mp_toolkit.errors import ConfigError
 from mp_toolkit.names import stages_per_rank
 from mp_toolkit.partition.report import write_json
-from mp_toolkit.partition.request import MAX_MICROBATCHES
+from mp_toolkit.partition.request import MAX_MICROBATCHES, too_many_microbatches
 from mp_toolkit.schedule import simulate_report
 
 
@@ -27,6 +27,8 @@ def check_output(gantt: Path | None) -> None:
 
 def run(args: argparse.Namespace, argv: list[str], main=None) -> int:
     """``mpt simulate``; the exit code."""
+    if args.microbatches is not None and too_many_microbatches(args.microbatches):
+        raise ConfigError(too_many_microbatches(args.microbatches))
     for name, top in (("pp", 1024), ("microbatches", MAX_MICROBATCHES), ("chunks", 64)):
         value = getattr(args, name)
         if value is not None and not 1 <= value <= top:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import codecs
 import gzip
 import io
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -204,9 +205,15 @@ def _stream_documents(source: Source, key: str) -> Iterator[tuple[str | None, in
                     yield text, counted.count
                 return
             offset = 0  # of the current line in the (decompressed) stream
-            for lineno, line in enumerate(stream, start=1):
-                size, line = len(line), _utf8_line(source.path, lineno, offset, line, where)  # the bytes go: a
-                text = _json_document(source.path, lineno, line, key)  # long line is held twice, not three times
+            for lineno in itertools.count(1):
+                line = stream.readline(MAX_JSON_LINE + 1)
+                if not line:
+                    return
+                if len(line) > MAX_JSON_LINE:
+                    raise DataError(f"{source.path}:{lineno} is longer than {MAX_JSON_LINE >> 20} MiB{where}: one "
+                                    "document per line, at most that long (split it)")
+                size, line = len(line), _utf8_line(source.path, lineno, offset, line, where)  # the bytes go
+                text = _json_document(source.path, lineno, line, key)
                 offset += size
                 if text:
                     yield text, counted.count
@@ -214,6 +221,9 @@ def _stream_documents(source: Source, key: str) -> Iterator[tuple[str | None, in
         reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
         raise DataError(f"cannot read {source.path}: {reason}") from None
 
+
+MAX_JSON_LINE = 128 << 20
+"""A JSON-lines document is read and parsed whole, holding about twice its length: a line may be this long."""
 
 TEXT_CHUNK = 16 << 20
 """A text file is decoded this many bytes at a time: one that is not UTF-8 is refused having held one chunk."""

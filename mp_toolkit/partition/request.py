@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the argument's types only
     from .cluster import ClusterProfile
     from .cost import ModelShape, OptimizerBytes
 
-__all__ = ["MAX_MICROBATCHES", "PLAN_METHODS", "PlanRequest", "check_request"]
+__all__ = ["MAX_MICROBATCHES", "PLAN_METHODS", "PlanRequest", "check_request", "too_many_microbatches"]
 
 MAX_MICROBATCHES = 65536
 """The simulator keeps every action of a step; beyond this a plan would take minutes."""
@@ -100,6 +100,14 @@ class PlanRequest:
     against its capacity when ``memory_gb`` is not given. None: the flags' figures, this machine's GEMM."""
 
 
+def too_many_microbatches(m: int) -> str | None:
+    """The line `mpt plan`, `mpt simulate` and `mpt train` all give for more than `MAX_MICROBATCHES`
+    micro-batches a step; None within the bound."""
+    if m <= MAX_MICROBATCHES:
+        return None
+    return f"--microbatches {m} is more than a step schedules (at most {MAX_MICROBATCHES}: a step keeps every action)"
+
+
 def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: Mapping[str, OptimizerBytes]) -> None:
     """Every bad combination as one line; ``layers``: how many the model's layer list has; ``optimizers``:
     what each optimizer keeps (`cost.OPTIMIZER_BYTES`; an unknown one is the cost model's error)."""
@@ -108,9 +116,8 @@ def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: 
         v = getattr(req, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PartitionError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
-    if req.microbatches > MAX_MICROBATCHES:
-        raise PartitionError(f"--microbatches {req.microbatches} is more than the planner simulates "
-                             f"(at most {MAX_MICROBATCHES})")
+    if too_many_microbatches(req.microbatches):
+        raise PartitionError(too_many_microbatches(req.microbatches))
     if req.schedule not in SCHEDULES:
         raise PartitionError(f"unknown --schedule {req.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if not (req.method in PLAN_METHODS[:4] or req.method == "memory" or req.method.startswith("type:")):

@@ -18,7 +18,7 @@ from mp_toolkit.errors import DataError
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import check_optimizer_options
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
-from mp_toolkit.partition.request import MAX_MICROBATCHES
+from mp_toolkit.partition.request import too_many_microbatches
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.engines import check_engine
@@ -51,9 +51,8 @@ def validate_numbers(cfg: TrainConfig) -> None:
     for name in ("pp", "tp", "dp", "cp", "chunks", "microbatches", "micro_batch", "seq_len", "steps"):
         if flat[name] < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {flat[name]} must be at least 1")
-    if flat["microbatches"] > MAX_MICROBATCHES:  # the schedule keeps every action of a step
-        raise ConfigError(f"--microbatches {flat['microbatches']} is more than a step schedules "
-                          f"(at most {MAX_MICROBATCHES}, as mpt plan)")
+    if too_many_microbatches(flat["microbatches"]):  # the words of mpt plan and mpt simulate
+        raise ConfigError(too_many_microbatches(flat["microbatches"]))
     if flat["initial_scale_power"] > MAX_SCALE_POWER:
         raise ConfigError(f"--initial-scale-power {flat['initial_scale_power']} is out of range (0..{MAX_SCALE_POWER}: "
                           f"fp16's first loss scale is 2**N)")
