@@ -616,3 +616,17 @@ def test_plan_simulate_and_train_refuse_too_many_microbatches_in_the_same_words(
         assert main([*argv, "--microbatches", str(10**9)]) == 2
         said.add(capsys.readouterr().err.split("error: ", 1)[1])
     assert len(said) == 1 and "at most 65536" in said.pop()
+
+
+@pytest.mark.skipif(not FULL.is_char_device(), reason="no /dev/full on this machine")
+def test_a_metrics_write_failing_mid_run_stops_every_rank_with_one_line(tmp_path):
+    """pp 2: rank 0's failed write of a step's row is agreed on by every rank at that step (as a failed save
+    is), so the job ends with rank 0's line alone, not one `lost rank 0` line from each other rank."""
+    done = subprocess.run([sys.executable, "-m", "mp_toolkit.cli", "train", "--model", "gpt-tiny", "--pp", "2",
+                           "--schedule", "1f1b", "--seq-len", "32", "--steps", "3", "--data", "synthetic",
+                           "--no-progress", "--metrics", str(FULL)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and lines == [f"mpt train: error: --metrics {FULL}: cannot write it (No space left "
+                                              "on device): choose a path you can write, on a device with room"], (
+        done.returncode, done.stderr)

@@ -245,6 +245,8 @@ def _train(run: RunPlan, env: LaunchEnv, device: torch.device, status: RankStatu
             status.set(f"while evaluating after step {step}")
             row.update(validation_row(engine, data, cfg.logging.eval_batches, metrics))
         log.step(row)
+        if log.writes_files:  # a write rank 0 could not make stops every rank here, with its one line
+            agree(log.failed, ctx)
         counted = streak.update(step, stats, scaler)
         if stats.skipped:
             log.note(streak.line(step, stats, cfg, scaler))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mp_toolkit.parallel.context import ParallelContext, grid_coords
-from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.loggers import ScalarLogs
 from mp_toolkit.user_files import write_output, writing
 
@@ -29,6 +29,7 @@ class MetricsLog:
     def __init__(self, cfg: TrainConfig, enabled: bool, start_step: int = 0):
         self.cfg, self.enabled, self.rows, self.earlier = cfg, enabled, [], []
         self.last_val: dict | None = None  # the latest row with a validation loss
+        self.failed: ConfigError | None = None  # a per-step write that failed (rank 0)
         self.file = None
         metrics = cfg.logging.metrics
         if enabled and metrics:
@@ -52,14 +53,16 @@ class MetricsLog:
             print(text, flush=True)
 
     def step(self, row: dict) -> None:
+        """Record ``row``: a write that fails (a full disk) is kept in ``failed`` and ends the writing; the
+        loop then stops every rank with its line (`agree`)."""
         if not self.enabled:
             return
         self.rows.append(row)
-        if self.file:
-            with writing("--metrics", self.cfg.logging.metrics):
-                self.file.write(json.dumps(row) + "\n")
-                self.file.flush()
-        self.scalars.write(row)
+        if self.failed is None:
+            try:
+                self._write(row)
+            except ConfigError as e:
+                self.failed = e
         if "val_loss" in row:
             self.last_val = row
         if self.bar:
@@ -68,6 +71,19 @@ class MetricsLog:
             self.bar.update(1)
         elif "val_loss" in row:  # no bar (--no-progress): a line per evaluation
             print(f"step {row['step']}: loss {row['loss']:.4f}, {validation_text(row)}", flush=True)
+
+    def _write(self, row: dict) -> None:
+        if self.file:
+            with writing("--metrics", self.cfg.logging.metrics):
+                self.file.write(json.dumps(row) + "\n")
+                self.file.flush()
+        self.scalars.write(row)
+
+    @property
+    def writes_files(self) -> bool:
+        """The run writes per-step files (the same on every rank: it is the run's config)."""
+        log = self.cfg.logging
+        return bool(log.metrics or log.csv or log.tensorboard)
 
     def rewind(self, step: int) -> None:
         """The rows after ``step`` are dropped (the run went back to its checkpoint, `run.spikes`)."""
