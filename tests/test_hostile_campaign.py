@@ -26,9 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from mp_toolkit.arch.hf_config import DROPOUT_KEYS, EPSILON_KEYS, SIZE_KEYS, shape_from_hf_config
+from mp_toolkit.checkpoint.files import parse_header
 from mp_toolkit.cli import main
 from mp_toolkit.data.sources import MAX_JSON_LINE
+from mp_toolkit.hf.configs import load_config
 from tests.checkpoint_helpers import reseal
 from tests.hf_workers import tiny_hf
 
@@ -630,3 +635,56 @@ def test_a_metrics_write_failing_mid_run_stops_every_rank_with_one_line(tmp_path
     assert done.returncode == 2 and lines == [f"mpt train: error: --metrics {FULL}: cannot write it (No space left "
                                               "on device): choose a path you can write, on a device with room"], (
         done.returncode, done.stderr)
+
+
+# -- hypothesis: random headers and config values, at the readers themselves ---------------------------------
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
+                      st.floats(allow_nan=False), st.text(max_size=6))
+json_value = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.text(max_size=4), inner, max_size=3), max_leaves=8)
+entry = st.fixed_dictionaries({"dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL", "F8", "x"]),
+                               "shape": st.lists(st.integers(min_value=-2, max_value=2**40), max_size=3),
+                               "data_offsets": st.lists(st.integers(min_value=-2, max_value=2**40), max_size=3)})
+header_doc = st.one_of(json_value, st.dictionaries(st.text(max_size=5), st.one_of(entry, json_value), max_size=4))
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=header_doc, body=st.integers(min_value=0, max_value=64),
+       length=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+def test_random_safetensors_headers_are_read_or_refused_in_one_line(doc, body, length):
+    """`parse_header` (HF weights and checkpoint shards): any header is an answer or one ValueError line."""
+    data = header_file(json.dumps(doc).encode(), b"\0" * body, length)
+    try:
+        n, header, _ = parse_header(data, len(data))
+    except ValueError as e:
+        assert "\n" not in str(e)
+    else:
+        assert n == len(data) - 8 - body and all(isinstance(e["shape"], list) for e in header.values())
+
+
+config_values = st.one_of(st.integers(min_value=-3, max_value=10**14), st.floats(allow_nan=True), st.booleans(),
+                          st.none(), st.text(max_size=4), st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(arch=st.sampled_from(["gpt2", "llama", "bert"]),
+       edit=st.dictionaries(st.sampled_from([*SIZE_KEYS, *DROPOUT_KEYS, *EPSILON_KEYS]), config_values, max_size=3))
+def test_random_hf_config_values_are_taken_or_refused_in_one_line(arch, edit):
+    """`load_config` (`mpt train --hf`, `mpt export --config`) with random values of the keys it checks: an HF
+    config whose shape the cost model reads within its bounds, or one ValueError line; never a traceback from
+    transformers."""
+    doc = {**json.loads(tiny_hf_config_json(arch)), **edit}
+    try:
+        config = load_config(doc)
+    except ValueError as e:
+        assert "\n" not in str(e)
+    else:
+        assert shape_from_hf_config(config.to_dict()).num_layers >= 1
+
+
+def tiny_hf_config_json(arch: str) -> str:
+    return _TINY_CONFIGS.setdefault(arch, tiny_hf(
+        {"gpt2": "gpt2", "llama": "llama", "bert": "bert-pretraining"}[arch], seed=0).config.to_json_string())
+
+
+_TINY_CONFIGS: dict[str, str] = {}
