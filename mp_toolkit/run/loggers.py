@@ -71,8 +71,9 @@ class TensorBoardLog:
             self.writer = SummaryWriter(log_dir=str(directory), purge_step=start_step + 1 if start_step else None)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
+        with writing("--tensorboard", self.directory):  # its thread's failed write is raised by the next one
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
         with writing("--tensorboard", self.directory):
