@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mp_toolkit.checkpoint import CheckpointError, latest_step, open_checkpoint, save_checkpoint
-from tests.checkpoint_helpers import one_line_error, sample_layers
+from tests.checkpoint_helpers import one_line_error, reseal, sample_layers
 from tests.cli_helpers import assert_one_line_exit_2
 
 torch.set_num_threads(1)
@@ -102,3 +102,34 @@ def test_a_crafted_checkpoint_given_to_mpt_is_one_line_exit_2(saved, tmp_path, c
     assert_one_line_exit_2(capsys, base + ["--save-dir", root, "--resume", "auto"], mentions="not a regular file")
     assert_one_line_exit_2(capsys, ["export", "--checkpoint", root, "--out", tmp_path / "hf"],
                            mentions="not a regular file")
+
+
+def test_every_dtype_reads_back_bitwise_into_tensors_of_their_own(tmp_path):
+    """`read_shard` reads each tensor's bytes straight into it (no copy of the file beside the tensors):
+    every safetensors dtype comes back bitwise, contiguous, each tensor with storage of its own."""
+    g = torch.Generator().manual_seed(0)
+    dtypes = (torch.bool, torch.uint8, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn, torch.int16, torch.uint16,
+              torch.float16, torch.bfloat16, torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64,
+              torch.float64)
+    tensors = {}
+    for dt in dtypes:  # random bytes (NaN payloads and all), viewed as the dtype; a bool is 0 or 1
+        size = torch.empty(0, dtype=dt).element_size()
+        raw = torch.randint(0, 2 if dt == torch.bool else 256, (3, 5 * size), generator=g, dtype=torch.uint8)
+        tensors[f"h.0.{str(dt)[6:]}"] = raw.view(dt)
+    tensors["h.0.empty"] = torch.zeros(0, 4)
+    save_checkpoint(tmp_path / "run", 1, {"h.0": tensors})
+    back = open_checkpoint(tmp_path / "run").read_layer("h.0")
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and back[name].is_contiguous()
+        assert back[name].view(-1).view(torch.uint8).tolist() == t.contiguous().view(-1).view(torch.uint8).tolist()
+    pointers = {t.untyped_storage().data_ptr() for t in back.values() if t.numel()}
+    assert len(pointers) == sum(1 for t in back.values() if t.numel())
+
+
+def test_a_header_whose_tensors_leave_a_gap_is_refused(saved):
+    rel = "layers/h.0.safetensors"
+    raw = json.dumps({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}).encode()
+    (saved / rel).write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 8)
+    reseal(saved, rel)
+    _refused(lambda: open_checkpoint(saved).read_layer("h.0"), "leaves a gap")

@@ -1,11 +1,11 @@
 """On-disk primitives of a checkpoint: names, hashes, atomic writes, verified safetensors reads.
 
-Nothing here unpickles. A shard is handed to `safetensors` (a JSON header followed by raw tensor
-bytes) only after its size and SHA-256 matched the manifest and its header passed
-`_check_header`, and the bytes that were hashed are the bytes that are parsed (read once into
-memory, so a file swapped between the check and the parse cannot slip through; the cost is a
-peak of about twice the largest shard in host memory). A hostile file can at worst be refused
-with a `CheckpointError`.
+Nothing here unpickles. A shard (a safetensors file: a JSON header followed by raw tensor bytes) is
+read only after its size matched the manifest and its header passed `_check_header`; each tensor's
+bytes are then read straight into the tensor and hashed as they arrive, and the tensors are returned
+only when the SHA-256 matches the manifest's (read once, so a file swapped between the check and the
+load cannot slip through; the peak is the shard's tensors, no copy of the file beside them). A hostile
+file can at worst be refused with a `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import safetensors
-import safetensors.torch
 import torch
 
 from mp_toolkit.errors import CheckpointError
@@ -207,13 +205,16 @@ def read_bounded(path: Path, limit: int, what: str, below: Path | None = None) -
         return f.read(min(limit, size) + 1)
 
 
-def read_verified(path: Path, record: Mapping, what: str, below: Path | None = None) -> bytes:
-    """The bytes of a manifest-listed shard after its size, its safetensors header and its SHA-256 matched.
+def read_shard(path: Path, record: Mapping, what: str, below: Path | None = None
+               ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors on CPU, ``__metadata__``) of a manifest-listed shard, its size, header and SHA-256 checked.
 
     Nothing beyond the header is read until the file's size equals the manifest's ``bytes``, the header
-    parses (`parse_header`) with its tensors ending exactly at the end of the file, and the file fits in
-    this machine's memory: an absurd ``bytes`` in a crafted manifest, or a sparse file as large as it says,
-    allocates nothing. The bytes hashed are the bytes returned."""
+    parses (`parse_header`) with its tensors tiling the rest of the file exactly, and the file fits in this
+    machine's memory: an absurd ``bytes`` in a crafted manifest, or a sparse file as large as it says,
+    allocates nothing. Then each tensor is allocated and its bytes read straight into it, the hash taken over
+    the header and every tensor's bytes as they arrive (a stream: no copy of the file beside the tensors),
+    and nothing is returned unless the hash matches: the bytes hashed are the bytes loaded."""
     size = record["bytes"]
     with open_regular(path, what, below) as f:
         actual = os.fstat(f.fileno()).st_size
@@ -221,7 +222,7 @@ def read_verified(path: Path, record: Mapping, what: str, below: Path | None = N
             raise CheckpointError(f"{what}: {actual} bytes, {MANIFEST} says {size} (file truncated or modified)")
         head = f.read(8)
         head += f.read(min(int.from_bytes(head, "little"), MAX_HEADER)) if len(head) == 8 else b""
-        _, end = _check_header(head, size, what)
+        metadata, entries, end = _check_header(head, size, what)
         if end != size:
             raise CheckpointError(f"{what}: its safetensors header accounts for {end} bytes but the file has {size} "
                                   "(file modified)")
@@ -229,12 +230,31 @@ def read_verified(path: Path, record: Mapping, what: str, below: Path | None = N
         if size > memory:
             raise CheckpointError(f"{what}: {size} bytes is more than this machine's memory ({memory} bytes): "
                                   "it cannot be loaded here")
-        data = head + f.read(size - len(head))
-    if len(data) != size:
-        raise CheckpointError(f"{what}: {len(data)} bytes read, {MANIFEST} says {size} (file truncated or modified)")
-    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        digest = hashlib.sha256(head)
+        tensors = {}
+        for name, dtype, begin, stop, shape in entries:  # in file order, tiling the data
+            t = torch.empty(shape, dtype=_DTYPES[dtype])
+            view = memoryview(t.view(-1).view(torch.uint8).numpy()) if stop > begin else memoryview(b"")
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:got + _READ_BLOCK])
+                if not n:
+                    raise CheckpointError(f"{what}: {MANIFEST} says {size} bytes but the file ended early (file "
+                                          "truncated or modified)")
+                digest.update(view[got:got + n])
+                got += n
+            tensors[name] = t
+    if digest.hexdigest() != record["sha256"]:
         raise CheckpointError(f"{what}: SHA-256 mismatch (file modified or truncated)")
-    return data
+    return tensors, metadata
+
+
+_READ_BLOCK = 16 << 20
+
+_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+           "F8_E4M3": torch.float8_e4m3fn, "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+           "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64}
 
 
 def parse_header(head: bytes, size: int) -> tuple[int, dict[str, dict], dict[str, str]]:
@@ -272,28 +292,26 @@ def _count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _check_header(data: bytes, size: int, what: str) -> tuple[dict[str, str], int]:
-    """(``__metadata__``, the byte where the last tensor's data ends) of a shard's safetensors header, checked
-    (`parse_header`) with every tensor inside the file; CheckpointError otherwise."""
+def _check_header(data: bytes, size: int, what: str) -> tuple[dict[str, str], list[tuple], int]:
+    """(``__metadata__``, ``(name, dtype, begin, end, shape)`` of every tensor in file order, the byte where the
+    last tensor's data ends) of a shard's safetensors header, checked (`parse_header`) with the tensors
+    tiling the data from its first byte without a gap or an overlap, inside the file; CheckpointError
+    otherwise."""
     try:
         n, header, metadata = parse_header(data, size)
     except ValueError as e:
         raise CheckpointError(f"{what}: safetensors: {e}") from None
-    end = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if 8 + n + end > size:
+    entries = sorted(((name, info["dtype"], *info["data_offsets"], tuple(info["shape"]))
+                      for name, info in header.items()), key=lambda e: (e[2], e[3]))
+    at = 0
+    for name, _, begin, stop, _ in entries:
+        if begin != at:
+            raise CheckpointError(f"{what}: not a valid safetensors file (tensor {name!r} "
+                                  f"{'overlaps another' if begin < at else 'leaves a gap before it'})")
+        at = stop
+    if 8 + n + at > size:
         raise CheckpointError(f"{what}: a tensor's byte range lies outside the file")
-    return metadata, 8 + n + end
-
-
-def load_shard(data: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors on CPU, metadata) of verified safetensors bytes; malformed input -> CheckpointError."""
-    metadata, _ = _check_header(data, len(data), what)
-    try:
-        tensors = safetensors.torch.load(data)
-    except (safetensors.SafetensorError, ValueError, RuntimeError, TypeError) as e:
-        reason = " ".join(str(e).split())  # one line
-        raise CheckpointError(f"{what}: not a valid safetensors file ({reason})") from None
-    return tensors, metadata
+    return metadata, entries, 8 + n + at
 
 
 def prepare_tensors(tensors: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:

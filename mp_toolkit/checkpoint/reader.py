@@ -24,10 +24,9 @@ from mp_toolkit.checkpoint.files import (
     check_relative,
     file_digest,
     from_json,
-    load_shard,
     parse_step_dir,
     read_bounded,
-    read_verified,
+    read_shard,
 )
 from mp_toolkit.checkpoint.rng import RngState
 from mp_toolkit.checkpoint.writer import layer_file, optimizer_file, read_latest, replaced_name, rng_file
@@ -104,7 +103,7 @@ class Checkpoint:
         record = self.files.get(rel)
         if record is None:
             raise CheckpointError(f"{what}: not in {MANIFEST}")
-        return load_shard(read_verified(self.path / rel, record, what, below=self.path), what)
+        return read_shard(self.path / rel, record, what, below=self.path)
 
     def read_layer(self, name: str) -> dict[str, torch.Tensor]:
         """``{parameter name: full tensor}`` of one layer (names of the unsplit model)."""
