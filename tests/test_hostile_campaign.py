@@ -164,6 +164,10 @@ for flag, value in (("--microbatches", 10**9), ("--pp", 10**9), ("--seq-len", 10
     CASES.append(("1 sizes", f"simulate {flag} {value}", lambda ws, f=flag, v=value: (
         [*SIMULATE, f, str(v)] if f != "--seq-len" else [*SIMULATE, "--pp", str(10**7)])))
 CASES.append(("1 sizes", "train --hf n_layer 10^9", lambda ws: [*TRAIN, "--hf", ws.hf_copy(config={"n_layer": 10**9})]))
+CASES.append(("1 sizes", "train --layout auto --global-batch 10^14", lambda ws: [
+    *ZOO, "--layout", "auto", "--global-batch", str(10**14), "--dry-run"]))  # hung: divisors found one by one
+CASES.append(("1 sizes", "plan --search --global-batch 10^14", lambda ws: [
+    "plan", "--search", "--devices", "2", "--model", "gpt-tiny", "--seq-len", "16", "--global-batch", str(10**14)]))
 
 
 # -- 2. HF config.json values: the same check for mpt train --hf and mpt plan --model ----------------------
@@ -314,6 +318,10 @@ CASES += [
     ("5 nesting", "plan --model config nested", lambda ws: [
         *PLAN, "--model", _write(ws.inputs / "config.json", '{"model_type": "gpt2", "x": ' + DEEP + "}")]),
     ("5 nesting", "--hf config nested", _deep_hf_config),
+    ("5 nesting", "--plan FILE nested", lambda ws: [*ZOO, "--plan", _write(ws.inputs / "search.json", DEEP)]),
+    ("5 nesting", "--tokenizer nested", lambda ws: [
+        *CORPUS, "--data", _write(ws.inputs / "c.txt", "hello world " * 500), "--cache-dir", ws.outputs,
+        "--tokenizer", _write(ws.inputs / "tokenizer.json", '{"model": ' + DEEP + "}")]),
     ("5 nesting", "JSON-lines corpus nested", lambda ws: [
         *CORPUS, "--data", _write(ws.inputs / "c.jsonl", '{"text": ' + DEEP + "}\n"), "--cache-dir", ws.outputs]),
     ("5 nesting", "checkpoint manifest nested", lambda ws: [
@@ -455,6 +463,7 @@ CASES += [
         *CORPUS, "--data", _write(ws.inputs / "c.txt", "hello world " * 500), "--tokenizer",
         fifo(ws.inputs / "tok.json"), "--cache-dir", ws.outputs]),
     ("9 special files", "--save-dir /proc/self", lambda ws: [*ZOO, "--save-dir", "/proc/self"]),
+    ("9 special files", "--plan a FIFO", lambda ws: [*ZOO, "--plan", fifo(ws.inputs / "search.json")]),
     ("9 special files", "--save-dir a FIFO", lambda ws: [*ZOO, "--save-dir", fifo(ws.outputs / "fifo")]),
     ("9 special files", "export --checkpoint a FIFO", lambda ws: [
         "export", "--checkpoint", fifo(ws.inputs / "fifo"), "--out", ws.outputs / "hf"]),

@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # the argument's types only
     from .cluster import ClusterProfile
     from .cost import ModelShape, OptimizerBytes
 
-__all__ = ["MAX_MICROBATCHES", "PLAN_METHODS", "PlanRequest", "check_request", "too_many_microbatches"]
+__all__ = ["MAX_GLOBAL_BATCH", "MAX_MICROBATCHES", "PLAN_METHODS", "PlanRequest", "check_request",
+           "too_large_global_batch", "too_many_microbatches"]
 
 MAX_MICROBATCHES = 65536
 """The simulator keeps every action of a step; beyond this a plan would take minutes."""
@@ -106,6 +107,18 @@ def too_many_microbatches(m: int) -> str | None:
     if m <= MAX_MICROBATCHES:
         return None
     return f"--microbatches {m} is more than a step schedules (at most {MAX_MICROBATCHES}: a step keeps every action)"
+
+
+MAX_GLOBAL_BATCH = 1 << 24
+"""Sequences a step may take (16.8 million: hundreds of times the largest published pretraining batch)."""
+
+
+def too_large_global_batch(b: int) -> str | None:
+    """The line `mpt plan --search` and `mpt train --global-batch` give for more than `MAX_GLOBAL_BATCH`
+    sequences a step; None within the bound."""
+    if b <= MAX_GLOBAL_BATCH:
+        return None
+    return f"--global-batch {b} is more sequences than a step takes (at most {MAX_GLOBAL_BATCH})"
 
 
 def check_request(req: PlanRequest, shape: ModelShape, layers: int, optimizers: Mapping[str, OptimizerBytes]) -> None:

@@ -37,6 +37,7 @@ GPT-2-XL on 64 H100s with a global batch of 512 searches in a few seconds on one
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -48,7 +49,7 @@ from .cluster import ClusterProfile
 from .cost import CostModelError, layer_costs, model_shape
 from .planner import GB, Plan, PlanRequest, make_plan
 from .rates import rates_of
-from .request import MAX_MICROBATCHES
+from .request import MAX_MICROBATCHES, too_large_global_batch
 from .search_floors import Floors, splits_sequence
 from .solvers import PartitionError
 
@@ -144,7 +145,9 @@ class SearchResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending (trial division up to its square root)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def enumerate_layouts(req: SearchRequest, shape, layers: int):
@@ -338,6 +341,8 @@ def _check(req: SearchRequest) -> None:
         v = getattr(req, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PartitionError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+    if too_large_global_batch(req.global_batch):
+        raise PartitionError(too_large_global_batch(req.global_batch))
     c = req.cluster
     if req.devices > c.devices and req.devices % c.devices_per_node:
         nearest = req.devices // c.devices_per_node * c.devices_per_node

@@ -18,7 +18,7 @@ from mp_toolkit.errors import DataError
 from mp_toolkit.layers import LayerList
 from mp_toolkit.optim.factory import check_optimizer_options
 from mp_toolkit.parallel.tensor_parallel import check_tensor_parallel
-from mp_toolkit.partition.request import too_many_microbatches
+from mp_toolkit.partition.request import too_large_global_batch, too_many_microbatches
 from mp_toolkit.recompute import StageRecompute
 from mp_toolkit.run.config import ConfigError, TrainConfig
 from mp_toolkit.run.engines import check_engine
@@ -53,6 +53,9 @@ def validate_numbers(cfg: TrainConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {flat[name]} must be at least 1")
     if too_many_microbatches(flat["microbatches"]):  # the words of mpt plan and mpt simulate
         raise ConfigError(too_many_microbatches(flat["microbatches"]))
+    batch = cfg.batch.global_batch
+    if batch is not None and (batch < 1 or too_large_global_batch(batch)):
+        raise ConfigError(too_large_global_batch(batch) or f"--global-batch {batch} must be at least 1")
     if flat["initial_scale_power"] > MAX_SCALE_POWER:
         raise ConfigError(f"--initial-scale-power {flat['initial_scale_power']} is out of range (0..{MAX_SCALE_POWER}: "
                           f"fp16's first loss scale is 2**N)")

@@ -3,7 +3,6 @@ each rank's predicted bytes for its own cut, printed beside the measured peak (D
 a first-class result)."""
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -16,6 +15,7 @@ from mp_toolkit.partition.planner import PlanRequest, make_plan
 from mp_toolkit.partition.report import format_plan
 from mp_toolkit.partition.search import with_devices
 from mp_toolkit.run.config import TrainConfig
+from mp_toolkit.user_files import parse_json, read_config_text
 
 
 def run_profile(cfg: TrainConfig) -> ClusterProfile:
@@ -45,9 +45,8 @@ def read_search(spec: str) -> tuple[dict, int]:
     """(the ``mpt plan --search --json`` document, the 1-based layout index) of ``FILE[:K]``."""
     path, _, k = spec.rpartition(":") if spec.rpartition(":")[2].isdigit() else (spec, "", "1")
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:
+        doc = parse_json(read_config_text(path, "--layout"))
+    except ValueError as e:  # a ConfigError too: no such file, a FIFO, too large, not UTF-8
         raise ConfigError(f"--layout {spec}: cannot read a search output: {str(e).splitlines()[0]}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("layouts"), list):
         raise ConfigError(f"--layout {spec}: not an mpt plan --search --json output (no layouts)")
