@@ -71,6 +71,20 @@ class Workspace:
             (d / "model.safetensors").write_bytes(weights)
         return d
 
+    def prepared_copy(self, damage=None) -> Path:
+        """A copy of the prepared corpus (`mpt data prepare`) under inputs, ``damage(dir)`` applied."""
+        dst = self.inputs / "prepared"
+        for src in sorted(self.hf["prepared"].rglob("*")):
+            target = dst / src.relative_to(self.hf["prepared"])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                target.mkdir(exist_ok=True)
+            else:
+                target.write_bytes(src.read_bytes())
+        if damage is not None:
+            damage(dst)
+        return dst
+
     def checkpoint_copy(self) -> Path:
         """A copy of the saved run (its root) under inputs; returns its step directory."""
         dst = self.inputs / "run"
@@ -98,6 +112,11 @@ def sources(tmp_path_factory):
     code = main(["train", "--model", "gpt-tiny", "--pp", "1", "--steps", "1", "--seq-len", "16", "--data",
                  "synthetic", "--no-progress", "--save-dir", str(base / "run")])
     assert code == 0
+    corpus = base / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of the corpus, word{i % 37}" for i in range(400)))
+    assert main(["data", "prepare", "--input", str(corpus), "--output", str(base / "prepared"), "--vocab-size", "300",
+                 "--workers", "1", "--no-progress"]) == 0
+    hf["prepared"] = base / "prepared"
     return hf, base / "run"
 
 
@@ -469,6 +488,54 @@ CASES += [
         "export", "--checkpoint", fifo(ws.inputs / "fifo"), "--out", ws.outputs / "hf"]),
     ("9 special files", "--resume a FIFO", lambda ws: [*ZOO, "--resume", fifo(ws.inputs / "fifo")]),
 ]
+
+
+# -- prepared corpora (`mpt data prepare` DIRs) and the command itself, in the classes above ---------------------
+IDX = "train/f00000-c00000.idx"
+
+
+def _patch(path: Path, at: int, raw: bytes) -> None:
+    data = bytearray(path.read_bytes())
+    data[at:at + len(raw)] = raw
+    path.write_bytes(bytes(data))
+
+
+PREPARED_DAMAGE = {
+    ("3 headers", "an .idx declaring 10^15 sequences"): lambda d: _patch(d / IDX, 18, struct.pack("<Q", 10**15)),
+    ("3 headers", "an .idx with flipped bytes"): lambda d: _patch(d / IDX, 40, b"\xff\xff"),
+    ("3 headers", "a .bin cut in half"): lambda d: (d / IDX.replace(".idx", ".bin")).write_bytes(
+        (d / IDX.replace(".idx", ".bin")).read_bytes()[:100]),
+    ("3 headers", "a manifest that is a list"): lambda d: _write(d / "manifest.json", "[1]"),
+    ("5 nesting", "a manifest nested too deeply"): lambda d: _write(d / "manifest.json", DEEP),
+}
+for (cls, label), damage in PREPARED_DAMAGE.items():
+    CASES.append((cls, f"--data prepared DIR with {label}", lambda ws, f=damage: [
+        *TRAIN, "--model", "gpt-tiny", "--seq-len", "32", "--data", ws.prepared_copy(f)]))
+    CASES.append((cls, f"data verify, {label}", lambda ws, f=damage: ["data", "verify", ws.prepared_copy(f)]))
+
+PREPARE = ["data", "prepare", "--no-progress", "--workers", "1"]
+CASES += [
+    ("1 sizes", "data prepare --vocab-size 10^11", lambda ws: [  # aborted the process: a Rust panic
+        *PREPARE, "--input", _write(ws.inputs / "c.txt", "hello world " * 50), "--output", ws.outputs / "p",
+        "--vocab-size", str(10**11)]),
+    ("1 sizes", "data prepare --workers 10^5", lambda ws: [
+        "data", "prepare", "--no-progress", "--input", _write(ws.inputs / "c.txt", "hello world " * 50), "--output",
+        ws.outputs / "p", "--vocab-size", "300", "--workers", str(10**5)]),
+    ("7 outputs", "data prepare --output where nothing can be created", lambda ws: [
+        *PREPARE, "--input", _write(ws.inputs / "c.txt", "hello world " * 50), "--output", UNWRITABLE,
+        "--vocab-size", "300"]),
+    ("9 special files", "data prepare --output a FIFO", lambda ws: [
+        *PREPARE, "--input", _write(ws.inputs / "c.txt", "hello world " * 50), "--output", fifo(ws.outputs / "p"),
+        "--vocab-size", "300"]),
+    ("3 headers", "data prepare into a DIR whose prepare.json is a list", lambda ws: [
+        *PREPARE, "--input", _write(ws.inputs / "c.txt", "hello world " * 50), "--output",
+        _write(_mkdir(ws.outputs / "p") / "prepare.json", "[1]").parent, "--vocab-size", "300"]),
+]
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
 
 
 # -- 10. unusable corpora (memory is measured below, in processes of their own) ------------------------------

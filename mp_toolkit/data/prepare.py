@@ -90,6 +90,7 @@ from mp_toolkit.data.sources import Source, expand
 from mp_toolkit.data.survey import EOD_TOKENS, eod_id, read_given_tokenizer, settle_tokenizer, survey_corpus
 from mp_toolkit.data.tokens import SPECIAL_TOKENS
 from mp_toolkit.errors import DataError
+from mp_toolkit.user_files import parse_json, special_kind, writing
 
 __all__ = [  # prepare, and what `mpt data` and its tests take from here
     "DEFAULT_CHUNK_DOCS", "DEFAULT_SAMPLE_BYTES", "PrepareSummary", "merge", "parse_shard",
@@ -157,14 +158,21 @@ def prepare(inputs, output, *, tokenizer: str | os.PathLike | None = None, vocab
                         "document with (drop --append-eod)")
     out = opts.output
     if out.exists() and not out.is_dir():
-        raise DataError(f"--output {out} is a file: give a directory (new or empty, or one this command prepared)")
+        raise DataError(f"--output {out} is {special_kind(out) or 'a file'}: give a directory (new or empty, or one "
+                        "this command prepared)")
+    with writing("--output", out):  # a place that cannot be made, a disk that fills: one line
+        return _prepare_into(out, opts, sources, given, progress, command, start)
+
+
+def _prepare_into(out: Path, opts: Options, sources: list[Source], given, progress: bool, command, start: float
+                  ) -> PrepareSummary:
     out.mkdir(parents=True, exist_ok=True)
     i, n = opts.shard
     with locked(out / lock_name(i, n)):
         _claim(out, _settings(opts, sources, given))
         target = out / (MANIFEST if n == 1 else part_name(i, n))
         if target.is_file():  # finished before: nothing to do
-            manifest = json.loads(target.read_bytes())
+            manifest = parse_json(target.read_bytes())
             return PrepareSummary(out, manifest, 0, time.monotonic() - start, opts.workers, 0, 0, 0, 0)
         need_sample = given is None and not (out / TOKENIZER).is_file()
         survey_needed = need_sample or opts.val_docs is not None or opts.val_min_docs > 0
@@ -208,9 +216,11 @@ def _claim(out: Path, settings: dict) -> None:
         if write_bytes(file, json_bytes(settings), private=False, replace=False):
             return
     try:
-        before = json.loads(file.read_bytes())
+        before = parse_json(file.read_bytes())
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {file}: {e}") from None
+    if not isinstance(before, dict):
+        raise DataError(f"{file} is not the settings file `mpt data prepare` writes: give a new or empty --output")
     for key, value in settings.items():
         if before.get(key, SETTING_DEFAULTS.get(key)) != value:  # a setting newer than DIR: its default there
             if key == "inputs":

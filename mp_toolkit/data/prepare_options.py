@@ -8,14 +8,17 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mp_toolkit.data.tokens import MIN_VOCAB, SPECIAL_TOKENS
+from mp_toolkit.data.tokens import MAX_VOCAB, MIN_VOCAB, SPECIAL_TOKENS
 from mp_toolkit.errors import DataError
 
 DEFAULT_CHUNK_DOCS = 100_000
+MAX_WORKERS_PER_CORE = 8
+"""--workers beyond this many per core are refused (100,000 would start as many processes)."""
 DEFAULT_SAMPLE_BYTES = 64_000_000
 
 
@@ -66,10 +69,17 @@ class Options:
             raise DataError(f"--vocab-size {self.vocab_size} is too small for byte-level BPE"
                             f"{' plus the 4 BERT special tokens' if self.split_sentences else ''}: use at least "
                             f"{least}")
+        if self.vocab_size is not None and self.vocab_size > MAX_VOCAB:
+            raise DataError(f"--vocab-size {self.vocab_size} is more than a tokenizer we train takes (at most "
+                            f"{MAX_VOCAB})")
         for name, value in (("--workers", self.workers), ("--chunk-docs", self.chunk_docs),
                             ("--tokenizer-sample-bytes", self.sample_bytes)):
             if value < 1:
                 raise DataError(f"{name} {value} must be at least 1")
+        most = MAX_WORKERS_PER_CORE * (os.cpu_count() or 1)
+        if self.workers > most:
+            raise DataError(f"--workers {self.workers} is more than {MAX_WORKERS_PER_CORE} per core ({most} here): "
+                            "more would only wait on each other")
         if not 0.0 <= self.val_fraction < 1.0:
             raise DataError(f"--val-fraction {self.val_fraction} must be in [0, 1)")
         if self.val_docs is not None and (self.val_docs < 0 or self.val_fraction):

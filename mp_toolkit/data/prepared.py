@@ -27,7 +27,6 @@ validation split. ``digest`` names the data a checkpoint was trained on.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy as np
 
 from mp_toolkit.data.indexed import IndexedDataset, bin_path, idx_path, is_complete
 from mp_toolkit.errors import DataError
+from mp_toolkit.user_files import parse_json
 
 FORMAT = "mp_toolkit.prepared"
 VERSION = 1
@@ -110,7 +110,7 @@ def read_manifest(directory: Path) -> tuple[dict, bytes]:
                            if partial else "prepare it with `mpt data prepare --output DIR`"))
     try:
         raw = file.read_bytes()
-        doc = json.loads(raw)
+        doc = parse_json(raw)
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {file}: {getattr(e, 'strerror', None) or str(e).splitlines()[0]}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:

@@ -35,6 +35,7 @@ from mp_toolkit.data.prepared import FORMAT, MANIFEST, SPLITS, TOKENIZER, VERSIO
 from mp_toolkit.data.sources import Source
 from mp_toolkit.data.survey import Survey, Vocab
 from mp_toolkit.errors import DataError
+from mp_toolkit.user_files import parse_json
 
 CHUNKS = "chunks"
 HASH_BYTES = 1 << 20
@@ -115,10 +116,10 @@ def intact_records(out: Path, tokenizer_sha256: str) -> Iterator[tuple[str, dict
     (a chunk whose record fails this is encoded again)."""
     for file in sorted((out / CHUNKS).glob("f*-c*.json")):
         try:
-            record = json.loads(file.read_bytes())
+            record = parse_json(file.read_bytes())
         except (OSError, ValueError):
             continue
-        if record.get("tokenizer_sha256") != tokenizer_sha256:
+        if not isinstance(record, dict) or record.get("tokenizer_sha256") != tokenizer_sha256:
             continue
         if all(shard_intact(out, record.get(split)) for split in SPLITS):
             yield file.stem, record
@@ -186,7 +187,13 @@ def merge(directory) -> dict:
         with locked(out / lock_name(i, n)):  # a part still running is refused here
             if not file.is_file():
                 raise DataError(f"{out} lacks {file.name}: run `mpt data prepare ... --shard {i}/{n}` to finish it")
-            parts.append(json.loads(file.read_bytes()))
+            try:
+                part = parse_json(file.read_bytes())
+            except (OSError, ValueError) as e:
+                raise DataError(f"cannot read {file}: {str(e).splitlines()[0]}") from None
+            if not isinstance(part, dict):
+                raise DataError(f"{file} is not a manifest part of `mpt data prepare --shard`")
+            parts.append(part)
     for i, part in enumerate(parts[1:], start=1):
         for key in MERGED_KEYS:
             if part.get(key) != parts[0].get(key):

@@ -44,7 +44,7 @@ import pyarrow.parquet
 
 from mp_toolkit.data.corpus import JSON_SUFFIXES, TEXT_SUFFIXES, stdlib_files
 from mp_toolkit.errors import DataError
-from mp_toolkit.user_files import link_note, special_kind
+from mp_toolkit.user_files import link_note, parse_json, special_kind
 
 COMPRESSIONS = (".gz", ".zst")
 TABLE_SUFFIXES = (".parquet", ".arrow")
@@ -136,8 +136,12 @@ def _kind(path: Path) -> tuple[str, str | None] | None:
 def _source(path: Path) -> Source:
     if path.is_dir():  # a save_to_disk directory
         if (path / "dataset_dict.json").is_file():
-            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-            raise DataError(f"input {path} is a DatasetDict: give one split's directory ({', '.join(splits)})")
+            try:
+                splits = parse_json((path / "dataset_dict.json").read_bytes())["splits"]
+                named = f" ({', '.join(map(str, splits))})"
+            except (OSError, ValueError, KeyError, TypeError):
+                named = ""
+            raise DataError(f"input {path} is a DatasetDict: give one split's directory{named}")
         return Source(path, "saved", sum(p.stat().st_size for p in path.iterdir() if p.is_file()))
     special = special_kind(path)  # before its name: a FIFO would be waited on, a device read forever
     if special is not None:

@@ -25,6 +25,8 @@ SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
 # <|endoftext|> leaves these out and still encodes every string, losslessly.
 NON_UTF8_BYTES = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
 MIN_VOCAB = 256 - len(NON_UTF8_BYTES) + 1  # 243 byte symbols + <|endoftext|>
+MAX_VOCAB = 1 << 24
+"""16.8 million ids: dozens of times the largest vocabulary in use; a BPE trained to it never gets there."""
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, progress: bool = True) -> Tokenizer:
@@ -40,6 +42,8 @@ def train_tokenizer(texts: list[str], vocab_size: int, progress: bool = True) ->
             f"vocab_size={vocab_size} is too small for byte-level BPE: use at least {MIN_VOCAB} "
             f"({MIN_VOCAB - 1} UTF-8 bytes + {EOS_TOKEN})"
         )
+    if vocab_size > MAX_VOCAB:  # tokenizers' trainer aborts the process (a Rust panic) on sizes past u32
+        raise DataError(f"vocab_size={vocab_size} is more than a tokenizer we train takes (at most {MAX_VOCAB})")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
