@@ -185,6 +185,7 @@ for flag, value in (("--microbatches", 10**9), ("--pp", 10**9), ("--seq-len", 10
 CASES.append(("1 sizes", "train --hf n_layer 10^9", lambda ws: [*TRAIN, "--hf", ws.hf_copy(config={"n_layer": 10**9})]))
 CASES.append(("1 sizes", "train --layout auto --global-batch 10^14", lambda ws: [
     *ZOO, "--layout", "auto", "--global-batch", str(10**14), "--dry-run"]))  # hung: divisors found one by one
+CASES.append(("1 sizes", "train --threads 10^5", lambda ws: [*ZOO, "--threads", str(10**5)]))  # a traceback
 CASES.append(("1 sizes", "plan --search --global-batch 10^14", lambda ws: [
     "plan", "--search", "--devices", "2", "--model", "gpt-tiny", "--seq-len", "16", "--global-batch", str(10**14)]))
 
@@ -352,7 +353,7 @@ CASES += [
 # -- 6. numbers out of range ---------------------------------------------------------------------------------
 for flag, value in (("--initial-scale-power", "100000"), ("--initial-scale-power", "-1"), ("--loss-scale-window", "0"),
                     ("--hysteresis", "0"), ("--clip-grad", "-1"), ("--clip-grad", "nan"), ("--lr", "1e400"),
-                    ("--dp-bucket-mb", "0"), ("--zero", "3"), ("--warmup-steps", "-5")):
+                    ("--dp-bucket-mb", "0"), ("--zero", "3"), ("--warmup-steps", "-5"), ("--seed", str(10**23))):
     CASES.append(("6 numbers", f"train {flag} {value}", lambda ws, f=flag, v=value: [
         *ZOO, "--precision", "fp16", f, v]))
 def _ds(ws, top: dict, fp16: dict) -> Path:
@@ -483,6 +484,9 @@ CASES += [
         fifo(ws.inputs / "tok.json"), "--cache-dir", ws.outputs]),
     ("9 special files", "--save-dir /proc/self", lambda ws: [*ZOO, "--save-dir", "/proc/self"]),
     ("9 special files", "--plan a FIFO", lambda ws: [*ZOO, "--plan", fifo(ws.inputs / "search.json")]),
+    ("9 special files", "export --tokenizer a FIFO", lambda ws: [  # it hung
+        "export", "--checkpoint", ws.checkpoint_copy().parent, "--out", ws.outputs / "hf", "--tokenizer",
+        fifo(ws.inputs / "tokenizer.json")]),
     ("9 special files", "--save-dir a FIFO", lambda ws: [*ZOO, "--save-dir", fifo(ws.outputs / "fifo")]),
     ("9 special files", "export --checkpoint a FIFO", lambda ws: [
         "export", "--checkpoint", fifo(ws.inputs / "fifo"), "--out", ws.outputs / "hf"]),

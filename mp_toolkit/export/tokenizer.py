@@ -24,6 +24,7 @@ from mp_toolkit.arch.zoo import ZOO
 from mp_toolkit.data.prepared import TOKENIZER
 from mp_toolkit.data.tokens import EOS_TOKEN
 from mp_toolkit.export.hf_dir import copy_tokenizer
+from mp_toolkit.user_files import link_note, special_kind
 
 
 def _mlm(family: str) -> bool:
@@ -74,6 +75,10 @@ def write_tokenizer(source, manifest: Mapping, out_dir, cache_dir) -> str:
     if source is not None and Path(source).is_dir():
         return f"tokenizer files {', '.join(copy_tokenizer(source, out_dir))} from {source}"
     if source is not None:
+        kind = special_kind(source)
+        if kind is not None:  # a FIFO would be waited on
+            raise ValueError(f"--tokenizer {source}{link_note(source)} is {kind}: give a tokenizer directory or a "
+                             "tokenizers JSON file")
         try:
             tokenizer = Tokenizer.from_file(str(source))
         except Exception as e:  # tokenizers raises its own Exception type for a file it cannot parse

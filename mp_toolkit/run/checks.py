@@ -41,6 +41,9 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
     return spec
 
 
+MAX_THREADS_PER_CORE = 4
+"""--threads beyond this many per core are refused (100,000 fail to start)."""
+
 MAX_SCALE_POWER = 64
 """fp16's initial loss scale is 2**N: beyond 2**64 every gradient overflows fp16 (and 2**128 fp32)."""
 
@@ -53,6 +56,12 @@ def validate_numbers(cfg: TrainConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {flat[name]} must be at least 1")
     if too_many_microbatches(flat["microbatches"]):  # the words of mpt plan and mpt simulate
         raise ConfigError(too_many_microbatches(flat["microbatches"]))
+    threads = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+    if cfg.threads is not None and not 0 <= cfg.threads <= threads:  # 0: cores / local ranks, as not given
+        raise ConfigError(f"--threads {cfg.threads} is out of range (0..{threads}: at most {MAX_THREADS_PER_CORE} "
+                          "per core here)")
+    if not -2**63 <= cfg.seed < 2**63:
+        raise ConfigError(f"--seed {cfg.seed} is out of range (a 64-bit integer)")
     batch = cfg.batch.global_batch
     if batch is not None and (batch < 1 or too_large_global_batch(batch)):
         raise ConfigError(too_large_global_batch(batch) or f"--global-batch {batch} must be at least 1")
