@@ -214,6 +214,10 @@ def _config_cases():
 
 
 _config_cases()
+for arch, edit in (("gpt2", {"activation_function": "nope"}), ("llama", {"hidden_act": "evil"}),
+                   ("llama", {"rope_scaling": {"type": "evil", "factor": 2.0}})):  # KeyErrors from transformers' build
+    CASES.append(("2 HF config", f"train --hf {arch} {next(iter(edit))}={next(iter(edit.values()))!r}",
+                  lambda ws, a=arch, e=edit: [*TRAIN, "--hf", ws.hf_copy(a, config=e), "--data", "synthetic"]))
 
 
 # -- 3. malformed but parseable headers: HF weights, checkpoint shards, token caches -------------------------

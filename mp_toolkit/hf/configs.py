@@ -57,7 +57,8 @@ def architecture_for(config: PretrainedConfig, architecture: str | None = None, 
     """The HF class to write: ``architecture``, else the config's first ``architectures`` entry,
     else the default of its model_type (GPT2LMHeadModel, LlamaForCausalLM, ...); for BERT the
     state decides: BertForPreTraining when it has the pooler (``heads.pooler.*``), else BertForMaskedLM."""
-    name = architecture or (config.architectures or [None])[0]
+    listed = config.architectures if isinstance(config.architectures, list) else [config.architectures]
+    name = architecture or (listed or [None])[0]
     if name is None and config.model_type == "bert" and state is not None:
         name = "BertForPreTraining" if any(k.startswith("heads.pooler.") for k in state) else "BertForMaskedLM"
     name = name or DEFAULT_ARCHITECTURE.get(config.model_type)

@@ -94,8 +94,14 @@ def check_hf(source: HFSource, cfg: TrainConfig) -> None:
 def check_weights(source: HFSource) -> None:
     """ConfigError (one line naming the file and the tensor) unless DIR's safetensors hold every
     parameter with the config's shape, in whole files; reads the headers only."""
-    with torch.device("meta"):
-        model = build_model(source)
+    try:
+        with torch.device("meta"):
+            model = build_model(source)
+    except Exception as e:  # noqa: BLE001 -- transformers builds the model from the user's config.json: an
+        # unknown activation or rope type is its KeyError, a bad size its ValueError; each is the config's fault
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise ConfigError(f"--hf {source.path}: transformers cannot build the model config.json describes "
+                          f"({reason[:200]})") from None
     model.read(model.weights.check)
 
 
