@@ -306,6 +306,21 @@ for declared in (False, True):
         *ZOO, "--save-dir", _sparse_shard(ws, d).parent, "--resume", "latest", "--steps", "2"]))
 
 
+def _recorded_model(ws, key: str, value) -> Path:
+    """A checkpoint whose manifest records a model config with ``key`` set to ``value`` (the manifest is not
+    hashed: export builds the model it records)."""
+    step = ws.checkpoint_copy()
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["meta"]["model"]["config"][key] = value
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    return step
+
+
+for key, value in (("n_layer", 10**9), ("n_embd", 10**9), ("n_embd", "x"), ("activation_function", "nope")):
+    CASES.append(("1 sizes", f"export, a manifest recording {key}={value!r}", lambda ws, k=key, v=value: [
+        "export", "--checkpoint", _recorded_model(ws, k, v), "--out", ws.outputs / "hf"]))
+
+
 def _manifest_bytes(ws, value) -> Path:
     step = ws.checkpoint_copy()
     manifest = json.loads((step / "manifest.json").read_text())
