@@ -41,13 +41,13 @@ def link_note(path: str | os.PathLike) -> str:
     return f" (a link to {path.resolve()})" if path.is_symlink() else ""
 
 
-def parse_json(text: str | bytes) -> Any:
-    """``json.loads``; a document nested too deeply for Python's parser is a ValueError like any other
-    malformed JSON (json.JSONDecodeError is one too), never a RecursionError."""
+def parse_json(text: str | bytes, **options) -> Any:
+    """``json.loads(text, **options)``; a document nested too deeply for Python's parser is a ValueError like
+    any other malformed JSON (json.JSONDecodeError is one too), never a RecursionError."""
     try:
-        return json.loads(text)
+        return json.loads(text, **options)
     except RecursionError:
-        raise ValueError("not valid JSON (nested too deeply)") from None
+        raise ValueError("nested too deeply") from None
 
 
 def cannot_write(what: str, path: str | os.PathLike, e: OSError) -> ConfigError:

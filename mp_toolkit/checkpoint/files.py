@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mp_toolkit.errors import CheckpointError
+from mp_toolkit.user_files import parse_json
 
 FORMAT = "mp_toolkit.checkpoint"
 FORMAT_VERSION = 1
@@ -141,10 +142,7 @@ def _no_duplicates(pairs):
 def from_json(data: bytes | str):
     """Strict JSON parse: NaN / Infinity, duplicate keys and nesting deeper than Python's stack are
     refused (ValueError)."""
-    try:
-        return json.loads(data, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
+    return parse_json(data, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
 
 
 def open_regular(path: Path, what: str, below: Path | None = None):

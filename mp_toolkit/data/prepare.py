@@ -82,6 +82,7 @@ from mp_toolkit.data.prepared_files import (
     locked,
     merge,
     part_name,
+    read_json_object,
     shard_counts,
     verify,
     write_json,
@@ -215,12 +216,7 @@ def _claim(out: Path, settings: dict) -> None:
                             "prepare`: give a new or empty directory")
         if write_bytes(file, json_bytes(settings), private=False, replace=False):
             return
-    try:
-        before = parse_json(file.read_bytes())
-    except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {file}: {e}") from None
-    if not isinstance(before, dict):
-        raise DataError(f"{file} is not the settings file `mpt data prepare` writes: give a new or empty --output")
+    before = read_json_object(file, "the settings file `mpt data prepare` writes: give a new or empty --output")
     for key, value in settings.items():
         if before.get(key, SETTING_DEFAULTS.get(key)) != value:  # a setting newer than DIR: its default there
             if key == "inputs":

@@ -111,6 +111,18 @@ class ChunkWriter:
             writer.discard()
 
 
+def read_json_object(file: Path, what: str) -> dict:
+    """The JSON object in ``file``, one of DIR's own; a DataError naming ``what`` it should have been when it
+    cannot be read, is not JSON (nested too deeply included) or holds something else."""
+    try:
+        doc = parse_json(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {file}: {str(e).splitlines()[0]}") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"{file} is not {what}")
+    return doc
+
+
 def intact_records(out: Path, tokenizer_sha256: str) -> Iterator[tuple[str, dict]]:
     """The chunk records that still hold: same tokenizer, every shard they name complete at its size
     (a chunk whose record fails this is encoded again)."""
@@ -187,13 +199,7 @@ def merge(directory) -> dict:
         with locked(out / lock_name(i, n)):  # a part still running is refused here
             if not file.is_file():
                 raise DataError(f"{out} lacks {file.name}: run `mpt data prepare ... --shard {i}/{n}` to finish it")
-            try:
-                part = parse_json(file.read_bytes())
-            except (OSError, ValueError) as e:
-                raise DataError(f"cannot read {file}: {str(e).splitlines()[0]}") from None
-            if not isinstance(part, dict):
-                raise DataError(f"{file} is not a manifest part of `mpt data prepare --shard`")
-            parts.append(part)
+            parts.append(read_json_object(file, "a manifest part of `mpt data prepare --shard`"))
     for i, part in enumerate(parts[1:], start=1):
         for key in MERGED_KEYS:
             if part.get(key) != parts[0].get(key):

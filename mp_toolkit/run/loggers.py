@@ -53,10 +53,9 @@ def check_loggers(cfg: TrainConfig) -> None:
     for flag, path in (("--metrics", log.metrics), ("--csv", log.csv), ("--plot", log.plot)):
         if path is not None:
             check_output_file(flag, path)
-    kind = special_kind(log.tensorboard) if log.tensorboard is not None else None
-    if kind not in (None, "a directory") or (log.tensorboard is not None and Path(log.tensorboard).is_file()):
-        raise ConfigError(f"--tensorboard {log.tensorboard} is {kind or 'a file'}: give a directory for its "
-                          "event files")
+    tb = log.tensorboard
+    if tb is not None and Path(tb).exists() and not Path(tb).is_dir():
+        raise ConfigError(f"--tensorboard {tb} is {special_kind(tb) or 'a file'}: give a directory for its event files")
     if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
         raise ConfigError("wandb.enabled is true but the wandb package is not installed: pip install wandb "
                           "(it logs offline), or set wandb.enabled to false")
