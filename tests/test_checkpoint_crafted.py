@@ -4,6 +4,9 @@ refused with the one-line checkpoint error, never followed, never a hang or an u
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +136,15 @@ def test_a_header_whose_tensors_leave_a_gap_is_refused(saved):
     (saved / rel).write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 8)
     reseal(saved, rel)
     _refused(lambda: open_checkpoint(saved).read_layer("h.0"), "leaves a gap")
+
+
+def test_the_read_benchmark_reports_both_ways_and_ours_holds_the_shard_once():
+    """`tools.bench_checkpoint_read` at 64 MiB: both ways reported; ours adds about the shard, the whole-file
+    read about twice it (memory, not time: no timed assertion)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "tools.bench_checkpoint_read", "--mib", "64", "--repeats", "1"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout[:done.stdout.rindex("}") + 1])
+    ours, theirs = result["ours"]["peak_added_mib"], result["whole file + safetensors"]["peak_added_mib"]
+    assert ours < 1.5 * 64 < theirs, result
