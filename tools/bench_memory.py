@@ -10,8 +10,9 @@ the one `mpt train` uses -- and each stage's ``memory_bytes``, from its formulas
 ``--no-measure``, from layers measured on this machine (``measure=True``). The engine then
 trains that very cut on 2 gloo ranks, and each rank reports its peak resident memory measured
 with `mp_toolkit.partition.memstats`: large blocks mapped on their own (``map_large_blocks``), torch's
-one-time costs paid (``warm_runtime``), the baseline ``rss_bytes()`` taken before the model is
-built, ``reset_peak()`` after the first step, ``peak_rss_bytes()`` after the last. A rank that
+one-time costs paid (``warm_runtime``), the baseline ``anon_bytes()`` (resident memory less file
+pages: library code is not counted) taken before the model is built, ``reset_peak()`` after the
+first step, ``peak_anon_bytes()`` after the last. A rank that
 holds two stages (interleaved; the V schedules, rank r: stages r and 2p-1-r) is compared with the
 planner's prediction of the rank (its stages at once, placed by the schedule).
 

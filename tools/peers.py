@@ -289,7 +289,7 @@ def train(spec: dict) -> dict:
         profiler = Profiler(spec)  # wraps our engine's functions before it is built
         n_steps += 1  # one more step under torch.profiler, not timed
     batches = [global_batch(w, i) for i in range(n_steps)]
-    base = memstats.rss_bytes() if memory else 0
+    base = memstats.anon_bytes() if memory else 0
     peer = PEERS[spec["peer"]](w, spec)
     if memory:
         memstats.release_free_memory()
@@ -316,7 +316,7 @@ def train(spec: dict) -> dict:
            "losses": losses, "params": peer.params, "dtype": peer.dtype, "boundaries": list(peer.boundaries),
            "threads": torch.get_num_threads(), "workload": asdict(w)}
     if memory:
-        out["peak_bytes"] = memstats.peak_rss_bytes() - base
+        out["peak_bytes"] = memstats.peak_anon_bytes() - base  # as mpt train reads it: no library code
     if spec.get("held_outputs"):
         out["held_outputs_peak_bytes"] = held.peak
         out["freed_bytes_last_step"] = peer.engine.executor.freed_bytes

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mp_toolkit.partition.memstats import release_free_memory, rss_bytes
+from mp_toolkit.partition.memstats import anon_bytes, release_free_memory, rss_bytes
 
 WARMUP, SMALL_REPEATS, LARGE_REPEATS = 3, 30, 8
 """Discarded first calls (gloo's and NCCL's connection set-up), then the timed ones per size."""
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    out = {"rank": rank, "rss_bytes": rss_bytes()}
+    out = {"rank": rank, "rss_bytes": rss_bytes(), "anon_bytes": anon_bytes()}
     try:
         dist.all_reduce(torch.ones(1, device=device))  # NCCL's communicator and its buffers exist from here
         if kind == "cuda" and rank == 0:
@@ -138,7 +138,8 @@ def main(argv: list[str]) -> None:
             out["cuda_used_bytes"] = total - free
         out.update(measure(rank, device, large_bytes))
         release_free_memory()  # what the round's tensors left in the heap is not the group's
-        out["rss_after_bytes"] = rss_bytes()  # the group's buffers and threads after a round of messages
+        # the group's buffers and threads after a round of messages (not the code the round paged in)
+        out["anon_after_bytes"] = anon_bytes()
     finally:
         dist.destroy_process_group()
     print(json.dumps(out), flush=True)

@@ -53,9 +53,10 @@ writes it where ``--cluster`` reads it back. What each figure is, and how it is 
 * **thread_speedup** (``cpu``, more than one core): the block and the head at all the cores' threads
   against one thread, at the model's shapes: how much a rank with the whole node gains (1.0-1.2 for
   gpt-tiny's 32-wide products on a 2-core VM, 1.6-1.9 for gpt-small-cpu's).
-* **comm_gb**: how much a link rank's resident memory grew over its round of messages (after the
-  group exists; freed heap returned first): gloo's buffers and threads, NCCL's on a GPU. The planner
-  adds it to each rank of a world over one rank.
+* **comm_gb**: how much a link rank's memory grew over its round of messages (after the group
+  exists; freed heap returned first; resident pages less file pages, as a training rank's peak is
+  read, so the library code the round first runs is not counted): gloo's buffers and threads,
+  NCCL's on a GPU. The planner adds it to each rank of a world over one rank.
 * **mem_gbps**: a copy of a `COPY_BYTES` fp32 tensor (larger than a processor's last-level cache),
   bytes read plus bytes written over the median time; one thread on a CPU, as the optimizer step
   of one rank streams its states. Not the machine's total bandwidth over all cores.
@@ -79,10 +80,11 @@ writes it where ``--cluster`` reads it back. What each figure is, and how it is 
   host's, and ``inter_node`` repeats it, since one host has no other node to measure (the note
   says so); a cluster's inter-node figures come from its own profile file.
 
-**Calibrated** (``calibrated=True``, ``mpt plan --profile-here OUT --calibrate``): two figures
-fitted to four short ``mpt train`` runs of the model (`calibrate`): ``step_overhead_us``, what a
-step of several ranks adds (its closing collectives as the ranks reach them), and the collective
-latency as a tensor-parallel step meets it (~1 ms here, against the loop's ~0.2-0.6 ms).
+**Calibrated** (``calibrated=True``, ``mpt plan --profile-here OUT --calibrate``): three figures
+fitted to five short ``mpt train`` runs of the model (`calibrate`): ``step_overhead_us``, what a
+step of several ranks adds (its closing collectives as the ranks reach them), the collective
+latency as a tensor-parallel step meets it (~1 ms here, against the loop's ~0.2-0.6 ms), and
+``heap_gb``, what a rank holds at its peak beyond the planned tensors (~1 MB for gpt-tiny).
 
 ``nodes`` is 1; ``devices_per_node`` is `ranks` on a CPU (the ranks this machine runs) or the GPU
 count. The whole measurement takes ~7 s on 2 idle cores for ``gpt-small-cpu`` at 2 ranks with the
@@ -197,13 +199,14 @@ def _run_ranks(ranks: int, backend: str, kind: str, timeout_s: float) -> list[di
 def measure_links(ranks: int, backend: str = "gloo", kind: str = "cpu",
                   timeout_s: float = LINK_TIMEOUT_S) -> tuple[Link, float, float]:
     """(the link between ``ranks`` processes of this host, the largest runtime bytes a rank held, the most
-    a rank's resident memory grew over its round of messages: the process group's buffers and threads)."""
+    a rank's memory (its resident set less file pages, `memstats.anon_bytes`) grew over its round of
+    messages: the process group's buffers and threads)."""
     rows = _run_ranks(ranks, backend, kind, timeout_s)
     first = rows[0]
     link = fit_link(tuple(t / 2 for t in first["p2p_round_trip_s"]), tuple(first["allreduce_s"]),
                     (first["small_bytes"], first["large_bytes"]), ranks)
     held = first["cuda_used_bytes"] if kind == "cuda" else max(r["rss_bytes"] for r in rows)
-    grew = max(max(0, r.get("rss_after_bytes", r["rss_bytes"]) - r["rss_bytes"]) for r in rows)
+    grew = max(max(0, r.get("anon_after_bytes", r["anon_bytes"]) - r["anon_bytes"]) for r in rows)
     return link, float(held), float(grew)
 
 
