@@ -285,8 +285,9 @@ def _add_plan_parser(sub) -> None:
     g.add_argument("--profile-here", type=Path, default=None, metavar="OUT",
                    help="measure this machine (matmul rates at --model's shapes, gloo links, memory) into OUT")
     g.add_argument("--calibrate", action="store_true",
-                   help="with --profile-here: fit the step's closing collectives and the tensor-parallel "
-                        "all-reduce latency to four short mpt train runs of --model (pp 2, tp 2; ~30 s)")
+                   help="with --profile-here: fit the step's closing collectives, the tensor-parallel "
+                        "all-reduce latency and the heap beyond the planned tensors to five short mpt train "
+                        "runs of --model (pp 2, tp 2, one rank; ~40 s)")
     g.add_argument("--search", action="store_true",
                    help="search every layout for --devices and --global-batch (ignores --pp --tp --dp "
                         "--micro-batch --microbatches --schedule --recompute --zero)")

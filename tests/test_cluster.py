@@ -431,6 +431,23 @@ def test_a_communicating_rank_holds_the_profiles_comm_bytes():
         assert [m - b for m, b in zip(more.rank_bytes, base.rank_bytes)] == [pytest.approx(extra)] * pp
 
 
+def test_every_rank_holds_the_profiles_heap_bytes():
+    """heap_gb: on every rank of every plan, one rank or several, beside comm_gb (through the CUDA
+    allocator's factor, as the other bytes a rank holds)."""
+    doc = gpu_doc()
+    doc["device"]["comm_gb"] = 0.25
+    plain = profile_from_dict(doc)
+    doc["device"]["heap_gb"] = 0.125
+    heap = profile_from_dict(doc)
+    assert profile_from_dict(profile_to_dict(heap)) == heap and heap.device.heap_gb == 0.125
+    for pp, dp in ((1, 1), (2, 1), (1, 2)):
+        req = PlanRequest(model="gpt-tiny", pp=pp, dp=dp, micro_batch=2, microbatches=4, seq_len=16, method="flops",
+                          load=False, cluster=plain)
+        base, more = make_plan(req), make_plan(replace(req, cluster=heap))
+        assert [m - b for m, b in zip(more.rank_bytes, base.rank_bytes)] == [
+            pytest.approx(0.125e9 * (1 + CUDA_ALLOCATOR_OVERHEAD))] * pp
+
+
 def test_a_thread_speedup_sets_what_more_threads_give_a_cpu_rank():
     doc = cpu_doc()  # 2 cores at 0.08 TFLOP/s each
     doc["device"]["thread_speedup"] = 1.5

@@ -11,11 +11,11 @@ gpt-tiny, gpt-small-cpu and bert-tiny with this machine's measured profile, trai
 1. **Profiles**: for each model its own, measured by `profile_here.measure_profile` at the model's
    shapes (a small model's products and layer calls run at other rates than a larger one's) over
    ``--max-world`` gloo ranks (``devices_per_node`` = that count, so every world of the run sits in
-   one node) and calibrated in its runs' pattern (`mp_toolkit.partition.calibrate`: four short runs,
-   pp 2 at 2, 4 and 6 micro-batches and tp 2 at 2, all 1F1B without recomputation: layouts of the space
-   certified here, about ten seconds each); or ``--profile FILE`` for every model, ``--profile
-   MODEL=FILE`` for each (``--save-profile FILE`` keeps the measured ones, FILE's stem-MODEL.suffix
-   each). They are printed first.
+   one node) and calibrated in its runs' pattern (`mp_toolkit.partition.calibrate`: five short runs,
+   pp 2 at 2, 4 and 6 micro-batches, tp 2 at 2 and a memory run of one rank at 2, all 1F1B without
+   recomputation: layouts of the space certified here, about ten seconds each); or ``--profile
+   FILE`` for every model, ``--profile MODEL=FILE`` for each (``--save-profile FILE`` keeps the
+   measured ones, FILE's stem-MODEL.suffix each). They are printed first.
 2. **Layouts**: every (pp in 1,2,4) x (tp in 1,2) x (dp in 1,2) with pp x tp x dp <= ``--max-world``,
    micro-batch counts 2,4,8, every schedule (interleaved with 2 chunks; pp 1: one), recomputation
    none / selective / full, ZeRO 0 / 1 (1 with dp 2), of each model at its fixed micro-batch and
@@ -39,8 +39,9 @@ gpt-tiny, gpt-small-cpu and bert-tiny with this machine's measured profile, trai
 **What is compared.** Time: the plan's ``step_time_ms`` against the measured step time. Memory,
 per rank: the plan's **tensor bytes** of that pipeline rank (the sum of its stages'
 ``memory_bytes``, which is ``Plan.rank_bytes`` less the profile's ``runtime_gb`` on a ``cpu``
-profile, whose allocator factor is 1) against the run's ``peak_memory_bytes`` (the rank's peak
-resident memory over the steps after the first, above its baseline taken after imports and
+profile, whose allocator factor is 1, and with the profile's ``heap_gb`` and ``comm_gb``) against the
+run's ``peak_memory_bytes`` (the rank's peak resident memory less file pages -- the library code its
+kernels page in -- over the steps after the first, above its baseline taken after imports and
 torch's warm-up, before the model is built). Both leave out what the process holds before the
 model; the profile's ``runtime_gb`` (a fresh interpreter with torch and a process group) is not
 certified by this comparison. A layout's peak is its largest rank's. The memory cap is on a rank's
@@ -77,6 +78,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mp_toolkit.parallel.context import grid_coords
+from mp_toolkit.partition.calibrate import MEMORY_ENV, MEMORY_STEPS
 from mp_toolkit.partition.cluster import ClusterError, ClusterProfile, profile_to_dict, read_profile
 from mp_toolkit.partition.planner import Plan, make_plan
 from mp_toolkit.partition.profile_here import measure_profile, write_profile
@@ -93,9 +95,6 @@ PIPELINE_SCHEDULES = (("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("gpipe", 1)
 """At pp > 1, with their chunks; the order of the schedule sweep (`select`)."""
 MICROBATCHES = (2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
-MEMORY_STEPS = 3
-"""Steps of the memory run; its peak is over the steps after the first."""
-MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 QUICK = {"layouts": 4, "rounds": 1, "steps": 3, "models": "gpt-tiny,bert-tiny", "max_world": 2, "one_run": True}
 DEFAULTS = {"layouts": 100, "rounds": 2, "steps": 8, "models": ",".join(MODELS), "max_world": 4, "one_run": False}
 

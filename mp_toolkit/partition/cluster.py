@@ -100,6 +100,11 @@ class DeviceSpec:
     """What a rank that communicates (pp, tp or dp > 1) holds beyond its tensors and runtime: the process
     group's buffers and threads (gloo's; NCCL's on a GPU). ``--profile-here`` reads how a link rank's
     resident memory grew over its round of messages; 0: not described."""
+    heap_gb: float = 0.0
+    """What every training rank holds at its peak beyond the tensors the planner counts: the allocator's
+    fragmentation (a small model's tensors are many blocks of a few kB) and the kernels' own buffers.
+    ``--profile-here --calibrate`` reads it off a one-rank run of the model (`calibrate`); 0: not
+    described."""
     step_overhead_us: float = 0.0
     """The fixed time a step adds on a world of more than one rank (microseconds): its closing
     collectives over every rank (the loss, the non-finite check, the gradient norm) as a run meets
@@ -296,6 +301,7 @@ def profile_from_dict(doc, source: str = "profile") -> ClusterProfile:
                           layer_overhead_us=_positive(f"{source}: device.layer_overhead_us",
                                                       dev.get("layer_overhead_us", 0.0), zero_ok=True),
                           comm_gb=_positive(f"{source}: device.comm_gb", dev.get("comm_gb", 0.0), zero_ok=True),
+                          heap_gb=_positive(f"{source}: device.heap_gb", dev.get("heap_gb", 0.0), zero_ok=True),
                           step_overhead_us=_positive(f"{source}: device.step_overhead_us",
                                                      dev.get("step_overhead_us", 0.0), zero_ok=True),
                           thread_speedup=_speedup(dev, cores, source)),
@@ -316,6 +322,8 @@ def profile_to_dict(p: ClusterProfile) -> dict:
         device["layer_overhead_us"] = d.layer_overhead_us
     if d.comm_gb:
         device["comm_gb"] = d.comm_gb
+    if d.heap_gb:
+        device["heap_gb"] = d.heap_gb
     if d.step_overhead_us:
         device["step_overhead_us"] = d.step_overhead_us
     if d.thread_speedup:

@@ -304,8 +304,8 @@ def make_plan(req: PlanRequest) -> Plan:
     accumulated = [c.accumulated_bytes for c in costs] if req.microbatches > 1 else []
     memory = StageMemory(static=[c.params * bpp for c in costs], activation=[c.activation_bytes for c in costs],
                          inflight=inflight, workspace=[c.workspace_bytes for c in costs], accumulated=accumulated,
-                         fixed=2 * msg_in + residue + rates.comm_bytes, step_transient=step_bytes, recorded=lt.recorded,
-                         held=held, rank_held=rank_held)
+                         fixed=2 * msg_in + residue + rates.comm_bytes + rates.heap_bytes, step_transient=step_bytes,
+                         recorded=lt.recorded, held=held, rank_held=rank_held)
     # with a profile the cap is the rank's device (or --memory-gb) less the runtime, through its allocator
     cut_req = req if req.cluster is None or rates.capacity is None else replace(
         req, memory_gb=rates.tensor_capacity / GB)

@@ -76,6 +76,8 @@ class Rates:
     """A layer's fixed forward + backward time beside its FLOPs (the profile's ``layer_overhead_us``)."""
     comm_bytes: int = 0
     """What a communicating rank holds beyond its tensors (the profile's ``comm_gb``; 0 at one rank)."""
+    heap_bytes: int = 0
+    """What every training rank holds beyond its tensors (the profile's ``heap_gb``)."""
     contention: float = 1.0
     """A CPU node's ranks over its cores when they outnumber them (else 1): each rank is planned at a
     whole core while it computes, and the plan stretches its compute by the cores' mean demand
@@ -138,4 +140,5 @@ def rates_of(req: PlanRequest, timed: bool) -> Rates:
                  cap if cap is not None else c.rank_memory_bytes(per_node), int(d.runtime_gb * 1e9), d.kind,
                  c.describe(), layer_overhead_s=d.layer_overhead_us * 1e-6 / speed, contention=contention,
                  comm_bytes=int(d.comm_gb * 1e9) if req.pp * req.tp * req.cp * req.dp > 1 else 0,
+                 heap_bytes=int(d.heap_gb * 1e9),
                  step_overhead_s=d.step_overhead_us * 1e-6 if req.pp * req.tp * req.cp * req.dp > 1 else 0.0)
