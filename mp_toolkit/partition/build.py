@@ -23,7 +23,7 @@ from mp_toolkit.schedule import SPLIT_SCHEDULES
 from .contention import concurrent_load, default_threads, helpers_for
 from .cost import CostModelError, ModelShape
 from .measure import TIMED_MICROBATCHES, LayerTiming, measure_layers, measure_optimizer_step
-from .memstats import DeviceMemory, release_free_memory, rss_bytes, warm_runtime
+from .memstats import DeviceMemory, anon_bytes, release_free_memory, warm_runtime
 
 
 def build_layer_list(model: str, shape: ModelShape):
@@ -65,12 +65,12 @@ def measure_model(req, shape: ModelShape) -> tuple[list[LayerTiming], list[float
         rounds = min(req.microbatches, TIMED_MICROBATCHES)  # per timing round: gradients accumulate as in a step
         with concurrent_load(req.model, req.micro_batch, req.seq_len, req.precision, threads, helpers):
             release_free_memory()
-            before = rss_bytes()
+            before = anon_bytes()
             timings = measure_layers(layers, inputs, loss_fn, labels, microbatches=rounds,  # default allocator
                                      split=req.schedule in SPLIT_SCHEDULES,
                                      order="gpipe" if req.schedule == "gpipe" else "1f1b", bar="timing layers")
             release_free_memory()
-            residue = max(0, rss_bytes() - before)  # what computing leaves resident: kernel scratch, caches
+            residue = max(0, anon_bytes() - before)  # what computing leaves: kernel scratch, caches (not code)
             step_s, _ = measure_optimizer_step(build, named)
         # then bytes, with large blocks mapped one by one so that RSS follows the live tensors
         sized = measure_layers(layers, inputs, loss_fn, labels, warmup=1, repeats=1, memory=True,

@@ -18,8 +18,9 @@ the split's own cost (walking the graph, re-entering it) is in the figures.
 
 Kept bytes are counted with `torch.autograd.graph.saved_tensors_hooks` in one untimed pass, one
 count per storage, parameters excluded; the transient peak beyond them (gradients of logits,
-temporaries) from the resident set size of one micro-batch alone, with large blocks mapped
-individually so that RSS follows live tensors (`mp_toolkit.partition.memstats`).
+temporaries) from the resident set size less its file pages (the libraries' code the layer pages
+in is not the layer's memory) of one micro-batch alone, with large blocks mapped individually so that
+it follows live tensors (`mp_toolkit.partition.memstats`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import torch
 
 from mp_toolkit.engine.split_backward import split_backward_input
 from mp_toolkit.layers import LayerList, run_layers
-from mp_toolkit.partition.memstats import map_large_blocks, peak_rss_bytes, release_free_memory, reset_peak, rss_bytes
+from mp_toolkit.partition.memstats import anon_bytes, map_large_blocks, peak_anon_bytes, release_free_memory, reset_peak
 from mp_toolkit.progress import progress
 
 TIMED_MICROBATCHES = 4
@@ -194,14 +195,14 @@ def _kept_and_peak(run: _Layer, params: set[int], memory: bool) -> tuple[int, in
     if memory:
         release_free_memory()
         reset_peak()
-    before = rss_bytes()
+    before = anon_bytes()
     with torch.autograd.graph.saved_tensors_hooks(_saved_bytes_hook(params, seen), lambda t: t):
         y, loss, _ = run.forward()
     roots, grads = _roots(y, loss)
     if roots:
         torch.autograd.backward(roots, grads)
     grad_bytes = sum(p.grad.nbytes for p in run.layer.parameters() if p.grad is not None)
-    peak = peak_rss_bytes() - before - grad_bytes if memory else 0
+    peak = peak_anon_bytes() - before - grad_bytes if memory else 0
     run.drop_grads()
     return sum(seen.values()), peak
 
@@ -261,13 +262,13 @@ def measure_optimizer_step(build: Callable, named_params: list, repeats: int = 3
         saved = [p.detach().clone() for p in params]
         opt.step()  # allocates the state
         release_free_memory()
-        before = rss_bytes()
+        before = anon_bytes()
         reset_peak()
         for _ in range(repeats):
             t0 = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t0)
-        transient = max(0, peak_rss_bytes() - before)
+        transient = max(0, peak_anon_bytes() - before)
         for p, s in zip(params, saved):  # leave the model as it was
             p.copy_(s)
             p.grad = None
