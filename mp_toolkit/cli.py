@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None, fork_ranks: bool = False) -> int:
     (`run.spawn`); a Python caller gets ranks that start as interpreters of their own."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    held = next((a for a in argv if "\x00" in a), None)  # a shell cannot pass one; a Python caller can
+    if held is not None:
+        sys.stderr.write(f"mpt {args.command}: error: the argument {held!r} holds a NUL byte, which no name, "
+                         "path or value may hold\n")
+        return 2
     try:
         command = importlib.import_module(COMMANDS[args.command])
         return command.run(args, argv, main if fork_ranks else None)

@@ -27,10 +27,11 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSO
 
 def special_kind(path: str | os.PathLike) -> str | None:
     """"a FIFO", "a directory", "a socket", "a character device" or "a block device" where ``path``
-    (its links followed) is not a regular file; None for a regular file or nothing there."""
+    (its links followed) is not a regular file; None for a regular file or nothing there (a name no
+    file can have, with a NUL byte in it, included: what then opens it says it is not there)."""
     try:
         mode = os.stat(path).st_mode
-    except OSError:
+    except (OSError, ValueError):
         return None
     return next((word for test, word in _KINDS if test(mode)), None)
 
@@ -59,7 +60,10 @@ def cannot_write(what: str, path: str | os.PathLike, e: OSError) -> ConfigError:
 @contextmanager
 def writing(what: str, path: str | os.PathLike):
     """Inside, an OSError (a full device, a read-only or missing place, a permission) is `cannot_write`'s
-    ConfigError: every output a command writes ends in one line, never a traceback."""
+    ConfigError: every output a command writes ends in one line, never a traceback. A name with a NUL
+    byte, which no system call takes, is refused on entry."""
+    if "\x00" in os.fspath(path):
+        raise ConfigError(f"{what} {os.fspath(path)!r}: a file name cannot hold a NUL byte")
     try:
         yield
     except OSError as e:

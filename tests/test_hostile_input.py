@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from mp_toolkit.ds.config import read_ds_config
 from mp_toolkit.run.config import ConfigError
+from mp_toolkit.user_files import special_kind, write_output
 from tests.cli_helpers import assert_one_line_exit_2
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -176,3 +177,26 @@ def test_json_nested_too_deeply_is_refused_in_one_line(tmp_path, capsys, kind):
         argv = (["plan", "--model", tmp_path / "hf" / "config.json"] if kind == "plan-hf-config"
                 else ["train", "--hf", tmp_path / "hf"])
     assert_one_line_exit_2(capsys, argv, "nested too deeply")
+
+
+TRAIN_TINY = ["train", "--pp", "1", "--model", "gpt-tiny", "--seq-len", "16", "--steps", "1"]
+
+
+@pytest.mark.parametrize("argv", [TRAIN_TINY + ["--save-dir", "\x00"], TRAIN_TINY + ["--cache-dir", "run\x00s"],
+                                  TRAIN_TINY + ["--metrics", "m\x00.jsonl"], PLAN + ["--json", "\x00"],
+                                  ["plan", "--model", "\x00"]])
+def test_a_nul_byte_in_an_argument_is_one_line(capsys, tmp_path, monkeypatch, argv):
+    """A name no file can have (a Python caller can pass one; a shell cannot): one line, not os.stat's
+    ValueError, and nothing written."""
+    monkeypatch.chdir(tmp_path)
+    assert "NUL byte" in assert_one_line_exit_2(capsys, argv)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_library_guards_refuse_a_nul_byte_too(tmp_path):
+    """`user_files`, for callers other than the command line: a NUL name is nothing there to
+    `special_kind`, and an output named so is one ConfigError line."""
+    assert special_kind("a\x00b") is None
+    with pytest.raises(ConfigError, match="NUL byte"):
+        write_output("--json", tmp_path / "a\x00b", "{}")
+    assert list(tmp_path.iterdir()) == []
